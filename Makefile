@@ -1,0 +1,50 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fluxora-webhooks demo
+
+run: $(STAMP)
+	$(BIN)/fluxora-webhooks run
+
+migrate: $(STAMP)
+	$(BIN)/fluxora-webhooks migrate
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/pytest -n 2 --dist loadfile
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+integration: $(STAMP)
+	$(BIN)/pytest tests/integration
+
+e2e: $(STAMP)
+	$(BIN)/pytest tests/e2e
+
+bench: $(STAMP)
+	$(BIN)/fluxora-webhooks bench
+
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py --minutes 10
+
+clean:
+	rm -rf $(VENV) .fluxora .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,55 @@
+"""The errors fluxora-webhooks raises.
+
+Every error derives from one base, so ``except FluxoraError`` catches them all::
+
+    FluxoraError
+    +-- ConfigError            a setting is missing or invalid (names the variable)
+    +-- EndpointError          a consumer URL or its resolved address is refused
+    +-- SchemaError            the database schema is missing, older or newer than the code
+    +-- DatabaseError          a PostgreSQL error, translated from psycopg in one place
+    +-- VerificationError      a received webhook failed verification (``reason`` says which check)
+
+Messages never contain a secret or a full consumer URL.
+"""
+
+from __future__ import annotations
+
+
+class FluxoraError(Exception):
+    """Base of every fluxora-webhooks error."""
+
+
+class ConfigError(FluxoraError):
+    """A configuration value is missing or invalid.
+
+    ``variable`` is the environment variable (or option) at fault.
+    """
+
+    def __init__(self, variable: str, problem: str) -> None:
+        self.variable = variable
+        self.problem = problem
+        super().__init__(f"{variable}: {problem}")
+
+
+class EndpointError(FluxoraError):
+    """A consumer endpoint is refused by the URL or address policy."""
+
+
+class SchemaError(FluxoraError):
+    """The database schema does not match what this version of the code expects."""
+
+
+class DatabaseError(FluxoraError):
+    """A database operation failed."""
+
+
+class VerificationError(FluxoraError):
+    """A webhook failed verification; ``reason`` names the check that failed.
+
+    Reasons: ``missing_header``, ``bad_timestamp``, ``timestamp_too_old``,
+    ``timestamp_too_new``, ``bad_signature``, ``no_matching_signature``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)

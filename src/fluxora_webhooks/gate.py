@@ -1,0 +1,61 @@
+"""The delivery gate: what the dispatcher asks before and tells after a batch of attempts.
+
+The dispatcher asks once per batch (one Redis round trip for the whole batch at most) and
+reports once per batch. The Redis implementation (rate limit + circuit breaker) lives in
+``ratelimit.py`` / ``breaker.py``; :class:`OpenGate` admits everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The gate's decision for one pending attempt.
+
+    ``allowed`` False means: do not send; defer the row by ``delay_ms`` (from the
+    database's now) without consuming an attempt. ``reason`` is ``rate_limited`` or
+    ``circuit_open``. ``probe`` marks the single half-open probe of a breaker.
+    """
+
+    allowed: bool
+    delay_ms: int = 0
+    reason: str = ""
+    probe: bool = False
+
+
+ALLOW = Admission(True)
+
+
+class DeliveryGate(Protocol):
+    async def admit(self, url: str, attempts: Sequence[int]) -> list[Admission]:
+        """One decision per pending attempt, in order. ``attempts[i]`` is the attempt number
+        (1 is a first attempt, greater is a retry)."""
+        ...
+
+    async def report(
+        self, url: str, results: Sequence[tuple[Admission, bool | None]]
+    ) -> None:
+        """After the attempts that were allowed: ``True`` delivered, ``False`` retryable
+        failure, ``None`` neither (a permanent failure says the consumer is up)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class OpenGate:
+    """Admits every attempt: no rate limit, no breaker."""
+
+    async def admit(self, url: str, attempts: Sequence[int]) -> list[Admission]:
+        return [ALLOW] * len(attempts)
+
+    async def report(
+        self, url: str, results: Sequence[tuple[Admission, bool | None]]
+    ) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

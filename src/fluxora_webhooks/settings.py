@@ -1,0 +1,185 @@
+"""Settings: every environment variable parsed and validated in one place.
+
+An invalid value raises :class:`ConfigError` naming the variable; nothing falls back
+silently to a default. Secrets are kept out of ``repr`` and messages.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError, EndpointError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY_SCHEDULE = "5s,5m,30m,2h,5h,10h,10h"
+MIN_SECRET_BYTES = 24
+
+_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_duration_ms(text: str, variable: str) -> int:
+    """Parse ``500ms``, ``5s``, ``30m``, ``2h`` or ``7d`` into milliseconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ConfigError(
+            variable, f"{text.strip()!r} is not a duration (a whole number with ms, s, m, h or d)"
+        )
+    return int(match.group(1)) * _UNIT_MS[match.group(2)]
+
+
+def parse_schedule(text: str, variable: str = "WEBHOOK_RETRY_SCHEDULE") -> tuple[int, ...]:
+    """Parse a comma-separated list of durations; at least one entry."""
+    parts = [p for p in text.split(",")]
+    if not text.strip() or any(not p.strip() for p in parts):
+        raise ConfigError(variable, "must be a comma-separated list of durations such as 5s,5m,2h")
+    return tuple(parse_duration_ms(p, variable) for p in parts)
+
+
+def _int(
+    env: Mapping[str, str], name: str, default: int, *, low: int = 1, high: int | None = None
+) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    text = raw.strip()
+    if not re.fullmatch(r"[+]?\d+", text):
+        raise ConfigError(name, f"{text!r} is not a whole number")
+    value = int(text)
+    if value < low:
+        raise ConfigError(name, f"must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise ConfigError(name, f"must be at most {high}, got {value}")
+    return value
+
+
+def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | None:
+    raw = env.get(name)
+    if raw is None:
+        if required:
+            raise ConfigError(name, "is required (the HMAC signing secret)")
+        return None
+    if raw == "" or raw.strip() == "":
+        raise ConfigError(name, "must not be empty")
+    value = raw.encode("utf-8")
+    if len(value) < MIN_SECRET_BYTES and not raw.startswith("whsec_"):
+        log.warning(
+            "%s is shorter than %d bytes; use a long random secret", name, MIN_SECRET_BYTES
+        )
+    return value
+
+
+def _networks(
+    env: Mapping[str, str], name: str
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return ()
+    nets = []
+    for part in raw.split(","):
+        try:
+            nets.append(ipaddress.ip_network(part.strip(), strict=False))
+        except ValueError:
+            raise ConfigError(name, f"{part.strip()!r} is not a CIDR network") from None
+    return tuple(nets)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated configuration of a dispatcher. Build it with :meth:`from_env`."""
+
+    webhook_url: str
+    secret: bytes = field(repr=False)
+    secret_previous: bytes | None = field(default=None, repr=False)
+    database_url: str | None = field(default=None, repr=False)
+    redis_url: str | None = field(default=None, repr=False)
+    poll_interval_ms: int = 10_000
+    batch_size: int = 10
+    retry_rps: int = 10
+    circuit_breaker_threshold: int = 0
+    circuit_breaker_reset_ms: int = 300_000
+    max_attempts: int = 8
+    retry_schedule_ms: tuple[int, ...] = (5_000, 300_000, 1_800_000, 7_200_000, 18_000_000,
+                                         36_000_000, 36_000_000)
+    timeout_ms: int = 15_000
+    max_response_bytes: int = 65_536
+    metrics_port: int = 9464
+    metrics_host: str = "127.0.0.1"
+    # Beyond the original: throughput and operations.
+    claim_loops: int = 4
+    max_connections: int = 100
+    redis_prefix: str = ""
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    retention_ms: int | None = None
+    log_format: str = "text"
+    home: Path = Path(".fluxora")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = True) -> Settings:
+        """Parse and validate the environment. Raises :class:`ConfigError`."""
+        from .endpoints import validate_url  # local: endpoints imports settings types only
+
+        url = env.get("WEBHOOK_URL", "").strip()
+        if require_endpoint and not url:
+            raise ConfigError("WEBHOOK_URL", "is required (the consumer's https URL)")
+        allowed = _networks(env, "WEBHOOK_ALLOWED_NETWORKS")
+        if url:
+            try:
+                validate_url(url)
+            except EndpointError as exc:
+                raise ConfigError("WEBHOOK_URL", str(exc)) from None
+        secret = _secret(env, "WEBHOOK_SECRET", required=require_endpoint) or b""
+        previous = _secret(env, "WEBHOOK_SECRET_PREVIOUS", required=False)
+        schedule_raw = env.get("WEBHOOK_RETRY_SCHEDULE")
+        schedule = parse_schedule(
+            DEFAULT_RETRY_SCHEDULE if schedule_raw is None else schedule_raw
+        )
+        retention_raw = env.get("WEBHOOK_RETENTION", "").strip()
+        retention = (
+            parse_duration_ms(retention_raw, "WEBHOOK_RETENTION")
+            if retention_raw and retention_raw.lower() not in ("off", "0")
+            else None
+        )
+        log_format = env.get("LOG_FORMAT", "text").strip().lower() or "text"
+        if log_format not in ("text", "json"):
+            raise ConfigError("LOG_FORMAT", f"must be text or json, got {log_format!r}")
+        database_url = env.get("DATABASE_URL", "").strip() or None
+        redis_url = env.get("REDIS_URL", "").strip() or None
+        if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("REDIS_URL", "must start with redis://, rediss:// or unix://")
+        if database_url and not database_url.startswith(("postgresql://", "postgres://")):
+            if "=" not in database_url:  # libpq key=value strings are allowed too
+                raise ConfigError(
+                    "DATABASE_URL", "must be a postgresql:// URL or a libpq connection string"
+                )
+        return cls(
+            webhook_url=url,
+            secret=secret,
+            secret_previous=previous,
+            database_url=database_url,
+            redis_url=redis_url,
+            poll_interval_ms=_int(env, "WEBHOOK_POLL_INTERVAL_MS", 10_000),
+            batch_size=_int(env, "WEBHOOK_BATCH_SIZE", 10, high=1000),
+            retry_rps=_int(env, "WEBHOOK_RETRY_RPS", 10),
+            circuit_breaker_threshold=_int(env, "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", 0, low=0),
+            circuit_breaker_reset_ms=_int(env, "WEBHOOK_CIRCUIT_BREAKER_RESET_MS", 300_000),
+            max_attempts=_int(env, "WEBHOOK_MAX_ATTEMPTS", 8, high=1000),
+            retry_schedule_ms=schedule,
+            timeout_ms=_int(env, "WEBHOOK_TIMEOUT_MS", 15_000),
+            max_response_bytes=_int(env, "WEBHOOK_MAX_RESPONSE_BYTES", 65_536),
+            metrics_port=_int(env, "WEBHOOK_METRICS_PORT", 9464, low=0, high=65535),
+            metrics_host=env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1",
+            claim_loops=_int(env, "WEBHOOK_CLAIM_LOOPS", 4, high=64),
+            max_connections=_int(env, "WEBHOOK_MAX_CONNECTIONS", 100, high=10_000),
+            redis_prefix=env.get("FLUXORA_REDIS_PREFIX", ""),
+            allowed_networks=allowed,
+            retention_ms=retention,
+            log_format=log_format,
+            home=Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora"),
+        )
