@@ -25,6 +25,7 @@ class Admission:
     delay_ms: int = 0
     reason: str = ""
     probe: bool = False
+    probe_token: str = ""
 
 
 ALLOW = Admission(True)
@@ -36,9 +37,7 @@ class DeliveryGate(Protocol):
         (1 is a first attempt, greater is a retry)."""
         ...
 
-    async def report(
-        self, url: str, results: Sequence[tuple[Admission, bool | None]]
-    ) -> None:
+    async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
         """After the attempts that were allowed: ``True`` delivered, ``False`` retryable
         failure, ``None`` neither (a permanent failure says the consumer is up)."""
         ...
@@ -52,9 +51,7 @@ class OpenGate:
     async def admit(self, url: str, attempts: Sequence[int]) -> list[Admission]:
         return [ALLOW] * len(attempts)
 
-    async def report(
-        self, url: str, results: Sequence[tuple[Admission, bool | None]]
-    ) -> None:
+    async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
         return None
 
     async def close(self) -> None:

@@ -69,9 +69,7 @@ def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | Non
         raise ConfigError(name, "must not be empty")
     value = raw.encode("utf-8")
     if len(value) < MIN_SECRET_BYTES and not raw.startswith("whsec_"):
-        log.warning(
-            "%s is shorter than %d bytes; use a long random secret", name, MIN_SECRET_BYTES
-        )
+        log.warning("%s is shorter than %d bytes; use a long random secret", name, MIN_SECRET_BYTES)
     return value
 
 
@@ -105,8 +103,15 @@ class Settings:
     circuit_breaker_threshold: int = 0
     circuit_breaker_reset_ms: int = 300_000
     max_attempts: int = 8
-    retry_schedule_ms: tuple[int, ...] = (5_000, 300_000, 1_800_000, 7_200_000, 18_000_000,
-                                         36_000_000, 36_000_000)
+    retry_schedule_ms: tuple[int, ...] = (
+        5_000,
+        300_000,
+        1_800_000,
+        7_200_000,
+        18_000_000,
+        36_000_000,
+        36_000_000,
+    )
     timeout_ms: int = 15_000
     max_response_bytes: int = 65_536
     metrics_port: int = 9464
@@ -137,9 +142,7 @@ class Settings:
         secret = _secret(env, "WEBHOOK_SECRET", required=require_endpoint) or b""
         previous = _secret(env, "WEBHOOK_SECRET_PREVIOUS", required=False)
         schedule_raw = env.get("WEBHOOK_RETRY_SCHEDULE")
-        schedule = parse_schedule(
-            DEFAULT_RETRY_SCHEDULE if schedule_raw is None else schedule_raw
-        )
+        schedule = parse_schedule(DEFAULT_RETRY_SCHEDULE if schedule_raw is None else schedule_raw)
         retention_raw = env.get("WEBHOOK_RETENTION", "").strip()
         retention = (
             parse_duration_ms(retention_raw, "WEBHOOK_RETENTION")
@@ -153,11 +156,15 @@ class Settings:
         redis_url = env.get("REDIS_URL", "").strip() or None
         if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("REDIS_URL", "must start with redis://, rediss:// or unix://")
-        if database_url and not database_url.startswith(("postgresql://", "postgres://")):
-            if "=" not in database_url:  # libpq key=value strings are allowed too
-                raise ConfigError(
-                    "DATABASE_URL", "must be a postgresql:// URL or a libpq connection string"
-                )
+        # libpq key=value strings are allowed too.
+        if (
+            database_url
+            and not database_url.startswith(("postgresql://", "postgres://"))
+            and "=" not in database_url
+        ):
+            raise ConfigError(
+                "DATABASE_URL", "must be a postgresql:// URL or a libpq connection string"
+            )
         return cls(
             webhook_url=url,
             secret=secret,

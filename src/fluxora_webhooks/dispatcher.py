@@ -1,0 +1,402 @@
+"""The dispatcher: claim loops, wake-ups and drain.
+
+Each claim loop holds one connection and runs batches::
+
+    BEGIN
+      claim_due (FOR UPDATE SKIP LOCKED)        -- rows stay locked while we send
+      gate.admit (one Redis round trip)         -- rate limit + circuit breaker
+      POST every admitted row concurrently      -- aiohttp, keep-alive
+      gate.report
+      complete (one statement for the batch)    -- processed / retry row / dead letter / deferral
+    COMMIT
+
+A crash anywhere before COMMIT releases the locks and leaves the rows for another loop:
+at-least-once. A full batch is followed at once by the next claim; otherwise the loop
+sleeps until a NOTIFY, the next known due time, or the poll interval, whichever is first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import psycopg
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from . import metrics
+from .delivery import AttemptResult, Kind, attempt
+from .gate import Admission, DeliveryGate, OpenGate
+from .outbox import NOTIFY_CHANNEL, Claimed, Completion, claim_due, complete, next_due_in_ms
+from .retry import RetryPolicy
+from .settings import Settings
+from .signing import Signer
+
+log = logging.getLogger("fluxora_webhooks.dispatcher")
+
+_DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+_BACKOFF_MAX_S = 5.0
+
+
+class Waker:
+    """Hands each wake-up (a NOTIFY, or a full batch) to one idle claim loop.
+
+    Wake-ups that arrive while no loop is idle are kept (up to ``cap``) so none is lost.
+    """
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._pending = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._pending = min(self._pending + 1, self._cap)
+
+    def wake_all(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        self._pending = self._cap
+
+    async def wait(self, timeout: float) -> None:
+        if self._pending:
+            self._pending -= 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+
+
+class Dispatcher:
+    """Delivers due outbox rows to one consumer URL until :meth:`stop` is called."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        conninfo: str,
+        gate: DeliveryGate | None = None,
+        session: aiohttp.ClientSession | None = None,
+        policy: RetryPolicy | None = None,
+    ) -> None:
+        self.settings = settings
+        self.conninfo = conninfo
+        self.url = settings.webhook_url
+        self.gate: DeliveryGate = gate or OpenGate()
+        self.policy = policy or RetryPolicy(settings.max_attempts, settings.retry_schedule_ms)
+        self._signer = Signer(settings.secret, settings.secret_previous)
+        self._own_session = session is None
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=settings.timeout_ms / 1000)
+        self._stopping = asyncio.Event()
+        self._waker = Waker(cap=settings.claim_loops)
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self.ready = asyncio.Event()
+        self.batches = 0
+        self._outcome = {
+            name: metrics.DELIVERIES.labels(name)
+            for name in ("delivered", "retry", "dead_letter", "deferred")
+        }
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; loops finish their in-flight batch, then :meth:`run` returns."""
+        self._stopping.set()
+        self._waker.wake_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def run(self) -> None:
+        """Run the claim loops and the NOTIFY listener until stopped."""
+        loops = self.settings.claim_loops
+        self._pool = AsyncConnectionPool(
+            self.conninfo,
+            min_size=loops,
+            max_size=loops + 1,
+            kwargs={"autocommit": True},
+            open=False,
+            name="fluxora-claim",
+            reconnect_timeout=float("inf"),
+        )
+        await self._pool.open(wait=False)
+        if self._session is None:
+            self._session = make_session(self.settings)
+        tasks = [
+            asyncio.create_task(self._claim_loop(i), name=f"fluxora-claim-{i}")
+            for i in range(loops)
+        ]
+        listener = asyncio.create_task(self._listen(), name="fluxora-listen")
+        self.ready.set()
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            listener.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(listener, *tasks, return_exceptions=True)
+            await self._pool.close()
+            if self._own_session and self._session is not None:
+                await self._session.close()
+
+    # -- wake-ups --------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        backoff = 0.1
+        while not self.stopping:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.conninfo, autocommit=True
+                ) as conn:
+                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    backoff = 0.1
+                    self._waker.wake_all()  # anything committed while we were not listening
+                    async for _ in conn.notifies():
+                        self._waker.wake()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.stopping:
+                    return
+                log.warning("LISTEN connection lost (%s); reconnecting", type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    # -- claim loops -----------------------------------------------------------------
+
+    async def _claim_loop(self, index: int) -> None:
+        assert self._pool is not None
+        backoff = 0.05
+        while not self.stopping:
+            try:
+                async with self._pool.connection() as conn:
+                    while not self.stopping:
+                        claimed, next_due = await self._run_batch(conn)
+                        backoff = 0.05
+                        if claimed >= self.settings.batch_size:
+                            self._waker.wake()  # more may be due: let an idle loop help
+                            continue
+                        if claimed:
+                            continue  # a partial batch: claim once more before sleeping
+                        await self._waker.wait(self._sleep_s(next_due))
+            except asyncio.CancelledError:
+                raise
+            except _DB_ERRORS as exc:
+                metrics.CLAIM_ERRORS.inc()
+                if self.stopping:
+                    return
+                log.warning(
+                    "claim loop %d: database unavailable (%s); retrying in %.2fs",
+                    index,
+                    type(exc).__name__,
+                    backoff,
+                )
+            except Exception:
+                metrics.CLAIM_ERRORS.inc()
+                log.exception("claim loop %d: unexpected error; retrying", index)
+            await asyncio.sleep(backoff * (1 + random.random()))
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _sleep_s(self, next_due_ms: int | None) -> float:
+        poll = self.settings.poll_interval_ms
+        wait = poll if next_due_ms is None else min(poll, next_due_ms + 1)
+        return max(wait, 1) / 1000
+
+    async def _run_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
+        """One claim transaction. Returns (rows claimed, ms until the next future due row)."""
+        async with conn.transaction():
+            rows = await claim_due(conn, self.settings.batch_size)
+            if rows:
+                completions = await self._attempt_batch(rows)
+                await self._complete(conn, completions)
+            next_due = await next_due_in_ms(conn) if len(rows) < self.settings.batch_size else 0
+        self.batches += 1
+        return len(rows), next_due
+
+    async def _attempt_batch(self, rows: Sequence[Claimed]) -> list[Completion]:
+        admissions = await self.gate.admit(self.url, [row.attempt for row in rows])
+        timestamp = int(time.time())
+        sends = [
+            self._send(row, timestamp)
+            for row, adm in zip(rows, admissions, strict=True)
+            if adm.allowed
+        ]
+        results = iter(await asyncio.gather(*sends))
+        completions: list[Completion] = []
+        reports: list[tuple[Admission, bool | None]] = []
+        for row, adm in zip(rows, admissions, strict=True):
+            if not adm.allowed:
+                completions.append(Completion(row.id, "deferred", delay_ms=max(adm.delay_ms, 1)))
+                continue
+            result = next(results)
+            reports.append((adm, _breaker_signal(result)))
+            completions.append(self._decide(row, result))
+        if reports:
+            await self.gate.report(self.url, reports)
+        return completions
+
+    async def _send(self, row: Claimed, timestamp: int) -> AttemptResult:
+        assert self._session is not None
+        metrics.IN_FLIGHT.inc()
+        try:
+            headers = self._signer.headers(
+                delivery_id=row.delivery_id,
+                event_type=row.event_type,
+                attempt=row.attempt,
+                body=row.body,
+                timestamp=timestamp,
+            )
+            result = await attempt(
+                self._session,
+                self.url,
+                row.body,
+                headers,
+                timeout=self._timeout,
+                max_response_bytes=self.settings.max_response_bytes,
+            )
+        except Exception as exc:  # one bad row never takes the batch down
+            log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
+            result = AttemptResult(
+                Kind.PERMANENT,
+                error=f"internal error: {type(exc).__name__}",
+                reason="internal_error",
+            )
+        finally:
+            metrics.IN_FLIGHT.dec()
+        metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
+        return result
+
+    def _decide(self, row: Claimed, result: AttemptResult) -> Completion:
+        base = {
+            "status_code": result.status,
+            "error": result.error,
+            "response_body": result.body,
+            "duration_ms": result.duration_ms,
+        }
+        if result.kind is Kind.DELIVERED:
+            metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
+            log.debug(
+                "delivered",
+                extra=_log_fields(row, result),
+            )
+            return Completion(row.id, "delivered", **base)  # type: ignore[arg-type]
+        if result.kind is Kind.RETRYABLE and not self.policy.exhausted(row.attempt):
+            delay = self.policy.delay_ms(row.attempt, result.retry_after_ms)
+            log.info(
+                "delivery %s attempt %d failed (%s); retry in %.1fs",
+                row.delivery_id,
+                row.attempt,
+                result.error or result.status,
+                delay / 1000,
+                extra=_log_fields(row, result),
+            )
+            return Completion(row.id, "retry", delay_ms=delay, **base)  # type: ignore[arg-type]
+        reason = result.reason if result.kind is Kind.PERMANENT else "attempts_exhausted"
+        metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
+        log.warning(
+            "delivery %s dead-lettered after attempt %d: %s (%s)",
+            row.delivery_id,
+            row.attempt,
+            reason,
+            result.error or result.status,
+            extra=_log_fields(row, result),
+        )
+        return Completion(row.id, "dead_letter", reason=reason, **base)  # type: ignore[arg-type]
+
+    async def _complete(
+        self, conn: psycopg.AsyncConnection[Any], completions: Sequence[Completion]
+    ) -> None:
+        try:
+            async with conn.transaction():  # a savepoint: the fallback below can go on
+                await complete(conn, completions)
+        except _DB_ERRORS:
+            raise
+        except psycopg.Error as exc:
+            log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+            for one in completions:
+                await self._complete_one(conn, one)
+        for one in completions:
+            if one.outcome == "dead_letter":
+                metrics.DEAD_LETTERS.labels(one.reason or "unknown").inc()
+            self._outcome[one.outcome].inc()
+
+    async def _complete_one(self, conn: psycopg.AsyncConnection[Any], one: Completion) -> None:
+        try:
+            async with conn.transaction():
+                await complete(conn, [one])
+            return
+        except _DB_ERRORS:
+            raise
+        except psycopg.Error as exc:
+            log.error("row %d: completion failed (%s); dead-lettering it", one.id, exc.sqlstate)
+        bare = Completion(
+            one.id,
+            "dead_letter",
+            status_code=one.status_code,
+            error=f"could not record outcome {one.outcome!r}: database rejected the row",
+            reason="internal_error",
+        )
+        try:
+            async with conn.transaction():
+                await complete(conn, [bare])
+        except _DB_ERRORS:
+            raise
+        except psycopg.Error:
+            # Left unprocessed: the lock is released at commit and the row is tried again.
+            log.error("row %d: could not be completed; it stays pending", one.id)
+
+
+def _breaker_signal(result: AttemptResult) -> bool | None:
+    if result.kind is Kind.DELIVERED:
+        return True
+    if result.kind is Kind.RETRYABLE:
+        return False
+    return None
+
+
+def _log_fields(row: Claimed, result: AttemptResult) -> dict[str, Any]:
+    return {
+        "delivery_id": row.delivery_id,
+        "event_type": row.event_type,
+        "attempt": row.attempt,
+        "status": result.status,
+        "duration_ms": round(result.duration_ms, 2),
+    }
+
+
+def make_session(settings: Settings) -> aiohttp.ClientSession:
+    """The HTTP client: keep-alive, bounded connections, the connect-time address policy."""
+    connector = aiohttp.TCPConnector(limit=settings.max_connections)  # TODO: SafeResolver
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=settings.timeout_ms / 1000),
+        auto_decompress=False,
+        raise_for_status=False,
+    )
+
+
+def _configured_loopback(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    from .endpoints import is_loopback_host
+
+    return is_loopback_host(urlsplit(url).hostname or "")

@@ -1,0 +1,132 @@
+"""Versioned schema migrations, recorded in the database and applied under an advisory lock.
+
+Migrations are ``sql/migrations/NNNN_name.sql``; each runs in its own transaction together
+with its record in ``fluxora_schema_migrations``. Concurrent ``migrate`` commands serialize
+on one advisory lock, so each migration is applied exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import psycopg
+
+from .errors import SchemaError
+
+# Arbitrary but fixed: the advisory lock key for "fluxora-webhooks migrations".
+MIGRATION_LOCK_KEY = 0x666C75786F7261
+
+_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+_CREATE_TABLE = """
+CREATE TABLE IF NOT EXISTS fluxora_schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+@cache
+def available() -> tuple[Migration, ...]:
+    """The migrations shipped with this version, in order."""
+    folder = resources.files("fluxora_webhooks").joinpath("sql/migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match.group(1)), match.group(2), entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    if [m.version for m in found] != list(range(1, len(found) + 1)):
+        raise SchemaError("migration files are not numbered 0001, 0002, ... without gaps")
+    return tuple(found)
+
+
+def latest_version() -> int:
+    return available()[-1].version
+
+
+async def applied_versions(conn: psycopg.AsyncConnection[Any]) -> dict[int, str]:
+    """{version: checksum} recorded in the database ({} when never migrated)."""
+    cur = await conn.execute("SELECT to_regclass('fluxora_schema_migrations') IS NOT NULL")
+    row = await cur.fetchone()
+    if not row or not row[0]:
+        return {}
+    cur = await conn.execute("SELECT version, checksum FROM fluxora_schema_migrations")
+    return {int(v): str(c) for v, c in await cur.fetchall()}
+
+
+async def migrate(conn: psycopg.AsyncConnection[Any]) -> list[Migration]:
+    """Apply every pending migration; returns those applied (empty when up to date).
+
+    ``conn`` must be in autocommit mode; each migration gets its own transaction.
+    """
+    applied: list[Migration] = []
+    await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+    try:
+        await conn.execute(_CREATE_TABLE)
+        done = await applied_versions(conn)
+        _check_known(done)
+        for migration in available():
+            if migration.version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(migration.sql.encode())
+                await conn.execute(
+                    "INSERT INTO fluxora_schema_migrations (version, name, checksum)"
+                    " VALUES (%s, %s, %s)",
+                    (migration.version, migration.name, migration.checksum),
+                )
+            applied.append(migration)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+    return applied
+
+
+def _check_known(done: dict[int, str]) -> None:
+    known = {m.version: m for m in available()}
+    newer = sorted(v for v in done if v not in known)
+    if newer:
+        raise SchemaError(
+            f"the database schema is at version {max(done)}, newer than this fluxora-webhooks"
+            f" supports ({latest_version()}); upgrade fluxora-webhooks"
+        )
+    for version, checksum in done.items():
+        if known[version].checksum != checksum:
+            raise SchemaError(
+                f"migration {version:04d}_{known[version].name} was changed after it was"
+                " applied to this database"
+            )
+
+
+async def check_schema(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Raise :class:`SchemaError` unless the schema is exactly what this code expects."""
+    done = await applied_versions(conn)
+    if not done:
+        raise SchemaError(
+            "the database has no fluxora-webhooks schema; run `fluxora-webhooks migrate` first"
+        )
+    _check_known(done)
+    missing = [m for m in available() if m.version not in done]
+    if missing:
+        raise SchemaError(
+            f"the database schema is at version {max(done)}, this fluxora-webhooks needs"
+            f" {latest_version()}; run `fluxora-webhooks migrate`"
+        )

@@ -1,0 +1,94 @@
+"""Enqueue in a transaction, deliver over real HTTP, and the request as SPEC section 3."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+
+import psycopg
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from fluxora_webhooks.outbox import enqueue
+from tests.support.dispatch import SECRET, make_settings, pending, rows, running_dispatcher, wait_until
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+
+async def test_committed_event_is_delivered_signed_and_marked(
+    database_url: str, receiver: Receiver
+) -> None:
+    payload = {"stream": "s-1", "amount": "12.50", "nested": {"b": 1, "a": [1, 2]}}
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        async with conn.transaction():
+            delivery_id = await enqueue(
+                conn, stream_id="s-1", event_type="stream.created", payload=payload
+            )
+
+    async with running_dispatcher(make_settings(receiver.url), database_url):
+        await receiver.wait_for(1)
+        await wait_until(lambda: _all_processed(database_url), what="row processed")
+
+    (got,) = receiver.received
+    assert json.loads(got.body) == payload
+    h = got.headers
+    assert h["content-type"] == "application/json"
+    assert h["user-agent"].startswith("fluxora-webhooks/")
+    assert h["x-fluxora-delivery-id"] == delivery_id == h["webhook-id"]
+    assert h["x-fluxora-event"] == "stream.created"
+    assert h["x-fluxora-attempt"] == "1"
+    assert h["x-fluxora-timestamp"] == h["webhook-timestamp"]
+    expected = hmac.new(SECRET, h["x-fluxora-timestamp"].encode() + b"." + got.body, hashlib.sha256)
+    assert h["x-fluxora-signature"] == expected.hexdigest()
+    # The Standard Webhooks signature verifies with the reference package.
+    wh = Webhook("whsec_" + base64.b64encode(SECRET).decode())
+    assert wh.verify(got.body, h) == payload
+    # The body is PostgreSQL's canonical jsonb text.
+    (stored,) = await rows(database_url, "SELECT payload::text, outcome, status_code FROM webhook_outbox")
+    assert got.body == stored[0].encode()
+    assert stored[1:] == ("delivered", 200)
+
+
+async def test_rolled_back_transaction_sends_nothing(database_url: str, receiver: Receiver) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        with pytest.raises(RuntimeError):
+            async with conn.transaction():
+                await enqueue(conn, stream_id="s-1", event_type="stream.created", payload={})
+                raise RuntimeError("business write failed")
+        async with conn.transaction():
+            await enqueue(conn, stream_id="s-2", event_type="stream.created", payload={"ok": 1})
+
+    async with running_dispatcher(make_settings(receiver.url), database_url):
+        await receiver.wait_for(1)
+        await wait_until(lambda: _all_processed(database_url), what="row processed")
+    assert [json.loads(r.body) for r in receiver.received] == [{"ok": 1}]
+    count = await rows(database_url, "SELECT count(*) FROM webhook_outbox")
+    assert count == [(1,)]
+
+
+def test_sync_enqueue_with_plain_sql_producer(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        with conn.transaction():
+            delivery_id = enqueue(conn, stream_id="s", event_type="e.x", payload=[1, "two"])
+            conn.execute(
+                "INSERT INTO webhook_outbox (stream_id, event_type, payload) VALUES (%s, %s, %s::jsonb)",
+                ("s2", "e.y", '{"k": "v"}'),
+            )
+        got = conn.execute(
+            "SELECT delivery_id::text, attempt, processed FROM webhook_outbox ORDER BY id"
+        ).fetchall()
+    assert got[0] == (delivery_id, 1, False)
+    assert got[1][1:] == (1, False) and got[1][0] != delivery_id
+
+
+def test_enqueue_rejects_event_type_unfit_for_a_header(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(ValueError, match="event_type"):
+            enqueue(conn, stream_id="s", event_type="bad\r\nx-injected: 1", payload={})
+
+
+async def _all_processed(database_url: str) -> bool:
+    return await pending(database_url) == 0
