@@ -1,0 +1,248 @@
+"""SPEC section 4: what each response leads to, retries as new rows, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import psycopg
+import pytest
+from aiohttp import web
+
+from fluxora_webhooks import deadletters
+from fluxora_webhooks.outbox import enqueue
+from fluxora_webhooks.retry import RetryPolicy
+from tests.support.dispatch import make_settings, pending, rows, running_dispatcher, wait_until
+from tests.support.receiver import Received, Receiver
+
+pytestmark = pytest.mark.integration
+
+FAST = RetryPolicy(max_attempts=3, schedule_ms=(30,), jitter=lambda: 0.0)
+
+
+async def _enqueue(database_url: str, n: int = 1, event_type: str = "stream.updated") -> list[str]:
+    ids = []
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        async with conn.transaction():
+            for i in range(n):
+                ids.append(
+                    await enqueue(conn, stream_id=f"s-{i}", event_type=event_type, payload={"i": i})
+                )
+    return ids
+
+
+async def _idle(database_url: str) -> bool:
+    return await pending(database_url) == 0
+
+
+async def _history(database_url: str, delivery_id: str) -> list[tuple[Any, ...]]:
+    return await rows(
+        database_url,
+        "SELECT attempt, processed, outcome, status_code, error IS NOT NULL"
+        " FROM webhook_outbox WHERE delivery_id = %s ORDER BY attempt",
+        (delivery_id,),
+    )
+
+
+async def test_5xx_retries_with_same_delivery_id_then_delivers(
+    database_url: str, receiver: Receiver
+) -> None:
+    answers = iter([503, 500, 200])
+    receiver.respond = lambda r: web.Response(status=next(answers))
+    (delivery_id,) = await _enqueue(database_url)
+
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(3)
+        await wait_until(lambda: _idle(database_url), what="idle")
+
+    assert [r.delivery_id for r in receiver.received] == [delivery_id] * 3
+    assert [r.headers["webhook-id"] for r in receiver.received] == [delivery_id] * 3
+    assert [r.attempt for r in receiver.received] == [1, 2, 3]
+    assert len({r.body for r in receiver.received}) == 1  # byte-identical on every attempt
+    assert await _history(database_url, delivery_id) == [
+        (1, True, "retry", 503, True),
+        (2, True, "retry", 500, True),
+        (3, True, "delivered", 200, False),
+    ]
+
+
+async def test_exhausted_attempts_dead_letter_with_last_error(
+    database_url: str, receiver: Receiver
+) -> None:
+    receiver.respond = lambda r: web.Response(status=502, text="upstream broke")
+    (delivery_id,) = await _enqueue(database_url)
+
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(3)
+        await wait_until(lambda: _idle(database_url), what="idle")
+
+    assert len(receiver.received) == 3
+    (dead,) = await deadletters.list_dead(database_url)
+    assert dead["delivery_id"] == delivery_id
+    assert dead["attempts"] == 3
+    assert dead["reason"] == "attempts_exhausted"
+    assert dead["last_status"] == 502
+    (full,) = await deadletters.show(database_url, delivery_id)
+    assert json.loads(full["payload"]) == {"i": 0}
+    assert full["last_response"] == "upstream broke"
+    assert [h[2] for h in await _history(database_url, delivery_id)] == [
+        "retry", "retry", "dead_letter",
+    ]
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 410, 422, 301, 302, 307, 308])
+async def test_permanent_failures_dead_letter_at_once_and_redirects_are_not_followed(
+    database_url: str, receiver: Receiver, status: int
+) -> None:
+    def respond(r: Received) -> web.Response:
+        if status >= 400:
+            return web.Response(status=status)
+        return web.Response(status=status, headers={"Location": "http://127.0.0.1:1/elsewhere"})
+
+    receiver.respond = respond
+    (delivery_id,) = await _enqueue(database_url)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(1)
+        await wait_until(lambda: _idle(database_url), what="idle")
+    await asyncio.sleep(0.1)
+    assert len(receiver.received) == 1
+    (dead,) = await deadletters.list_dead(database_url)
+    assert dead["delivery_id"] == delivery_id
+    assert dead["reason"] == ("http_4xx" if status >= 400 else "http_3xx")
+    assert dead["attempts"] == 1
+
+
+@pytest.mark.parametrize("status", [408, 425, 429, 500, 503, 599])
+async def test_retryable_statuses(database_url: str, receiver: Receiver, status: int) -> None:
+    answers = iter([status, 204])
+    receiver.respond = lambda r: web.Response(status=next(answers))
+    await _enqueue(database_url)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(2)
+        await wait_until(lambda: _idle(database_url), what="idle")
+    assert await deadletters.list_dead(database_url) == []
+    assert await rows(database_url, "SELECT outcome FROM webhook_outbox ORDER BY id") == [
+        ("retry",),
+        ("delivered",),
+    ]
+
+
+async def test_any_2xx_is_delivered_whatever_the_content_type(
+    database_url: str, receiver: Receiver
+) -> None:
+    replies = iter(
+        [
+            web.Response(status=200, body=b"\x00\xffnot json", content_type="application/octet-stream"),
+            web.Response(status=202),
+            web.Response(status=204),
+            web.Response(status=299, text="odd but 2xx"),
+        ]
+    )
+    receiver.respond = lambda r: next(replies)
+    await _enqueue(database_url, 4)
+    async with running_dispatcher(
+        make_settings(receiver.url, batch_size=1, claim_loops=1), database_url, policy=FAST
+    ):
+        await receiver.wait_for(4)
+        await wait_until(lambda: _idle(database_url), what="idle")
+    outcomes = await rows(database_url, "SELECT outcome, count(*) FROM webhook_outbox GROUP BY 1")
+    assert outcomes == [("delivered", 4)]
+
+
+async def test_timeout_is_retried(database_url: str, receiver: Receiver) -> None:
+    calls = 0
+
+    async def respond(r: Received) -> web.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(2)
+        return web.Response(status=200)
+
+    receiver.respond = respond
+    (delivery_id,) = await _enqueue(database_url)
+    async with running_dispatcher(
+        make_settings(receiver.url, timeout_ms=300), database_url, policy=FAST
+    ):
+        await receiver.wait_for(2)
+        await wait_until(lambda: _idle(database_url), what="idle")
+    history = await rows(
+        database_url,
+        "SELECT attempt, outcome, error FROM webhook_outbox WHERE delivery_id = %s ORDER BY attempt",
+        (delivery_id,),
+    )
+    assert history == [(1, "retry", "timeout"), (2, "delivered", None)]
+
+
+async def test_connection_refused_is_retried_then_dead_lettered(database_url: str) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/hook?token=abc"
+    (delivery_id,) = await _enqueue(database_url)
+    async with running_dispatcher(make_settings(url), database_url, policy=FAST):
+        await wait_until(lambda: _idle(database_url), what="idle")
+    (dead,) = await deadletters.list_dead(database_url)
+    assert dead["delivery_id"] == delivery_id
+    assert dead["reason"] == "attempts_exhausted" and dead["attempts"] == 3
+    assert "connection failed" in dead["last_error"]
+    assert "token" not in dead["last_error"]
+
+
+async def test_retry_after_lengthens_the_delay(database_url: str, receiver: Receiver) -> None:
+    answers = iter([web.Response(status=429, headers={"Retry-After": "1"}), web.Response()])
+    receiver.respond = lambda r: next(answers)
+    await _enqueue(database_url)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(2, timeout=10)
+    first, second = receiver.received
+    assert second.at - first.at >= 0.95  # the 30 ms schedule was lengthened to 1 s
+
+
+async def test_replay_keeps_the_delivery_id(database_url: str, receiver: Receiver) -> None:
+    receiver.respond = lambda r: web.Response(status=410)
+    (delivery_id,) = await _enqueue(database_url)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(1)
+        await wait_until(lambda: _idle(database_url), what="idle")
+        receiver.respond = None  # the consumer is fixed
+        assert await deadletters.replay(database_url, [delivery_id]) == [delivery_id]
+        await receiver.wait_for(2)
+        await wait_until(lambda: _idle(database_url), what="idle")
+    assert [r.delivery_id for r in receiver.received] == [delivery_id, delivery_id]
+    assert receiver.received[0].body == receiver.received[1].body
+    assert await deadletters.list_dead(database_url) == []
+    (replayed,) = await deadletters.list_dead(database_url, include_all=True)
+    assert replayed["state"] == "replayed"
+
+
+async def test_one_bad_row_does_not_block_the_others(database_url: str, receiver: Receiver) -> None:
+    # A plain-SQL producer wrote an event type that cannot be sent as a header.
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " VALUES ('s', 'ok.1', '{}'), ('s', e'bad\\r\\nx-evil: 1', '{}'), ('s', 'ok.2', '{}')"
+        )
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(2)
+        await wait_until(lambda: _idle(database_url), what="idle")
+    assert sorted(r.headers["x-fluxora-event"] for r in receiver.received) == ["ok.1", "ok.2"]
+    (dead,) = await deadletters.list_dead(database_url)
+    assert dead["reason"] == "invalid_request"
+    assert "x-evil" not in {k for r in receiver.received for k in r.headers}
+
+
+async def test_large_response_body_is_truncated_not_an_error(
+    database_url: str, receiver: Receiver
+) -> None:
+    receiver.respond = lambda r: web.Response(status=200, body=b"x" * 200_000)
+    await _enqueue(database_url)
+    async with running_dispatcher(
+        make_settings(receiver.url, max_response_bytes=1000), database_url, policy=FAST
+    ):
+        await wait_until(lambda: _idle(database_url), what="idle")
+    assert await rows(database_url, "SELECT outcome, length(response_body) FROM webhook_outbox") == [
+        ("delivered", 1000)
+    ]
