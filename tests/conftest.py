@@ -33,7 +33,9 @@ def pg_admin_url() -> str:
 def template_db(pg_admin_url: str, worker_id: str) -> Iterator[str]:
     name = f"fluxora_tmpl_{worker_id}_{os.getpid()}"
     with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
     async def _migrate() -> None:
@@ -45,7 +47,9 @@ def template_db(pg_admin_url: str, worker_id: str) -> Iterator[str]:
     asyncio.run(_migrate())
     yield name
     with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture
@@ -60,7 +64,9 @@ def database_url(pg_admin_url: str, template_db: str) -> Iterator[str]:
         )
     yield engines.with_dbname(pg_admin_url, name)
     with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture
@@ -71,7 +77,9 @@ def empty_database_url(pg_admin_url: str) -> Iterator[str]:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     yield engines.with_dbname(pg_admin_url, name)
     with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,14 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from fluxora_webhooks.outbox import enqueue
-from tests.support.dispatch import SECRET, make_settings, pending, rows, running_dispatcher, wait_until
+from tests.support.dispatch import (
+    SECRET,
+    make_settings,
+    pending,
+    rows,
+    running_dispatcher,
+    wait_until,
+)
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -22,11 +29,10 @@ async def test_committed_event_is_delivered_signed_and_marked(
     database_url: str, receiver: Receiver
 ) -> None:
     payload = {"stream": "s-1", "amount": "12.50", "nested": {"b": 1, "a": [1, 2]}}
-    async with await psycopg.AsyncConnection.connect(database_url) as conn:
-        async with conn.transaction():
-            delivery_id = await enqueue(
-                conn, stream_id="s-1", event_type="stream.created", payload=payload
-            )
+    async with await psycopg.AsyncConnection.connect(database_url) as conn, conn.transaction():
+        delivery_id = await enqueue(
+            conn, stream_id="s-1", event_type="stream.created", payload=payload
+        )
 
     async with running_dispatcher(make_settings(receiver.url), database_url):
         await receiver.wait_for(1)
@@ -47,7 +53,9 @@ async def test_committed_event_is_delivered_signed_and_marked(
     wh = Webhook("whsec_" + base64.b64encode(SECRET).decode())
     assert wh.verify(got.body, h) == payload
     # The body is PostgreSQL's canonical jsonb text.
-    (stored,) = await rows(database_url, "SELECT payload::text, outcome, status_code FROM webhook_outbox")
+    (stored,) = await rows(
+        database_url, "SELECT payload::text, outcome, status_code FROM webhook_outbox"
+    )
     assert got.body == stored[0].encode()
     assert stored[1:] == ("delivered", 200)
 
@@ -74,7 +82,8 @@ def test_sync_enqueue_with_plain_sql_producer(database_url: str) -> None:
         with conn.transaction():
             delivery_id = enqueue(conn, stream_id="s", event_type="e.x", payload=[1, "two"])
             conn.execute(
-                "INSERT INTO webhook_outbox (stream_id, event_type, payload) VALUES (%s, %s, %s::jsonb)",
+                "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+                " VALUES (%s, %s, %s::jsonb)",
                 ("s2", "e.y", '{"k": "v"}'),
             )
         got = conn.execute(
@@ -85,9 +94,8 @@ def test_sync_enqueue_with_plain_sql_producer(database_url: str) -> None:
 
 
 def test_enqueue_rejects_event_type_unfit_for_a_header(database_url: str) -> None:
-    with psycopg.connect(database_url) as conn:
-        with pytest.raises(ValueError, match="event_type"):
-            enqueue(conn, stream_id="s", event_type="bad\r\nx-injected: 1", payload={})
+    with psycopg.connect(database_url) as conn, pytest.raises(ValueError, match="event_type"):
+        enqueue(conn, stream_id="s", event_type="bad\r\nx-injected: 1", payload={})
 
 
 async def _all_processed(database_url: str) -> bool:

@@ -24,12 +24,11 @@ FAST = RetryPolicy(max_attempts=3, schedule_ms=(30,), jitter=lambda: 0.0)
 
 async def _enqueue(database_url: str, n: int = 1, event_type: str = "stream.updated") -> list[str]:
     ids = []
-    async with await psycopg.AsyncConnection.connect(database_url) as conn:
-        async with conn.transaction():
-            for i in range(n):
-                ids.append(
-                    await enqueue(conn, stream_id=f"s-{i}", event_type=event_type, payload={"i": i})
-                )
+    async with await psycopg.AsyncConnection.connect(database_url) as conn, conn.transaction():
+        for i in range(n):
+            ids.append(
+                await enqueue(conn, stream_id=f"s-{i}", event_type=event_type, payload={"i": i})
+            )
     return ids
 
 
@@ -88,7 +87,9 @@ async def test_exhausted_attempts_dead_letter_with_last_error(
     assert json.loads(full["payload"]) == {"i": 0}
     assert full["last_response"] == "upstream broke"
     assert [h[2] for h in await _history(database_url, delivery_id)] == [
-        "retry", "retry", "dead_letter",
+        "retry",
+        "retry",
+        "dead_letter",
     ]
 
 
@@ -134,7 +135,9 @@ async def test_any_2xx_is_delivered_whatever_the_content_type(
 ) -> None:
     replies = iter(
         [
-            web.Response(status=200, body=b"\x00\xffnot json", content_type="application/octet-stream"),
+            web.Response(
+                status=200, body=b"\x00\xffnot json", content_type="application/octet-stream"
+            ),
             web.Response(status=202),
             web.Response(status=204),
             web.Response(status=299, text="odd but 2xx"),
@@ -170,7 +173,8 @@ async def test_timeout_is_retried(database_url: str, receiver: Receiver) -> None
         await wait_until(lambda: _idle(database_url), what="idle")
     history = await rows(
         database_url,
-        "SELECT attempt, outcome, error FROM webhook_outbox WHERE delivery_id = %s ORDER BY attempt",
+        "SELECT attempt, outcome, error FROM webhook_outbox"
+        " WHERE delivery_id = %s ORDER BY attempt",
         (delivery_id,),
     )
     assert history == [(1, "retry", "timeout"), (2, "delivered", None)]
@@ -243,6 +247,6 @@ async def test_large_response_body_is_truncated_not_an_error(
         make_settings(receiver.url, max_response_bytes=1000), database_url, policy=FAST
     ):
         await wait_until(lambda: _idle(database_url), what="idle")
-    assert await rows(database_url, "SELECT outcome, length(response_body) FROM webhook_outbox") == [
-        ("delivered", 1000)
-    ]
+    assert await rows(
+        database_url, "SELECT outcome, length(response_body) FROM webhook_outbox"
+    ) == [("delivered", 1000)]

@@ -75,4 +75,6 @@ async def rows(database_url: str, sql: str, params: Any = None) -> list[tuple[An
 
 
 async def pending(database_url: str) -> int:
-    return int(await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed"))
+    return int(
+        await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,5 @@ class Receiver:
                     f"receiver got {len(self.received)} requests, expected {count}"
                 )
             self._event.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), min(remaining, 0.2))
-            except TimeoutError:
-                pass

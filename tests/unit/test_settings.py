@@ -1,0 +1,116 @@
+"""Settings.from_env: every variable validated, the bad one named, nothing silent."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.settings import Settings, parse_duration_ms, parse_schedule
+
+GOOD = {
+    "WEBHOOK_URL": "https://hooks.example.com/in",
+    "WEBHOOK_SECRET": "a-long-enough-secret-for-hmac-0123",
+}
+
+
+def test_defaults_match_the_design_document() -> None:
+    s = Settings.from_env(GOOD)
+    assert s.poll_interval_ms == 10_000
+    assert s.batch_size == 10
+    assert s.retry_rps == 10
+    assert s.circuit_breaker_threshold == 0
+    assert s.circuit_breaker_reset_ms == 300_000
+    assert s.max_attempts == 8
+    assert s.retry_schedule_ms == (
+        5_000,
+        300_000,
+        1_800_000,
+        7_200_000,
+        18_000_000,
+        36_000_000,
+        36_000_000,
+    )
+    assert s.timeout_ms == 15_000
+    assert s.max_response_bytes == 65_536
+    assert s.metrics_port == 9464
+    assert s.database_url is None and s.redis_url is None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("WEBHOOK_BATCH_SIZE", "0", "at least 1"),
+        ("WEBHOOK_BATCH_SIZE", "1001", "at most 1000"),
+        ("WEBHOOK_BATCH_SIZE", "ten", "not a whole number"),
+        ("WEBHOOK_BATCH_SIZE", "1.5", "not a whole number"),
+        ("WEBHOOK_POLL_INTERVAL_MS", "-5", "not a whole number"),
+        ("WEBHOOK_RETRY_RPS", "0", "at least 1"),
+        ("WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", "-1", "not a whole number"),
+        ("WEBHOOK_CIRCUIT_BREAKER_RESET_MS", "0", "at least 1"),
+        ("WEBHOOK_MAX_ATTEMPTS", "0", "at least 1"),
+        ("WEBHOOK_TIMEOUT_MS", "abc", "not a whole number"),
+        ("WEBHOOK_MAX_RESPONSE_BYTES", "0", "at least 1"),
+        ("WEBHOOK_METRICS_PORT", "70000", "at most 65535"),
+        ("WEBHOOK_RETRY_SCHEDULE", "5s,,1m", "comma-separated"),
+        ("WEBHOOK_RETRY_SCHEDULE", "5 seconds", "not a duration"),
+        ("WEBHOOK_RETRY_SCHEDULE", "", "comma-separated"),
+        ("WEBHOOK_SECRET", "", "must not be empty"),
+        ("WEBHOOK_SECRET_PREVIOUS", "  ", "must not be empty"),
+        ("WEBHOOK_URL", "ftp://example.com/x", "scheme"),
+        ("WEBHOOK_URL", "http://example.com/x", "https is required"),
+        ("WEBHOOK_URL", "https://user:pw@example.com/x", "credentials"),
+        ("WEBHOOK_URL", "", "is required"),
+        ("REDIS_URL", "localhost:6379", "redis://"),
+        ("DATABASE_URL", "mysql://x", "postgresql://"),
+        ("LOG_FORMAT", "xml", "text or json"),
+        ("WEBHOOK_ALLOWED_NETWORKS", "10.0.0.0/8,nonsense", "not a CIDR"),
+        ("WEBHOOK_RETENTION", "a week", "not a duration"),
+    ],
+)
+def test_invalid_values_name_the_variable(variable: str, value: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({**GOOD, variable: value})
+    assert info.value.variable == variable
+    assert str(info.value).startswith(variable + ":")
+    assert fragment in str(info.value)
+
+
+def test_missing_secret_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="WEBHOOK_SECRET: is required"):
+        Settings.from_env({"WEBHOOK_URL": GOOD["WEBHOOK_URL"]})
+
+
+def test_secret_never_appears_in_errors_or_repr() -> None:
+    secret = "topsecret-value-that-must-not-leak-9876"
+    s = Settings.from_env({**GOOD, "WEBHOOK_SECRET": secret, "WEBHOOK_SECRET_PREVIOUS": secret})
+    assert secret not in repr(s)
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({**GOOD, "WEBHOOK_SECRET": secret, "WEBHOOK_BATCH_SIZE": "x"})
+    assert secret not in str(info.value)
+
+
+def test_short_secret_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        Settings.from_env({**GOOD, "WEBHOOK_SECRET": "short"})
+    assert "WEBHOOK_SECRET is shorter than 24 bytes" in caplog.text
+    assert "short" not in caplog.text.replace("shorter", "")
+
+
+def test_loopback_http_is_allowed_and_threshold_zero_is_valid() -> None:
+    s = Settings.from_env(
+        {**GOOD, "WEBHOOK_URL": "http://127.0.0.1:8080/x", "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD": "0"}
+    )
+    assert s.webhook_url == "http://127.0.0.1:8080/x"
+    for host in ("localhost", "127.5.6.7", "[::1]"):
+        Settings.from_env({**GOOD, "WEBHOOK_URL": f"http://{host}:9/x"})
+
+
+def test_durations_and_schedules() -> None:
+    assert parse_duration_ms("250ms", "X") == 250
+    assert parse_duration_ms("5s", "X") == 5000
+    assert parse_duration_ms("30m", "X") == 1_800_000
+    assert parse_duration_ms("2h", "X") == 7_200_000
+    assert parse_duration_ms("7d", "X") == 604_800_000
+    assert parse_schedule("1s, 2m") == (1000, 120_000)
