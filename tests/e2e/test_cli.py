@@ -1,0 +1,97 @@
+"""The command as a user drives it: configuration errors, schema refusal, migrate, dlq."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from tests.support.procs import command_env, dispatcher_env, run_command
+
+pytestmark = pytest.mark.e2e
+
+SECRET = "cli-secret-that-must-never-be-printed-42"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("WEBHOOK_BATCH_SIZE", "0"),
+        ("WEBHOOK_POLL_INTERVAL_MS", "soon"),
+        ("WEBHOOK_URL", "http://example.com/hook"),
+        ("WEBHOOK_RETRY_SCHEDULE", "5 minutes"),
+        ("WEBHOOK_SECRET", ""),
+    ],
+)
+async def test_bad_configuration_stops_start_up_naming_the_variable(
+    database_url: str, variable: str, value: str
+) -> None:
+    env = dispatcher_env(
+        database_url,
+        "redis://127.0.0.1:1/0",
+        "https://hooks.example.com/x",
+        "p:",
+        WEBHOOK_SECRET=SECRET,
+    )
+    env[variable] = value
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 2, out
+    assert f"configuration error: {variable}:" in out
+    assert "Traceback" not in out
+    assert SECRET not in out
+
+
+async def test_run_refuses_an_unmigrated_database_then_migrate_fixes_it(
+    empty_database_url: str,
+) -> None:
+    env = dispatcher_env(
+        empty_database_url,
+        "redis://127.0.0.1:1/0",
+        "http://127.0.0.1:9/x",
+        "p:",
+    )
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 3, out
+    assert "run `fluxora-webhooks migrate`" in out
+    assert "Traceback" not in out
+    code, out = await run_command("migrate", env=command_env(DATABASE_URL=empty_database_url))
+    assert code == 0, out
+    assert "applied 0001_outbox" in out
+    code, out = await run_command("migrate", env=command_env(DATABASE_URL=empty_database_url))
+    assert code == 0 and "up to date" in out, out
+
+
+async def test_dlq_list_show_replay_purge(database_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+            " attempts, reason, last_status, last_error, enqueued_at, dead_at)"
+            " SELECT gen_random_uuid(), 's' || g, 'stream.updated', jsonb_build_object('g', g),"
+            " 8, 'attempts_exhausted', 503, 'HTTP 503', now(), now() - g * interval '1 minute'"
+            " FROM generate_series(1, 3) g"
+        )
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("dlq", "list", "--json", env=env)
+    assert code == 0, out
+    listed = json.loads(out)
+    assert [d["stream_id"] for d in listed] == ["s1", "s2", "s3"]  # newest first
+    ids = [d["delivery_id"] for d in listed]
+    assert all(len(i) == 36 for i in ids)  # full delivery ids
+    code, out = await run_command("dlq", "list", env=env)
+    assert code == 0 and all(i in out for i in ids), out
+    code, out = await run_command("dlq", "show", ids[0], env=env)
+    assert code == 0 and json.loads(json.loads(out)["payload"]) == {"g": 1}
+    code, out = await run_command("dlq", "replay", ids[0], env=env)
+    assert code == 0 and f"replayed {ids[0]}" in out, out
+    code, out = await run_command("dlq", "purge", "--all", env=env)
+    assert code == 0 and "2 dead letter(s) purged" in out, out
+    code, out = await run_command("dlq", "list", "--json", env=env)
+    assert json.loads(out) == []
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT delivery_id::text, attempt, processed FROM webhook_outbox")
+        assert await cur.fetchall() == [(ids[0], 1, False)]
+    code, out = await run_command("dlq", "replay", env=env)
+    assert code == 2 and "--all" in out
+    code, out = await run_command("dlq", "show", "no-such-id", env=env)
+    assert code == 1

@@ -1,0 +1,89 @@
+"""Dispatcher processes for end-to-end tests: the real command, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.dispatch import SECRET
+
+STRIP = ("DATABASE_URL", "REDIS_URL", "WEBHOOK_", "LOG_FORMAT", "FLUXORA_")
+
+
+def command_env(**overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STRIP)}
+    env.update(overrides)
+    return env
+
+
+def dispatcher_env(
+    database_url: str, redis_url: str, webhook_url: str, prefix: str, **extra: str
+) -> dict[str, str]:
+    settings = {
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "WEBHOOK_URL": webhook_url,
+        "WEBHOOK_SECRET": SECRET.decode(),
+        "WEBHOOK_METRICS_PORT": "0",
+        "WEBHOOK_POLL_INTERVAL_MS": "500",
+        "FLUXORA_REDIS_PREFIX": prefix,
+    }
+    return command_env(**{**settings, **extra})
+
+
+@dataclass
+class DispatcherProcess:
+    proc: asyncio.subprocess.Process
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    async def wait(self, timeout: float) -> int:
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+async def start_dispatcher(env: dict[str, str], log_path: Path) -> DispatcherProcess:
+    log_file = log_path.open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "fluxora_webhooks",
+        "run",
+        env=env,
+        stdout=log_file,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    log_file.close()
+    return DispatcherProcess(proc, log_path)
+
+
+async def run_command(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "fluxora_webhooks",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace")
