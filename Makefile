@@ -47,4 +47,4 @@ soak: $(STAMP)
 	$(BIN)/python scripts/soak.py --minutes 10
 
 clean:
-	rm -rf $(VENV) .fluxora .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .fluxora .fluxora-test .pytest_cache .mypy_cache .ruff_cache

@@ -31,7 +31,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from . import metrics
 from .delivery import AttemptResult, Kind, attempt
-from .gate import Admission, DeliveryGate, OpenGate
+from .gate import ALLOW, Admission, DeliveryGate, OpenGate
 from .outbox import NOTIFY_CHANNEL, Claimed, Completion, claim_due, complete, next_due_in_ms
 from .retry import RetryPolicy
 from .settings import Settings
@@ -233,7 +233,7 @@ class Dispatcher:
         return len(rows), next_due
 
     async def _attempt_batch(self, rows: Sequence[Claimed]) -> list[Completion]:
-        admissions = await self.gate.admit(self.url, [row.attempt for row in rows])
+        admissions = await self._admit(rows)
         timestamp = int(time.time())
         sends = [
             self._send(row, timestamp)
@@ -251,8 +251,23 @@ class Dispatcher:
             reports.append((adm, _breaker_signal(result)))
             completions.append(self._decide(row, result))
         if reports:
-            await self.gate.report(self.url, reports)
+            try:
+                await self.gate.report(self.url, reports)
+            except Exception:  # the gate fails open; a broken one must not undo the batch
+                log.exception("delivery gate report failed; ignored")
         return completions
+
+    async def _admit(self, rows: Sequence[Claimed]) -> list[Admission]:
+        try:
+            admissions = await self.gate.admit(self.url, [row.attempt for row in rows])
+        except Exception:
+            log.exception("delivery gate failed; admitting the batch (fail open)")
+            metrics.REDIS_FAIL_OPEN.labels("gate").inc()
+            return [ALLOW] * len(rows)
+        if len(admissions) != len(rows):
+            log.error("delivery gate answered %d decisions for %d rows", len(admissions), len(rows))
+            return [ALLOW] * len(rows)
+        return admissions
 
     async def _send(self, row: Claimed, timestamp: int) -> AttemptResult:
         assert self._session is not None

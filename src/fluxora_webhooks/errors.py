@@ -7,6 +7,7 @@ Every error derives from one base, so ``except FluxoraError`` catches them all::
     +-- EndpointError          a consumer URL or its resolved address is refused
     +-- SchemaError            the database schema is missing, older or newer than the code
     +-- DatabaseError          a PostgreSQL error, translated from psycopg in one place
+    +-- EmbeddedEngineError    an embedded PostgreSQL or Redis could not start or stop
     +-- VerificationError      a received webhook failed verification (``reason`` says which check)
 
 Messages never contain a secret or a full consumer URL.
@@ -41,6 +42,10 @@ class SchemaError(FluxoraError):
 
 class DatabaseError(FluxoraError):
     """A database operation failed."""
+
+
+class EmbeddedEngineError(FluxoraError):
+    """An embedded engine could not be started or stopped; the message names the log."""
 
 
 class VerificationError(FluxoraError):

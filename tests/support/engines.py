@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from functools import cache
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -49,9 +50,20 @@ def with_dbname(url: str, name: str) -> str:
     return " ".join([*kept, f"dbname={name}"])
 
 
+# A fixed folder: later runs reuse the initialised engines; every xdist worker shares them
+# and the last one out stops them.
+EMBEDDED_HOME = Path(
+    os.environ.get("FLUXORA_TEST_HOME", "") or Path(__file__).resolve().parents[2] / ".fluxora-test"
+)
+
+
 def _embedded_admin_url() -> str:
-    raise RuntimeError("no PostgreSQL reachable on 127.0.0.1:5432 and no embedded fallback yet")
+    from fluxora_webhooks.embedded import embedded_database_url
+
+    return with_dbname(embedded_database_url(EMBEDDED_HOME), "postgres")
 
 
 def _embedded_redis_url() -> str:
-    raise RuntimeError("no Redis reachable on 127.0.0.1:6379 and no embedded fallback yet")
+    from fluxora_webhooks.embedded import embedded_redis_url
+
+    return embedded_redis_url(EMBEDDED_HOME)
