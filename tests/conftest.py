@@ -18,6 +18,7 @@ import psycopg
 import pytest
 import pytest_asyncio
 from psycopg import sql
+from redis.asyncio import Redis
 
 from fluxora_webhooks.migrations import migrate
 from tests.support import engines
@@ -89,7 +90,27 @@ def redis_url() -> str:
 
 @pytest.fixture
 def redis_prefix() -> str:
+    """A key prefix of this test's own, for processes (never a flush: tests run in parallel)."""
     return f"test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest_asyncio.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest_asyncio.fixture
+async def prefix(redis_client: Redis) -> AsyncIterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    value = f"test:{uuid.uuid4().hex[:12]}:"
+    yield value
+    keys = [key async for key in redis_client.scan_iter(match=f"{value}*")]
+    if keys:
+        await redis_client.delete(*keys)
 
 
 @pytest_asyncio.fixture

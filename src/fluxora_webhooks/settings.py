@@ -152,6 +152,10 @@ class Settings:
         log_format = env.get("LOG_FORMAT", "text").strip().lower() or "text"
         if log_format not in ("text", "json"):
             raise ConfigError("LOG_FORMAT", f"must be text or json, got {log_format!r}")
+        redis_prefix = env.get("FLUXORA_REDIS_PREFIX", "")
+        if "{" in redis_prefix or "}" in redis_prefix:
+            # Braces would change the Redis Cluster hash tag of the per-consumer keys.
+            raise ConfigError("FLUXORA_REDIS_PREFIX", "must not contain { or }")
         database_url = env.get("DATABASE_URL", "").strip() or None
         redis_url = env.get("REDIS_URL", "").strip() or None
         if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -184,7 +188,7 @@ class Settings:
             metrics_host=env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1",
             claim_loops=_int(env, "WEBHOOK_CLAIM_LOOPS", 4, high=64),
             max_connections=_int(env, "WEBHOOK_MAX_CONNECTIONS", 100, high=10_000),
-            redis_prefix=env.get("FLUXORA_REDIS_PREFIX", ""),
+            redis_prefix=redis_prefix,
             allowed_networks=allowed,
             retention_ms=retention,
             log_format=log_format,

@@ -67,6 +67,7 @@ def test_defaults_match_the_design_document() -> None:
         ("LOG_FORMAT", "xml", "text or json"),
         ("WEBHOOK_ALLOWED_NETWORKS", "10.0.0.0/8,nonsense", "not a CIDR"),
         ("WEBHOOK_RETENTION", "a week", "not a duration"),
+        ("FLUXORA_REDIS_PREFIX", "tenant{a}:", "must not contain"),
     ],
 )
 def test_invalid_values_name_the_variable(variable: str, value: str, fragment: str) -> None:
