@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -14,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.support.dispatch import pending, rows, scalar, wait_until
-from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
+from tests.support.procs import dispatcher_env, dispatchers, start_dispatcher
 from tests.support.receiver import Received, Receiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -30,24 +28,6 @@ async def _enqueue_many(database_url: str, n: int) -> None:
         )
 
 
-@contextlib.asynccontextmanager
-async def _dispatchers(
-    count: int, env: dict[str, str], tmp_path: Path
-) -> AsyncIterator[list[DispatcherProcess]]:
-    procs = [await start_dispatcher(env, tmp_path / f"dispatcher-{i}.log") for i in range(count)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                await p.wait(30)
-            except TimeoutError:
-                p.kill()
-                await p.wait(10)
-
-
 async def test_three_dispatchers_never_claim_the_same_row(
     database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
 ) -> None:
@@ -61,7 +41,7 @@ async def test_three_dispatchers_never_claim_the_same_row(
         WEBHOOK_BATCH_SIZE="25",
         WEBHOOK_CLAIM_LOOPS="3",
     )
-    async with _dispatchers(3, env, tmp_path) as procs:
+    async with dispatchers(3, env, tmp_path) as procs:
         await wait_until(lambda: _drained(database_url), timeout=120, what="all delivered")
         logs = [p.log() for p in procs]
     counts = Counter(r.delivery_id for r in receiver.received)
@@ -98,7 +78,7 @@ async def test_sigkill_mid_batch_loses_nothing(
     victim.kill()
     assert await victim.wait(10) == -9
     in_flight_at_kill = await pending(database_url)
-    async with _dispatchers(2, env, tmp_path):
+    async with dispatchers(2, env, tmp_path):
         await wait_until(lambda: _drained(database_url), timeout=120, what="all delivered")
     counts = Counter(r.delivery_id for r in receiver.received)
     assert len(counts) == n, "an event was lost"

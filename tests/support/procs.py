@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +89,21 @@ async def run_command(*args: str, env: dict[str, str], timeout: float = 60) -> t
     out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
     return proc.returncode, out.decode(errors="replace")
+
+
+@contextlib.asynccontextmanager
+async def dispatchers(
+    count: int, env: dict[str, str], tmp_path: Path
+) -> AsyncIterator[list[DispatcherProcess]]:
+    procs = [await start_dispatcher(env, tmp_path / f"dispatcher-{i}.log") for i in range(count)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                await p.wait(30)
+            except TimeoutError:
+                p.kill()
+                await p.wait(10)
