@@ -41,6 +41,7 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 
 _DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 _BACKOFF_MAX_S = 5.0
+_HELD_ELSEWHERE_MS = 50
 
 
 class Waker:
@@ -217,8 +218,17 @@ class Dispatcher:
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     def _sleep_s(self, next_due_ms: int | None) -> float:
+        """How long an idle loop waits (a NOTIFY or a busy loop's wake-up cuts it short)."""
         poll = self.settings.poll_interval_ms
-        wait = poll if next_due_ms is None else min(poll, next_due_ms + 1)
+        if next_due_ms is None:
+            wait = poll
+        elif next_due_ms == 0:
+            # The claim found nothing, yet a row is due: other loops hold it and will
+            # complete it. Re-claiming every millisecond only burns CPU (ours and the
+            # database's); check again shortly in case its holder died.
+            wait = min(poll, _HELD_ELSEWHERE_MS)
+        else:
+            wait = min(poll, next_due_ms + 1)
         return max(wait, 1) / 1000
 
     async def _run_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
@@ -399,8 +409,15 @@ def _log_fields(row: Claimed, result: AttemptResult) -> dict[str, Any]:
 
 
 def make_session(settings: Settings) -> aiohttp.ClientSession:
-    """The HTTP client: keep-alive, bounded connections, the connect-time address policy."""
-    connector = aiohttp.TCPConnector(limit=settings.max_connections)  # TODO: SafeResolver
+    """The HTTP client: keep-alive, bounded connections, the connect-time address policy
+    (resolved addresses are checked and the connection is pinned to them)."""
+    from .endpoints import make_connector
+
+    connector = make_connector(
+        allow_loopback=_configured_loopback(settings.webhook_url),
+        allowed_networks=settings.allowed_networks,
+        limit=settings.max_connections,
+    )
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=settings.timeout_ms / 1000),

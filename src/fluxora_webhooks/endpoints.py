@@ -1,23 +1,153 @@
-"""Endpoint safety: the URL policy, and (at connect time) the address policy."""
+"""Endpoint safety: the URL policy, and (at connect time) the address policy.
+
+URL policy (:func:`validate_url`), applied to the configured ``WEBHOOK_URL`` at start-up:
+``https`` only (``http`` for a loopback host), no credentials, a host that is a valid
+(possibly internationalised) host name or IP literal, parsed the same way by the standard
+library and by the HTTP client.
+
+Address policy (:func:`check_address`), applied at connect time to every address a host
+resolves to. :class:`SafeResolver` drops the refused addresses and returns only the
+checked ones, so aiohttp connects to exactly an address that passed: a DNS answer that
+changes between the check and the connection (DNS rebinding) has nothing to exploit,
+because there is only one resolution and it is the one that is used. The connector built by
+:func:`make_connector` also checks the address of every socket it opens, which covers URLs
+whose host is an IP literal (aiohttp does not resolve those).
+
+A refusal at connect time raises :class:`AddressRefused`, which is both an
+:class:`~fluxora_webhooks.errors.EndpointError` and an ``OSError``: aiohttp wraps it, like
+any connection failure, in an ``aiohttp.ClientConnectorError`` whose ``os_error`` is the
+:class:`AddressRefused`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import ipaddress
+import logging
+import re
+import socket
+from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
+
+import aiohttp
+import idna
+import yarl
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.connector import AddrInfoType
 
 from .errors import EndpointError
 
+log = logging.getLogger(__name__)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+DEFAULT_RESOLVE_TIMEOUT = 5.0
+# Each cached DNS answer was checked before it was cached, so the cache cannot be used to
+# bypass the policy; a short lifetime only keeps up with legitimate DNS changes.
+DNS_CACHE_TTL_SECONDS = 10
+KEEPALIVE_TIMEOUT_SECONDS = 15.0
+
+_MAX_SHOWN = 80  # characters of a host name shown in a message
+
+# --- URL policy -----------------------------------------------------------------------------
+
+# Code points that IDNA mapping deletes silently (so "e<ZWSP>vil.com" would become
+# "evil.com"): a host containing one is refused rather than rewritten.
+_INVISIBLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u1806\u180b-\u180f\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
+)
+# One label of a host name once encoded: letters, digits, hyphens (underscores occur in
+# real names and are harmless), 1 to 63 characters.
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?", re.ASCII)
+# A last label that is a number makes the whole name an IPv4 address to the resolver.
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.ASCII)
+
+
+def _shown(host: str) -> str:
+    """A host as it may appear in a message: bounded, and safe to print."""
+    text = host if len(host) <= _MAX_SHOWN else host[:_MAX_SHOWN] + "..."
+    return ascii(text)[1:-1]
 
 
 def is_loopback_host(host: str) -> bool:
     """True for ``localhost``, 127.0.0.0/8 and ::1 written literally in a URL."""
     host = host.strip("[]").lower().rstrip(".")
-    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+    # Only the names that mean loopback everywhere; not "*.localhost", which a resolver
+    # could answer with a public address (and http would then go out in plain text).
+    if host in LOOPBACK_NAMES:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        return False
+
+
+def normalise_host(host: str) -> str:
+    """The host as the HTTP client will use it: lowercase, IDNA-encoded (punycode).
+
+    IP literals come back in their compressed form. Raises :class:`EndpointError` for a
+    host that is not a valid host name, cannot be IDNA-encoded, or holds invisible
+    characters that IDNA would delete.
+    """
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if not bare:
+        raise EndpointError("the URL has no host")
+    shown = _shown(bare)
+    if bare.isascii():
+        encoded = bare.lower()
+        for label in encoded.split("."):
+            if label.startswith("xn--") and not _punycode_ok(label):
+                raise EndpointError(f"the host {shown} has a label that is not valid punycode")
+    else:
+        if _INVISIBLE.search(bare):
+            raise EndpointError(f"the host {shown} contains an invisible character")
+        try:
+            encoded = _idna_encode(bare)
+        except UnicodeError:
+            raise EndpointError(
+                f"the host {shown} is not a valid internationalised domain name (IDNA)"
+            ) from None
+    name = encoded[:-1] if encoded.endswith(".") else encoded
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
+        raise EndpointError(f"the host {shown} is not a valid host name")
+    if _NUMERIC_LABEL.fullmatch(name.rsplit(".", 1)[-1]):
+        # "127.1", "2130706433", "0x7f.1": getaddrinfo reads these as IPv4 addresses and
+        # aiohttp refuses them at connect time; say so now instead.
+        raise EndpointError(
+            f"the host {shown} is a non-standard IPv4 form; write the address as a.b.c.d"
+        )
+    return encoded
+
+
+def _idna_encode(host: str) -> str:
+    # The HTTP client (yarl) encodes with IDNA 2008 / UTS 46 and falls back to IDNA 2003
+    # (which still admits names such as emoji domains); do the same so both agree.
+    try:
+        return idna.encode(host, uts46=True).decode("ascii")
+    except UnicodeError:
+        return host.encode("idna").decode("ascii")
+
+
+def _punycode_ok(label: str) -> bool:
+    try:
+        idna.decode(label)
+        return True
+    except UnicodeError:
+        pass
+    try:
+        label.encode("ascii").decode("idna")
+        return True
+    except UnicodeError:
         return False
 
 
@@ -26,7 +156,11 @@ def validate_url(url: str) -> None:
 
     - ``https`` is required; ``http`` only for a loopback host.
     - Credentials in the URL are refused; so is every other scheme.
+    - The host must be a valid host name (IDNA/punycode hosts are normalised first) or an
+      IP literal, and the HTTP client must read the same host from the URL.
     """
+    if not isinstance(url, str):
+        raise EndpointError("the URL must be a string")
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -35,13 +169,65 @@ def validate_url(url: str) -> None:
         raise EndpointError("the URL cannot be parsed") from None
     scheme = parts.scheme.lower()
     if scheme not in ("https", "http"):
-        raise EndpointError(f"scheme {scheme or '(none)'!r} is not allowed; use https")
+        raise EndpointError(f"scheme {_shown(scheme) or '(none)'!r} is not allowed; use https")
     if parts.username is not None or parts.password is not None or "@" in parts.netloc:
         raise EndpointError("URLs with embedded credentials are not allowed")
     if not host:
         raise EndpointError("the URL has no host")
-    if scheme == "http" and not is_loopback_host(host):
-        raise EndpointError(f"https is required for {host} (http is allowed for loopback only)")
+    normalised = normalise_host(host)
+    _check_client_agrees(url, normalised)
+    if scheme == "http" and not is_loopback_host(normalised):
+        raise EndpointError(
+            f"https is required for {_shown(normalised)} (http is allowed for loopback only)"
+        )
+
+
+def _check_client_agrees(url: str, normalised: str) -> None:
+    """Refuse a URL that aiohttp (yarl) would read differently from the standard library."""
+    try:
+        client_url = yarl.URL(url)
+        client_host = client_url.raw_host
+        _ = client_url.host, client_url.port  # decoding can fail too
+    except (ValueError, UnicodeError):
+        raise EndpointError("the URL cannot be parsed by the HTTP client") from None
+    if client_host is None:
+        raise EndpointError("the URL has no host")
+    if client_host == normalised:
+        return
+    try:
+        if ipaddress.ip_address(client_host) == ipaddress.ip_address(normalised):
+            return
+    except ValueError:
+        pass
+    raise EndpointError(
+        f"the host {_shown(normalised)} is ambiguous: the HTTP client reads it differently"
+    )
+
+
+def check_url_address(url: str, *, allowed_networks: Sequence[IPNetwork] = ()) -> None:
+    """At start-up: refuse a URL whose host is an IP literal the address policy refuses.
+
+    Host names are checked when they are resolved, at connect time; an IP literal can be
+    checked at once, so a URL that could never be delivered to stops start-up instead.
+    Call after :func:`validate_url`. Raises :class:`EndpointError`.
+    """
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        raise EndpointError("the URL cannot be parsed") from None
+    if not host:
+        raise EndpointError("the URL has no host")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return  # a host name: checked when resolved
+    reason = check_address(
+        address,
+        allow_loopback=is_loopback_host(host),
+        allowed_networks=allowed_networks,
+    )
+    if reason is not None:
+        raise EndpointError(f"the URL's host {address} is refused: {reason}")
 
 
 def redacted(url: str) -> str:
@@ -51,3 +237,327 @@ def redacted(url: str) -> str:
         return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"
     except ValueError:
         return "(unparseable url)"
+
+
+# --- address policy -------------------------------------------------------------------------
+
+
+def _nets(*cidrs: str) -> tuple[IPNetwork, ...]:
+    return tuple(ipaddress.ip_network(c) for c in cidrs)
+
+
+# Never a webhook consumer, whatever WEBHOOK_ALLOWED_NETWORKS says: connecting to 0.0.0.0
+# reaches the local host on Linux, multicast and broadcast are not TCP peers, and the cloud
+# metadata services hand out credentials.
+_METADATA = frozenset(
+    ipaddress.ip_address(a)
+    for a in (
+        "169.254.169.254",  # AWS, GCP, Azure, OpenStack, DigitalOcean, ... instance metadata
+        "169.254.169.253",  # AWS DNS resolver
+        "169.254.169.123",  # AWS time sync
+        "169.254.170.2",  # AWS ECS task metadata
+        "169.254.170.23",  # AWS EKS pod identity
+        "169.254.0.23",  # Tencent Cloud metadata
+        "100.100.100.200",  # Alibaba Cloud metadata
+        "192.0.0.192",  # Oracle Cloud metadata (legacy)
+        "fd00:ec2::254",  # AWS instance metadata (IPv6)
+        "fd00:ec2::253",  # AWS DNS resolver (IPv6)
+        "fd00:ec2::123",  # AWS time sync (IPv6)
+        "fd00:ec2::23",  # AWS EKS pod identity (IPv6)
+        "fd20:ce::254",  # GCP metadata (IPv6)
+    )
+)
+_FIXED: tuple[tuple[IPNetwork, str], ...] = (
+    (ipaddress.ip_network("0.0.0.0/8"), "an unspecified ('this network') address (0.0.0.0/8)"),
+    (ipaddress.ip_network("255.255.255.255/32"), "the broadcast address"),
+    (ipaddress.ip_network("224.0.0.0/4"), "a multicast address (224.0.0.0/4)"),
+    (ipaddress.ip_network("::/128"), "the unspecified address (::)"),
+    (ipaddress.ip_network("ff00::/8"), "a multicast address (ff00::/8)"),
+)
+_LOOPBACK = _nets("127.0.0.0/8", "::1/128")
+# Refused unless inside WEBHOOK_ALLOWED_NETWORKS (loopback also when the URL is loopback).
+_BLOCKED: tuple[tuple[IPNetwork, str], ...] = tuple(
+    (ipaddress.ip_network(cidr), f"{kind} ({cidr})")
+    for cidr, kind in (
+        ("127.0.0.0/8", "a loopback address"),
+        ("10.0.0.0/8", "a private address"),
+        ("172.16.0.0/12", "a private address"),
+        ("192.168.0.0/16", "a private address"),
+        ("100.64.0.0/10", "a shared (CGNAT) address"),
+        ("169.254.0.0/16", "a link-local address"),
+        ("192.0.0.0/24", "an IETF protocol assignment address"),
+        ("192.0.2.0/24", "a documentation address"),
+        ("198.51.100.0/24", "a documentation address"),
+        ("203.0.113.0/24", "a documentation address"),
+        ("198.18.0.0/15", "a benchmarking address"),
+        ("192.88.99.0/24", "a 6to4 relay anycast address (deprecated)"),
+        ("240.0.0.0/4", "a reserved address"),
+        ("::1/128", "the loopback address"),
+        ("100::/64", "a discard-only address"),
+        ("2001:2::/48", "a benchmarking address"),
+        ("2001:db8::/32", "a documentation address"),
+        ("3fff::/20", "a documentation address"),
+        ("2001::/23", "an IETF protocol assignment address"),
+        ("fc00::/7", "a private (unique local) address"),
+        ("fe80::/10", "a link-local address"),
+        ("fec0::/10", "a site-local address (deprecated)"),
+    )
+)
+_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
+_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
+_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")
+_COMPATIBLE = ipaddress.ip_network("::/96")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+_SIX_TO_FOUR = ipaddress.ip_network("2002::/16")
+_TEREDO = ipaddress.ip_network("2001::/32")
+
+
+def _embedded(address: ipaddress.IPv6Address) -> list[tuple[str, ipaddress.IPv4Address]]:
+    """The IPv4 addresses an IPv6 address embeds (traffic to it reaches them)."""
+    n = int(address)
+    last32 = ipaddress.IPv4Address(n & 0xFFFFFFFF)
+    if address in _MAPPED:
+        return [("an IPv4-mapped address", last32)]
+    if address in _TRANSLATED:
+        return [("an IPv4-translated address", last32)]
+    if address in _NAT64:
+        return [("a NAT64 address (64:ff9b::/96)", last32)]
+    if address in _NAT64_LOCAL:
+        # RFC 8215 lets the operator choose the prefix length, and so where the IPv4 address
+        # sits; the usual /96 form is checked (and the whole prefix is refused below).
+        return [("a local-use NAT64 address (64:ff9b:1::/48)", last32)]
+    if address in _SIX_TO_FOUR:
+        return [("a 6to4 address", ipaddress.IPv4Address((n >> 80) & 0xFFFFFFFF))]
+    if address in _TEREDO:
+        server, client = address.teredo or (last32, last32)
+        return [("a Teredo address (server)", server), ("a Teredo address (client)", client)]
+    if address in _COMPATIBLE and n > 1:  # :: and ::1 are themselves, not embeddings
+        return [("an IPv4-compatible address", last32)]
+    return []
+
+
+def _parse(ip: object) -> IPAddress | None:
+    if isinstance(ip, ipaddress.IPv4Address | ipaddress.IPv6Address):
+        address: IPAddress = ip
+    elif isinstance(ip, str):
+        try:
+            address = ipaddress.ip_address(ip.strip().strip("[]"))
+        except ValueError:
+            return None
+    else:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+        address = ipaddress.IPv6Address(int(address))  # the zone does not change the range
+    return address
+
+
+def _fixed_reason(address: IPAddress) -> str | None:
+    if address in _METADATA:
+        return "a cloud metadata service address"
+    for network, reason in _FIXED:
+        if address in network:
+            return reason
+    if isinstance(address, ipaddress.IPv6Address):
+        for label, inner in _embedded(address):
+            inner_reason = _fixed_reason(inner)
+            if inner_reason is not None:
+                return f"{label} of {inner}, {inner_reason}"
+    return None
+
+
+def check_address(
+    ip: str | IPAddress,
+    *,
+    allow_loopback: bool = False,
+    allowed_networks: Sequence[IPNetwork] = (),
+) -> str | None:
+    """The reason the address policy refuses ``ip``, or None if it may be connected to.
+
+    Refused: private, loopback (unless ``allow_loopback``), link-local, shared (CGNAT),
+    IETF-reserved, documentation, benchmarking and discard ranges, and the IPv6 forms that
+    embed a refused IPv4 address (mapped, translated, compatible, NAT64, 6to4, Teredo).
+    ``allowed_networks`` (``WEBHOOK_ALLOWED_NETWORKS``) lets any of those through; it never
+    lets through the unspecified, broadcast and multicast addresses or a cloud metadata
+    service. A value that is not an IP address is refused.
+    """
+    address = _parse(ip)
+    if address is None:
+        return "not an IP address"
+    fixed = _fixed_reason(address)
+    if fixed is not None:
+        return fixed
+    return _overridable_reason(address, allow_loopback, allowed_networks)
+
+
+def _overridable_reason(
+    address: IPAddress, allow_loopback: bool, allowed_networks: Iterable[IPNetwork]
+) -> str | None:
+    if any(address.version == net.version and address in net for net in allowed_networks):
+        return None
+    if allow_loopback and any(address in net for net in _LOOPBACK):
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = _embedded(address)
+        for label, inner in embedded:
+            reason = _overridable_reason(inner, allow_loopback, allowed_networks)
+            if reason is not None:
+                return f"{label} of {inner}, {reason}"
+        if address in _NAT64_LOCAL:
+            return "a local-use NAT64 address (64:ff9b:1::/48) whose IPv4 target cannot be known"
+        if embedded and address in _COMPATIBLE:
+            return "an IPv4-compatible IPv6 address (::/96, deprecated)"
+        if embedded:
+            return None  # the embedded IPv4 addresses passed: the route is theirs
+    for network, reason in _BLOCKED:
+        if address in network:
+            return reason
+    if isinstance(address, ipaddress.IPv6Address) and address not in _GLOBAL_UNICAST:
+        return "a reserved address (outside 2000::/3)"
+    return None
+
+
+class AddressRefused(EndpointError, OSError):
+    """The address policy refused every address of a host.
+
+    An :class:`EndpointError` for our code and an ``OSError`` for aiohttp, which wraps it in
+    ``aiohttp.ClientConnectorError`` (``.os_error`` is this exception). ``host`` is the host
+    name, ``address`` the (first) refused address, ``reason`` why it was refused.
+    """
+
+    def __init__(self, host: str, address: str, reason: str, *, hint: bool = True) -> None:
+        self.host = host
+        self.address = address
+        self.reason = reason
+        message = f"{_shown(host)}: refused to connect to {address}, {reason}"
+        if hint:
+            message += "; add it to WEBHOOK_ALLOWED_NETWORKS if this consumer is intended"
+        super().__init__(errno.EACCES, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _refuse(host: str, address: str, reason: str) -> AddressRefused:
+    parsed = _parse(address)
+    fixed = parsed is None or _fixed_reason(parsed) is not None
+    return AddressRefused(host, address, reason, hint=not fixed)
+
+
+class SafeResolver(AbstractResolver):
+    """A resolver that returns only the addresses the address policy allows.
+
+    ``resolver`` does the resolving (default: aiohttp's ``ThreadedResolver``, i.e. the
+    system's ``getaddrinfo``); each lookup is bounded by ``timeout`` seconds. When every
+    address of a host is refused, :class:`AddressRefused` is raised; aiohttp reports it as
+    ``aiohttp.ClientConnectorDNSError``. A timeout raises ``OSError(ETIMEDOUT)``.
+    """
+
+    def __init__(
+        self,
+        allow_loopback: bool,
+        allowed_networks: Sequence[IPNetwork] = (),
+        resolver: AbstractResolver | None = None,
+        timeout: float = DEFAULT_RESOLVE_TIMEOUT,
+    ) -> None:
+        self.allow_loopback = allow_loopback
+        self.allowed_networks = tuple(allowed_networks)
+        self._resolver = resolver
+        self._owns_resolver = resolver is None
+        self._timeout = timeout
+
+    def check(self, ip: str | IPAddress) -> str | None:
+        """The refusal reason for ``ip`` under this resolver's policy, or None."""
+        return check_address(
+            ip, allow_loopback=self.allow_loopback, allowed_networks=self.allowed_networks
+        )
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        if self._resolver is None:
+            self._resolver = aiohttp.ThreadedResolver()
+        try:
+            async with asyncio.timeout(self._timeout):
+                answers = await self._resolver.resolve(host, port, family)
+        except TimeoutError:
+            raise OSError(
+                errno.ETIMEDOUT, f"resolving {_shown(host)} timed out after {self._timeout}s"
+            ) from None
+        allowed: list[ResolveResult] = []
+        refused: list[tuple[str, str]] = []
+        for answer in answers:
+            reason = self.check(answer["host"])
+            if reason is None:
+                allowed.append(answer)
+            else:
+                refused.append((answer["host"], reason))
+        if not allowed:
+            if refused:
+                raise _refuse(host, *refused[0])
+            raise OSError(errno.EHOSTUNREACH, f"{_shown(host)} resolved to no address")
+        if refused:
+            log.warning(
+                "%s: skipped %d refused address(es), e.g. %s (%s)",
+                _shown(host),
+                len(refused),
+                *refused[0],
+            )
+        return allowed
+
+    async def close(self) -> None:
+        if self._owns_resolver and self._resolver is not None:
+            resolver, self._resolver = self._resolver, None
+            await resolver.close()
+
+
+class SafeConnector(aiohttp.TCPConnector):
+    """A ``TCPConnector`` that resolves through a :class:`SafeResolver` and checks the
+    address of every socket it opens; closing it closes the resolver. Build it with
+    :func:`make_connector`."""
+
+    def __init__(self, *, safe_resolver: SafeResolver, limit: int) -> None:
+        self.safe_resolver = safe_resolver
+        super().__init__(
+            resolver=safe_resolver,
+            limit=limit,
+            use_dns_cache=True,
+            ttl_dns_cache=DNS_CACHE_TTL_SECONDS,
+            keepalive_timeout=KEEPALIVE_TIMEOUT_SECONDS,
+            socket_factory=self._open_checked_socket,
+        )
+
+    def _open_checked_socket(self, addr_info: AddrInfoType) -> socket.socket:
+        # The last word: the exact address this socket will connect to. It covers IP-literal
+        # URLs, which aiohttp never passes to the resolver.
+        family, type_, proto, _, sockaddr = addr_info
+        address = str(sockaddr[0])
+        reason = self.safe_resolver.check(address)
+        if reason is not None:
+            raise _refuse(address, address, reason)
+        return socket.socket(family=family, type=type_, proto=proto)
+
+    async def close(self, *, abort_ssl: bool = False) -> None:
+        await super().close(abort_ssl=abort_ssl)
+        await self.safe_resolver.close()
+
+
+def make_connector(
+    *,
+    allow_loopback: bool,
+    allowed_networks: Sequence[IPNetwork] = (),
+    limit: int = 100,
+    resolver: AbstractResolver | None = None,
+    resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT,
+) -> aiohttp.TCPConnector:
+    """The dispatcher's connector: keep-alive, at most ``limit`` connections, and every
+    connection made to an address the policy allows (resolved, checked and pinned).
+
+    ``allow_loopback`` should be ``is_loopback_host(host of WEBHOOK_URL)``;
+    ``allowed_networks`` is ``Settings.allowed_networks``. ``resolver`` replaces the system
+    resolver (tests; or ``aiohttp.AsyncResolver``). Must be called with a running loop.
+    """
+    safe = SafeResolver(
+        allow_loopback, allowed_networks, resolver=resolver, timeout=resolve_timeout
+    )
+    return SafeConnector(safe_resolver=safe, limit=limit)

@@ -128,7 +128,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = True) -> Settings:
         """Parse and validate the environment. Raises :class:`ConfigError`."""
-        from .endpoints import validate_url  # local: endpoints imports settings types only
+        from .endpoints import check_url_address, validate_url
 
         url = env.get("WEBHOOK_URL", "").strip()
         if require_endpoint and not url:
@@ -137,6 +137,7 @@ class Settings:
         if url:
             try:
                 validate_url(url)
+                check_url_address(url, allowed_networks=allowed)
             except EndpointError as exc:
                 raise ConfigError("WEBHOOK_URL", str(exc)) from None
         secret = _secret(env, "WEBHOOK_SECRET", required=require_endpoint) or b""

@@ -62,6 +62,8 @@ def test_defaults_match_the_design_document() -> None:
         ("WEBHOOK_URL", "http://example.com/x", "https is required"),
         ("WEBHOOK_URL", "https://user:pw@example.com/x", "credentials"),
         ("WEBHOOK_URL", "", "is required"),
+        ("WEBHOOK_URL", "https://10.1.2.3/hook", "refused"),
+        ("WEBHOOK_URL", "https://169.254.169.254/latest", "refused"),
         ("REDIS_URL", "localhost:6379", "redis://"),
         ("DATABASE_URL", "mysql://x", "postgresql://"),
         ("LOG_FORMAT", "xml", "text or json"),
