@@ -95,6 +95,7 @@ def verify(
     previous: str | bytes | None = None,
     tolerance: int = DEFAULT_TOLERANCE_SECONDS,
     now: float | None = None,
+    scheme: str = "auto",
 ) -> str:
     """Verify a received webhook and return its delivery id (use it to de-duplicate).
 
@@ -108,6 +109,10 @@ def verify(
     during a rotation. A timestamp more than ``tolerance`` seconds away from ``now``
     (default: the current time) is refused, in the past as in the future.
 
+    ``scheme`` is ``"auto"`` (above), ``"standard"`` or ``"fluxora"`` to require one scheme.
+    The x-fluxora signature does not cover the delivery id, so a consumer that de-duplicates
+    and wants that id signed too should pass ``scheme="standard"``.
+
     Anything the request carries can only raise :class:`VerificationError`, whose ``reason``
     names the failed check; messages never contain a secret. A caller's own mistake (an empty
     secret, a body that is not bytes) raises ``TypeError`` or ``ValueError`` instead.
@@ -117,9 +122,11 @@ def verify(
         raise TypeError("body must be the raw request body as bytes")
     if isinstance(tolerance, bool) or not isinstance(tolerance, int) or tolerance < 0:
         raise ValueError("tolerance must be a whole number of seconds, 0 or more")
+    if scheme not in ("auto", "standard", "fluxora"):
+        raise ValueError("scheme must be 'auto', 'standard' or 'fluxora'")
     found = _lowercase_headers(headers)
     current = time.time() if now is None else now
-    if "webhook-signature" in found:
+    if scheme == "standard" or (scheme == "auto" and "webhook-signature" in found):
         return _verify_standard(body, found, keys, tolerance, current)
     return _verify_fluxora(body, found, keys, tolerance, current)
 
@@ -208,7 +215,9 @@ def _verify_standard(
     tolerance: int,
     now: float,
 ) -> str:
-    signature_header = found.get("webhook-signature")
+    if "webhook-signature" not in found:
+        raise VerificationError("missing_header", "the webhook-signature header is missing")
+    signature_header = found["webhook-signature"]
     if signature_header is None:
         raise VerificationError("bad_signature", "webhook-signature is not text")
     delivery_id = _required(found, "webhook-id")

@@ -489,3 +489,20 @@ def test_the_documented_rotation_never_fails_a_verification(
             assert verify(BODY, h, current, previous=accepted) == DELIVERY_ID
         for key in standard:
             assert Webhook(whsec(key)).verify(BODY, standard_only(h)), (step, key)
+
+
+def test_scheme_standard_refuses_a_request_stripped_to_the_fluxora_scheme() -> None:
+    secret = b"scheme-choice-secret-0123456789abcdef"
+    body = b'{"a":1}'
+    headers = Signer(secret).headers(
+        delivery_id="d-1", event_type="e", attempt=1, body=body, timestamp=1_800_000_000
+    )
+    stripped = {k: v for k, v in headers.items() if not k.startswith("webhook-")}
+    assert verify(body, stripped, secret, now=1_800_000_000) == "d-1"  # auto: x-fluxora
+    with pytest.raises(VerificationError) as info:
+        verify(body, stripped, secret, now=1_800_000_000, scheme="standard")
+    assert info.value.reason == "missing_header"
+    assert verify(body, headers, secret, now=1_800_000_000, scheme="fluxora") == "d-1"
+    assert verify(body, headers, secret, now=1_800_000_000, scheme="standard") == "d-1"
+    with pytest.raises(ValueError, match="scheme"):
+        verify(body, headers, secret, scheme="other")
