@@ -15,6 +15,13 @@ from . import __version__, logs
 from .errors import ConfigError, FluxoraError, SchemaError
 
 EXIT_CONFIG = 2
+# Subcommands that live in fluxora_webhooks.commands.<name> and parse their own options.
+EXTENSIONS = {
+    "status": "backlog, dead letters, recent outcomes and breaker state",
+    "prune": "delete processed rows older than a retention period",
+    "demo": "the whole system end to end on local engines",
+    "bench": "measure throughput and latency against the raw HTTP limit and a peer",
+}
 EXIT_SCHEMA = 3
 
 
@@ -188,15 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_dlq)
 
-    for name, text in (
-        ("status", "backlog, dead letters, recent outcomes and breaker state"),
-        ("prune", "delete processed rows older than a retention period"),
-        ("demo", "the whole system end to end on local engines"),
-        ("bench", "measure throughput and latency against the raw HTTP limit and a peer"),
-    ):
-        p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=None, extension=name)
+    for name, text in EXTENSIONS.items():
+        sub.add_parser(name, help=text, add_help=False)  # listed in --help; see main()
     return parser
 
 
@@ -205,10 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     logs.configure(env.get("LOG_FORMAT", "text").strip().lower() or "text")
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        if args.func is None:
-            return _subcommand(args.extension)(args, env)
+        if argv and argv[0] in EXTENSIONS:
+            # These parse their own options (argparse's REMAINDER would refuse a leading "-").
+            return _subcommand(argv[0])(argparse.Namespace(command=argv[0], rest=argv[1:]), env)
+        args = parser.parse_args(argv)
         code: int = args.func(args, env)
         return code
     except ConfigError as exc:

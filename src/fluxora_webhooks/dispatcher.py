@@ -319,10 +319,8 @@ class Dispatcher:
         }
         if result.kind is Kind.DELIVERED:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
-            log.debug(
-                "delivered",
-                extra=_log_fields(row, result),
-            )
+            if log.isEnabledFor(logging.DEBUG):  # the fields are built only when logged
+                log.debug("delivered", extra=_log_fields(row, result))
             return Completion(row.id, "delivered", **base)  # type: ignore[arg-type]
         if result.kind is Kind.RETRYABLE and not self.policy.exhausted(row.attempt):
             delay = self.policy.delay_ms(row.attempt, result.retry_after_ms)

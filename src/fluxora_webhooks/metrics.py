@@ -1,13 +1,60 @@
 """The Prometheus series, all in one place.
 
-Labels never carry a URL or a secret: a consumer is at most named by a short digest.
+Labels never carry a URL or a secret: there is one consumer per process, so no series
+names it. Counters are exposed with the ``_total`` suffix (``fluxora_webhook_deliveries``
+is scraped as ``fluxora_webhook_deliveries_total``).
+
+Who writes what:
+
+- the dispatcher: deliveries, attempt duration, attempts per delivery, in-flight requests,
+  dead letters, claim errors;
+- the Redis gate: rate-limit and circuit-open deferrals, Redis fail-opens, breaker
+  transitions;
+- the service, in the background (``service.py``): the backlog gauges (outbox pending and
+  due, oldest due age, dead letters waiting), read every few seconds from the partial
+  indexes with capped counts, the breaker state read from Redis, and the retention
+  counters.
+
+Every label value that can occur is created at import, so each series exists (at 0) from
+the first scrape and ``rate()``/``increase()`` see the first event.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from . import __version__
+
 REGISTRY = CollectorRegistry(auto_describe=True)
+
+OUTCOMES = ("delivered", "retry", "dead_letter", "deferred")
+DEAD_LETTER_REASONS = (
+    "attempts_exhausted",
+    "http_4xx",
+    "http_3xx",
+    "endpoint_refused",
+    "invalid_request",
+    "internal_error",
+)
+REDIS_COMPONENTS = ("gate", "ratelimit", "breaker")
+BREAKER_STATES = ("closed", "open", "half-open")
+BREAKER_TRANSITION_PAIRS = (
+    ("closed", "open"),
+    ("open", "half-open"),
+    ("half-open", "closed"),
+    ("half-open", "open"),
+)
+RETENTION_TABLES = ("outbox", "dead_letter")
+RETENTION_RESULTS = ("ok", "skipped", "error")
+
+BUILD_INFO = Gauge(
+    "fluxora_webhook_build_info",
+    "Always 1; the version of fluxora-webhooks in a label.",
+    ["version"],
+    registry=REGISTRY,
+)
+
+# -- the dispatcher ----------------------------------------------------------------------
 
 DELIVERIES = Counter(
     "fluxora_webhook_deliveries",
@@ -38,6 +85,14 @@ DEAD_LETTERS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+CLAIM_ERRORS = Counter(
+    "fluxora_webhook_claim_errors",
+    "Claim-loop iterations that failed on a database error (retried with backoff).",
+    registry=REGISTRY,
+)
+
+# -- the Redis gate ----------------------------------------------------------------------
+
 RATE_LIMIT_DEFERRALS = Counter(
     "fluxora_webhook_rate_limit_deferrals",
     "Retries deferred by the shared per-consumer rate limit.",
@@ -56,13 +111,27 @@ REDIS_FAIL_OPEN = Counter(
 )
 BREAKER_TRANSITIONS = Counter(
     "fluxora_webhook_circuit_breaker_transitions",
-    "Circuit breaker state transitions.",
+    "Circuit breaker state transitions made by this process.",
     ["from_state", "to_state"],
     registry=REGISTRY,
 )
+
+# -- the service's background readings ---------------------------------------------------
+
 OUTBOX_PENDING = Gauge(
     "fluxora_webhook_outbox_pending",
-    "Unprocessed outbox rows (due now or later).",
+    "Unprocessed outbox rows (due now or later). Counted exactly up to a cap; above it, "
+    "PostgreSQL's estimate (see fluxora_webhook_outbox_pending_estimated).",
+    registry=REGISTRY,
+)
+OUTBOX_DUE = Gauge(
+    "fluxora_webhook_outbox_due",
+    "Unprocessed outbox rows due now. Counted up to a cap (a lower bound above it).",
+    registry=REGISTRY,
+)
+OUTBOX_PENDING_ESTIMATED = Gauge(
+    "fluxora_webhook_outbox_pending_estimated",
+    "1 when the backlog exceeded the counting cap and the pending/due gauges are estimates.",
     registry=REGISTRY,
 )
 OUTBOX_OLDEST_DUE_AGE = Gauge(
@@ -72,11 +141,64 @@ OUTBOX_OLDEST_DUE_AGE = Gauge(
 )
 DEAD_LETTER_ROWS = Gauge(
     "fluxora_webhook_dead_letter_rows",
-    "Dead letters waiting (not replayed or purged).",
+    "Dead letters waiting (not replayed or purged). Counted up to a cap.",
     registry=REGISTRY,
 )
-CLAIM_ERRORS = Counter(
-    "fluxora_webhook_claim_errors",
-    "Claim-loop iterations that failed on a database error (retried with backoff).",
+BACKLOG_REFRESHED = Gauge(
+    "fluxora_webhook_backlog_refreshed_timestamp_seconds",
+    "Unix time of the last successful reading of the backlog gauges.",
     registry=REGISTRY,
 )
+BACKLOG_REFRESH_ERRORS = Counter(
+    "fluxora_webhook_backlog_refresh_errors",
+    "Readings of the backlog gauges that failed (the gauges keep their last values).",
+    registry=REGISTRY,
+)
+BREAKER_STATE = Gauge(
+    "fluxora_webhook_circuit_breaker_state",
+    "The consumer's shared circuit breaker state as last read from Redis: 1 for the "
+    "current state, 0 for the others (all 0 when the breaker is off or never read).",
+    ["state"],
+    registry=REGISTRY,
+)
+
+# -- retention ---------------------------------------------------------------------------
+
+RETENTION_DELETED = Counter(
+    "fluxora_webhook_retention_deleted_rows",
+    "Rows deleted by the retention task, by table (outbox, dead_letter).",
+    ["table"],
+    registry=REGISTRY,
+)
+RETENTION_RUNS = Counter(
+    "fluxora_webhook_retention_runs",
+    "Retention runs by result (ok; skipped: another instance was pruning; error).",
+    ["result"],
+    registry=REGISTRY,
+)
+
+
+def set_breaker_state(state: str | None) -> None:
+    """Set the one-hot breaker state gauge; ``None`` clears it (state unknown)."""
+    for name in BREAKER_STATES:
+        BREAKER_STATE.labels(state=name).set(1 if name == state else 0)
+
+
+def _initialise() -> None:
+    BUILD_INFO.labels(version=__version__).set(1)
+    for outcome in OUTCOMES:
+        DELIVERIES.labels(outcome=outcome)
+    for reason in DEAD_LETTER_REASONS:
+        DEAD_LETTERS.labels(reason=reason)
+    for component in REDIS_COMPONENTS:
+        REDIS_FAIL_OPEN.labels(component=component)
+    for from_state, to_state in BREAKER_TRANSITION_PAIRS:
+        BREAKER_TRANSITIONS.labels(from_state=from_state, to_state=to_state)
+    set_breaker_state(None)
+    for table in RETENTION_TABLES:
+        RETENTION_DELETED.labels(table=table)
+    for result in RETENTION_RESULTS:
+        RETENTION_RUNS.labels(result=result)
+
+
+_initialise()

@@ -109,7 +109,7 @@ async def next_due_in_ms(conn: psycopg.AsyncConnection[Any]) -> int | None:
     """Milliseconds until the earliest pending row is due, None when nothing is pending."""
     cur = await conn.execute(query("next_due_in_ms"))
     row = await cur.fetchone()
-    return None if row is None or row[0] is None else int(row[0])
+    return None if row is None or row[0] is None else max(0, int(row[0]))
 
 
 async def complete(

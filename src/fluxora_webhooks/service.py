@@ -12,23 +12,32 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import metrics
+from . import logs, metrics
 from .dispatcher import Dispatcher
 from .errors import SchemaError
 from .gate import DeliveryGate, OpenGate
 from .migrations import check_schema
+from .queries import query
 from .settings import Settings
 
 log = logging.getLogger("fluxora_webhooks.service")
 
 DRAIN_GRACE_S = 5.0
 GAUGE_REFRESH_S = 5.0
+# The backlog gauges count at most this many rows per reading (see read_backlog).
+BACKLOG_COUNT_CAP = 100_000
+# With WEBHOOK_RETENTION set: a prune at start-up, then one per interval.
+RETENTION_INTERVAL_S = 600.0
+RETENTION_BATCH_SIZE = 2000
+RETENTION_PAUSE_S = 0.05
 
 
 async def connect_gate(settings: Settings, redis_url: str) -> DeliveryGate:
@@ -54,6 +63,10 @@ class Service:
         self._schema_ok_at = 0.0
         self._web: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        # Background work (see _start_background); intervals are attributes for tests.
+        self.gauge_interval_s = GAUGE_REFRESH_S
+        self.retention_interval_s = RETENTION_INTERVAL_S
+        self._breaker_redis: Any = None
 
     async def check(self) -> None:
         """Refuse to start on a missing, older or newer schema."""
@@ -63,6 +76,7 @@ class Service:
             await check_schema(conn)
 
     async def run(self, *, install_signals: bool = True) -> None:
+        self._register_sensitive()
         await self.check()
         gate: DeliveryGate = (
             await connect_gate(self.settings, self.redis_url) if self.redis_url else OpenGate()
@@ -74,7 +88,7 @@ class Service:
                 loop.add_signal_handler(sig, self.stop)
         if self.settings.metrics_port:
             await self._start_http()
-        gauges = asyncio.create_task(self._refresh_gauges(), name="fluxora-gauges")
+        background = self._start_background()
         task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
         log.info(
             "dispatching (batch %d, %d claim loops, poll %d ms)",
@@ -97,9 +111,7 @@ class Service:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-            gauges.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gauges
+            await self._stop_background(background)
             await gate.close()
             if self._web is not None:
                 await self._web.cleanup()
@@ -152,31 +164,181 @@ class Service:
             return web.json_response({"status": "not ready", "reason": "stopping"}, status=503)
         return web.json_response({"status": "ready"})
 
+    # -- background work: gauges and retention ----------------------------------------
+
+    def _register_sensitive(self) -> None:
+        """Tell the log scrubber what must never be written."""
+        logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
+        for url in (self.settings.webhook_url, self.database_url, self.redis_url):
+            logs.add_sensitive_url(url)
+
+    def _start_background(self) -> list[asyncio.Task[None]]:
+        tasks = [asyncio.create_task(self._refresh_gauges(), name="fluxora-gauges")]
+        if self.settings.retention_ms is not None:
+            tasks.append(asyncio.create_task(self._retention_loop(), name="fluxora-retention"))
+        return tasks
+
+    async def _stop_background(self, tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._breaker_redis is not None:
+            with contextlib.suppress(Exception):
+                await self._breaker_redis.aclose()
+            self._breaker_redis = None
+
     async def _refresh_gauges(self) -> None:
+        """Every ``gauge_interval_s``: the backlog gauges from one connection kept open
+        (reconnected after an error), and the breaker state from Redis."""
+        conn: psycopg.AsyncConnection[Any] | None = None
+        try:
+            while True:
+                try:
+                    if conn is None or conn.closed or conn.broken:
+                        conn = await psycopg.AsyncConnection.connect(
+                            self.database_url, autocommit=True, connect_timeout=5
+                        )
+                    async with asyncio.timeout(max(self.gauge_interval_s, 5.0)):
+                        set_backlog_gauges(await read_backlog(conn, BACKLOG_COUNT_CAP))
+                except Exception as exc:  # the gauges keep their values; the loop goes on
+                    metrics.BACKLOG_REFRESH_ERRORS.inc()
+                    if isinstance(exc, psycopg.Error | OSError | TimeoutError):
+                        log.debug("backlog gauges not refreshed: %s", type(exc).__name__)
+                    else:
+                        log.exception("backlog gauges not refreshed")
+                    if conn is not None:
+                        await conn.close()
+                    conn = None
+                await self._refresh_breaker_state()
+                await asyncio.sleep(self.gauge_interval_s)
+        finally:
+            if conn is not None:
+                await conn.close()
+
+    async def _refresh_breaker_state(self) -> None:
+        if not (self.redis_url and self.settings.circuit_breaker_threshold > 0):
+            return
+        from redis.asyncio import Redis
+
+        from .breaker import read_breaker_state
+
+        if self._breaker_redis is None:
+            self._breaker_redis = Redis.from_url(
+                self.redis_url, socket_connect_timeout=0.25, socket_timeout=0.5
+            )
+        try:
+            async with asyncio.timeout(1.0):
+                state = await read_breaker_state(
+                    self._breaker_redis, self.settings.webhook_url, self.settings.redis_prefix
+                )
+        except Exception as exc:  # Redis down: the state is unknown, deliveries go on
+            log.debug("breaker state not read: %s", type(exc).__name__)
+            metrics.set_breaker_state(None)
+            return
+        metrics.set_breaker_state(state.state)
+
+    async def _retention_loop(self) -> None:
+        """With ``WEBHOOK_RETENTION``: prune at start-up, then every retention interval.
+
+        Instances take turns through an advisory lock (a run that finds it taken is
+        skipped); batches are small and paced, so dispatching is not disturbed.
+        """
+        from . import retention
+
+        assert self.settings.retention_ms is not None
         while True:
             try:
-                await refresh_gauges(self.database_url)
+                async with await psycopg.AsyncConnection.connect(
+                    self.database_url, autocommit=True, connect_timeout=10
+                ) as conn:
+                    result = await retention.prune(
+                        conn,
+                        older_than_ms=self.settings.retention_ms,
+                        dead_letters=True,
+                        batch_size=RETENTION_BATCH_SIZE,
+                        pause_s=RETENTION_PAUSE_S,
+                        exclusive=True,
+                        on_batch=_count_pruned,
+                    )
             except (psycopg.Error, OSError) as exc:
-                log.debug("gauge refresh failed: %s", type(exc).__name__)
-            await asyncio.sleep(GAUGE_REFRESH_S)
+                metrics.RETENTION_RUNS.labels(result="error").inc()
+                log.warning(
+                    "retention run failed (%s); next run in %.0fs",
+                    type(exc).__name__,
+                    self.retention_interval_s,
+                )
+            except Exception:  # never let the task die: the next run may succeed
+                metrics.RETENTION_RUNS.labels(result="error").inc()
+                log.exception("retention run failed")
+            else:
+                metrics.RETENTION_RUNS.labels(result="skipped" if result.skipped else "ok").inc()
+                if result.outbox_rows or result.dead_letters:
+                    log.info(
+                        "retention: deleted %d processed outbox row(s) and %d dead letter(s)"
+                        " older than %s",
+                        result.outbox_rows,
+                        result.dead_letters,
+                        result.cutoff.isoformat() if result.cutoff else "?",
+                    )
+            await asyncio.sleep(self.retention_interval_s)
+
+
+def _count_pruned(table: str, rows: int) -> None:
+    metrics.RETENTION_DELETED.labels(table=table).inc(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """The outbox backlog at one moment (see :func:`read_backlog`)."""
+
+    pending: int
+    due: int
+    oldest_due_age_s: float  # 0 when nothing is due
+    next_due_in_s: float | None  # the earliest row due later; None when there is none
+    dead_letters: int
+    capped: bool  # a count reached the cap: ``pending`` is an estimate, ``due`` a lower bound
+    cap: int
+
+
+async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_COUNT_CAP) -> Backlog:
+    """Read the backlog cheaply, however large the table.
+
+    Everything comes from the partial indexes (``webhook_outbox_due_idx``,
+    ``webhook_dead_letter_dead_idx``); counts stop at ``cap`` rows. When the pending count
+    reaches the cap, ``pending`` is the larger of the cap and PostgreSQL's own estimate of
+    the partial index's size (``pg_class.reltuples``, kept current by autovacuum), and
+    ``capped`` is set; ``due`` and ``dead_letters`` are then lower bounds.
+    """
+    cur = await conn.execute(query("backlog"), {"cap": cap})
+    row = await cur.fetchone()
+    assert row is not None
+    pending, due, oldest, next_due, estimate, dead = row
+    capped = int(pending) >= cap or int(due) >= cap or int(dead) >= cap
+    if int(pending) >= cap:
+        pending = max(cap, int(estimate or 0))
+    return Backlog(
+        pending=int(pending),
+        due=int(due),
+        oldest_due_age_s=max(0.0, float(oldest or 0.0)),
+        next_due_in_s=None if next_due is None else max(0.0, float(next_due)),
+        dead_letters=int(dead),
+        capped=capped,
+        cap=cap,
+    )
+
+
+def set_backlog_gauges(backlog: Backlog) -> None:
+    metrics.OUTBOX_PENDING.set(backlog.pending)
+    metrics.OUTBOX_DUE.set(backlog.due)
+    metrics.OUTBOX_PENDING_ESTIMATED.set(1 if backlog.capped else 0)
+    metrics.OUTBOX_OLDEST_DUE_AGE.set(backlog.oldest_due_age_s)
+    metrics.DEAD_LETTER_ROWS.set(backlog.dead_letters)
+    metrics.BACKLOG_REFRESHED.set(time.time())
 
 
 async def refresh_gauges(database_url: str) -> None:
-    """Backlog gauges from the partial index: cheap however many processed rows exist."""
+    """Read the backlog once and set the gauges (a connection of its own)."""
     async with await psycopg.AsyncConnection.connect(
         database_url, autocommit=True, connect_timeout=5
     ) as conn:
-        cur = await conn.execute(
-            "SELECT count(*),"
-            " COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)"
-            " FILTER (WHERE created_at <= now())), 0)"
-            " FROM webhook_outbox WHERE NOT processed"
-        )
-        row = await cur.fetchone()
-        assert row is not None
-        metrics.OUTBOX_PENDING.set(int(row[0]))
-        metrics.OUTBOX_OLDEST_DUE_AGE.set(float(row[1]))
-        cur = await conn.execute("SELECT count(*) FROM webhook_dead_letter WHERE state = 'dead'")
-        dead = await cur.fetchone()
-        assert dead is not None
-        metrics.DEAD_LETTER_ROWS.set(int(dead[0]))
+        set_backlog_gauges(await read_backlog(conn))

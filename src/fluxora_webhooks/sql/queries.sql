@@ -12,10 +12,13 @@ LIMIT %(batch)s
 FOR UPDATE SKIP LOCKED;
 
 -- name: next_due_in_ms
--- How long until the earliest unprocessed row is due (NULL when none is pending).
-SELECT GREATEST(0, EXTRACT(EPOCH FROM (min(created_at) - now())) * 1000)::bigint
+-- How long until the earliest row due LATER is due (NULL when there is none). Rows due now
+-- are either claimed by this loop, locked by another one (which completes them), or arrive
+-- with a NOTIFY; counting them would make an idle loop spin while others work. (And no
+-- GREATEST(0, ...): it skips NULLs, turning "nothing pending" into "due now".)
+SELECT (EXTRACT(EPOCH FROM (min(created_at) - now())) * 1000)::bigint
 FROM webhook_outbox
-WHERE processed = false;
+WHERE processed = false AND created_at > now();
 
 -- name: complete_batch
 -- Every outcome of one batch in one statement: mark attempts processed, defer rows,
@@ -105,3 +108,82 @@ UPDATE webhook_dead_letter
 SET state = 'purged', state_changed_at = now()
 WHERE state = 'dead' AND (%(all)s OR delivery_id::text = ANY(%(keys)s) OR id::text = ANY(%(keys)s))
 RETURNING delivery_id::text;
+
+-- name: backlog
+-- The backlog as the service's gauges and `status` read it. Every part is served by a
+-- partial index (webhook_outbox_due_idx, webhook_dead_letter_dead_idx), and the counts
+-- stop at the cap so a huge backlog costs a bounded scan; above the cap,
+-- pending_estimate (the planner statistics of the partial index) says how large it is.
+SELECT
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_outbox WHERE NOT processed LIMIT %(cap)s
+    ) p) AS pending,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_outbox WHERE NOT processed AND created_at <= now() LIMIT %(cap)s
+    ) d) AS due,
+    (SELECT EXTRACT(EPOCH FROM now() - min(created_at))::float8
+     FROM webhook_outbox WHERE NOT processed AND created_at <= now()) AS oldest_due_age_s,
+    (SELECT EXTRACT(EPOCH FROM min(created_at) - now())::float8
+     FROM webhook_outbox WHERE NOT processed AND created_at > now()) AS next_due_in_s,
+    (SELECT reltuples::float8 FROM pg_class
+     WHERE oid = to_regclass('webhook_outbox_due_idx')) AS pending_estimate,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_dead_letter WHERE state = 'dead' LIMIT %(cap)s
+    ) x) AS dead_letters;
+
+-- name: recent_outcomes
+-- Attempts completed within the window, by outcome (processed_at index).
+SELECT outcome, count(*) AS attempts,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS p50_ms,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY duration_ms) AS p95_ms,
+       max(processed_at) AS last_at
+FROM webhook_outbox
+WHERE processed AND processed_at >= now() - %(window_ms)s * interval '1 millisecond'
+GROUP BY outcome
+ORDER BY outcome;
+
+-- name: retention_cutoff
+-- One cutoff for a whole prune run, from the database's clock.
+SELECT now() - %(older_than_ms)s * interval '1 millisecond';
+
+-- name: prune_outbox
+-- One bounded batch of processed rows older than the cutoff, oldest first (served by
+-- webhook_outbox_processed_at_idx). SKIP LOCKED: never waits on a row another
+-- transaction holds. Unprocessed rows are never candidates.
+WITH gone AS (
+    DELETE FROM webhook_outbox
+    WHERE id IN (
+        SELECT id FROM webhook_outbox
+        WHERE processed AND processed_at < %(cutoff)s
+        ORDER BY processed_at
+        LIMIT %(batch)s
+        FOR UPDATE SKIP LOCKED
+    )
+    AND processed
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: prune_dead_letters
+-- One bounded batch of dead letters already replayed or purged before the cutoff.
+-- Dead letters still waiting ('dead') are never candidates.
+WITH gone AS (
+    DELETE FROM webhook_dead_letter
+    WHERE id IN (
+        SELECT id FROM webhook_dead_letter
+        WHERE state IN ('replayed', 'purged')
+          AND COALESCE(state_changed_at, dead_at) < %(cutoff)s
+        LIMIT %(batch)s
+        FOR UPDATE SKIP LOCKED
+    )
+    AND state IN ('replayed', 'purged')
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: prune_outbox_count
+SELECT count(*) FROM webhook_outbox WHERE processed AND processed_at < %(cutoff)s;
+
+-- name: prune_dead_letters_count
+SELECT count(*) FROM webhook_dead_letter
+WHERE state IN ('replayed', 'purged') AND COALESCE(state_changed_at, dead_at) < %(cutoff)s;

@@ -1,0 +1,114 @@
+"""``fluxora-webhooks prune``: delete the delivery history older than a period.
+
+Processed outbox rows (delivered, retried or dead-lettered attempts) whose
+``processed_at`` is older than ``--older-than`` are deleted in bounded batches; pending
+rows never are. With ``--dead-letters``, dead letters already replayed or purged before
+then go too (dead letters still waiting stay). See :mod:`fluxora_webhooks.retention`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ..errors import ConfigError
+from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
+
+PROG = "fluxora-webhooks prune"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Delete processed outbox rows (the attempt history) older than a period, in "
+            "short batches, alongside running dispatchers. Pending rows are never touched."
+        ),
+    )
+    parser.add_argument(
+        "--older-than",
+        required=True,
+        metavar="PERIOD",
+        help="age of the history to delete, e.g. 7d, 12h, 90m (units ms, s, m, h, d)",
+    )
+    parser.add_argument(
+        "--dead-letters",
+        action="store_true",
+        help="also delete dead letters replayed or purged before then (never waiting ones)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"rows per transaction (default {DEFAULT_BATCH_SIZE}, at most {MAX_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="count what would be deleted; delete nothing"
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def parse(rest: Sequence[str]) -> argparse.Namespace:
+    argv = list(rest)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    return build_parser().parse_args(argv)
+
+
+def command(args: argparse.Namespace, env: dict[str, str]) -> int:
+    import psycopg
+
+    from ..cli import _engines, run_async
+    from ..retention import prune
+    from ..settings import parse_duration_ms
+
+    opts = parse(args.rest)
+    older_than_ms = parse_duration_ms(opts.older_than, "--older-than")
+    if not 1 <= opts.batch_size <= MAX_BATCH_SIZE:
+        raise ConfigError("--batch-size", f"must be between 1 and {MAX_BATCH_SIZE}")
+    database_url, _ = _engines(env, redis=False)
+
+    async def main() -> int:
+        from ..migrations import check_schema
+
+        try:
+            async with await psycopg.AsyncConnection.connect(
+                database_url, autocommit=True, connect_timeout=10
+            ) as conn:
+                await check_schema(conn)
+                result = await prune(
+                    conn,
+                    older_than_ms=older_than_ms,
+                    dead_letters=opts.dead_letters,
+                    batch_size=opts.batch_size,
+                    dry_run=opts.dry_run,
+                )
+        except psycopg.OperationalError as exc:
+            from ..logs import scrub
+
+            print(
+                f"fluxora-webhooks: database unavailable: {scrub(str(exc)).strip()}",
+                file=sys.stderr,
+            )
+            return 1
+        report(result, opts)
+        return 0
+
+    return run_async(main())
+
+
+def report(result: PruneResult, opts: argparse.Namespace) -> None:
+    if opts.json:
+        print(json.dumps(result.as_dict()))
+        return
+    verb = "would delete" if result.dry_run else "deleted"
+    cutoff = result.cutoff.isoformat(timespec="seconds") if result.cutoff else "?"
+    print(f"{verb} {result.outbox_rows} processed outbox row(s) older than {cutoff}")
+    if opts.dead_letters:
+        print(f"{verb} {result.dead_letters} replayed or purged dead letter(s)")
+    if not result.dry_run:
+        print(f"{result.batches} batch(es) of at most {opts.batch_size} rows")

@@ -1,0 +1,219 @@
+"""No secret and no full URL in any log line or metric: the service is driven through
+deliveries, retries, dead letters, refused connections, timeouts and a Redis that refuses
+its password, in JSON and in text, and everything it wrote is scanned."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import psycopg
+import pytest
+from aiohttp import web
+
+from fluxora_webhooks import logs
+from tests.e2e.test_observability import free_port, running_service
+from tests.support.dispatch import pending, rows, wait_until
+from tests.support.procs import dispatcher_env
+from tests.support.receiver import Received, Receiver
+
+pytestmark = pytest.mark.e2e
+
+SECRET = "log-scan-secret-0123456789-abcdefghijkl"
+PREVIOUS = "log-scan-previous-secret-9876543210-zyx"
+QUERY_TOKEN = "sekrit-query-token"  # in the receiver fixture's URL
+DB_PASSWORD = "db-password-never-logged"
+REDIS_PASSWORD = "redis-password-never-logged"
+
+
+def _leaks(text: str) -> list[str]:
+    return [
+        s
+        for s in (SECRET, PREVIOUS, QUERY_TOKEN, DB_PASSWORD, REDIS_PASSWORD, "/hook")
+        if s in text
+    ]
+
+
+def _with_password(url: str, password: str) -> str:
+    scheme, rest = url.split("://", 1)
+    # Redis: a user that does not exist, so AUTH fails and the gate fails open.
+    user = "postgres" if scheme.startswith("postgres") else "fluxora-nobody"
+    if "@" in rest:
+        user, rest = rest.split("@", 1)
+        user = user.split(":", 1)[0]
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
+async def _enqueue(database_url: str, kinds: list[str]) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " SELECT 's-' || n, 'stream.updated', jsonb_build_object('kind', k)"
+            " FROM unnest(%s::text[]) WITH ORDINALITY AS t(k, n) ORDER BY n",
+            (kinds,),
+        )
+
+
+async def _idle(database_url: str) -> bool:
+    return await pending(database_url) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_format", ["json", "text"])
+async def test_logs_and_metrics_never_carry_a_secret_or_a_full_url(
+    database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+    log_format: str,
+) -> None:
+    async def respond(r: Received) -> web.Response:
+        kind = json.loads(r.body)["kind"]
+        if kind == "gone":
+            return web.Response(status=410, text=f"no such hook; your secret is {SECRET}")
+        if kind == "flaky" and r.attempt == 1:
+            return web.Response(status=503, headers={"Retry-After": "0"})
+        if kind == "slow":
+            await asyncio.sleep(1.0)
+        return web.Response(status=200)
+
+    receiver.respond = respond
+    assert QUERY_TOKEN in receiver.url
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        refused_port = sock.getsockname()[1]
+    common = {
+        "LOG_FORMAT": log_format,
+        "LOG_LEVEL": "DEBUG",
+        "WEBHOOK_SECRET": SECRET,
+        "WEBHOOK_SECRET_PREVIOUS": PREVIOUS,
+        "WEBHOOK_MAX_ATTEMPTS": "2",
+        "WEBHOOK_RETRY_SCHEDULE": "50ms",
+        "WEBHOOK_TIMEOUT_MS": "300",
+        "WEBHOOK_POLL_INTERVAL_MS": "200",
+        "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD": "5",
+    }
+    db_url = _with_password(database_url, DB_PASSWORD)  # trust auth: accepted, unused
+    bad_redis = _with_password(redis_url, REDIS_PASSWORD)  # refused by a Redis without auth
+    logs_seen: list[str] = []
+    metrics_seen: list[str] = []
+
+    # 1. A live consumer: delivered, retried, dead-lettered (410 and timeouts).
+    port = free_port()
+    env = dispatcher_env(
+        db_url, bad_redis, receiver.url, redis_prefix, WEBHOOK_METRICS_PORT=str(port), **common
+    )
+    async with running_service(env, tmp_path / "live.log") as service:
+        await _enqueue(database_url, ["ok", "ok", "gone", "flaky", "slow"])
+        await wait_until(lambda: _idle(database_url), timeout=30, what="live consumer done")
+        metrics_seen.append(await service.metrics_text())
+    logs_seen.append(service.proc.log())
+
+    # 2. A consumer that refuses connections, with the same token in its URL.
+    refused_url = f"http://127.0.0.1:{refused_port}/hook?token={QUERY_TOKEN}"
+    env = dispatcher_env(
+        db_url,
+        redis_url,
+        refused_url,
+        redis_prefix,
+        WEBHOOK_METRICS_PORT=str(free_port()),
+        **common,
+    )
+    async with running_service(env, tmp_path / "refused.log") as service:
+        await _enqueue(database_url, ["ok", "ok"])
+        await wait_until(lambda: _idle(database_url), timeout=30, what="refused consumer done")
+        metrics_seen.append(await service.metrics_text())
+    logs_seen.append(service.proc.log())
+
+    outcomes = await rows(
+        database_url,
+        "SELECT outcome, count(*) FROM webhook_outbox GROUP BY outcome ORDER BY outcome",
+    )
+    # The run went through every path: 3 delivered (2 ok + flaky), retries of flaky, slow
+    # and both refused events, dead letters for gone, slow (timeouts) and the refused ones.
+    assert outcomes == [("dead_letter", 4), ("delivered", 3), ("retry", 4)]
+    errors = [r[0] for r in await rows(database_url, "SELECT error FROM webhook_outbox")]
+    assert "timeout" in errors
+    assert any(e and "connection failed" in e for e in errors)
+
+    text = "\n".join(logs_seen)
+    assert "Redis unavailable" in text  # the fail-open path was logged too
+    assert "dead-lettered" in text and "retry in" in text
+    assert f"127.0.0.1:{refused_port}" in text  # scheme and host are fine
+    assert _leaks(text) == [], text
+    for page in metrics_seen:
+        assert _leaks(page) == []
+        assert f"127.0.0.1:{receiver.port}" not in page and str(refused_port) not in page
+    # Nothing in the stored attempt records either.
+    stored = json.dumps(await rows(database_url, "SELECT error, response_body FROM webhook_outbox"))
+    assert QUERY_TOKEN not in stored and "/hook" not in stored
+
+    if log_format == "json":
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        failed = [r for r in records if r.get("status") == 503]
+        assert failed, "no structured record of the 503"
+        assert {"delivery_id", "event_type", "attempt", "duration_ms"} <= failed[0].keys()
+        assert failed[0]["attempt"] == 1 and failed[0]["event_type"] == "stream.updated"
+    else:
+        assert "status=503" in text and "delivery_id=" in text
+
+
+def test_tracebacks_and_third_party_records_are_scrubbed() -> None:
+    url = f"https://consumer.example.com:8443/in/hook?token={QUERY_TOKEN}&x=1"
+    logs.add_sensitive(SECRET)
+    try:
+        try:
+            raise aiohttp.ClientResponseError(
+                aiohttp.RequestInfo(
+                    url=__import__("yarl").URL(url), method="POST", headers={}, real_url=url
+                ),
+                (),
+                status=500,
+                message=f"server error, signed with {SECRET}",
+            )
+        except aiohttp.ClientResponseError:
+            exc_info = sys.exc_info()
+        record = logging.LogRecord(
+            "aiohttp.client", logging.ERROR, __file__, 1, "request to %s failed", (url,), exc_info
+        )
+        record.delivery_id = "d-1"
+        for formatter in (logs.JsonFormatter(), logs.TextFormatter()):
+            out = formatter.format(record)
+            record.exc_text = None  # each formatter renders the traceback afresh
+            assert "https://consumer.example.com:8443" in out
+            assert "ClientResponseError" in out  # the traceback is kept, only scrubbed
+            assert _leaks(out) == [] and "/in/" not in out and "x=1" not in out, out
+        conninfo = logging.LogRecord(
+            "psycopg.pool",
+            logging.WARNING,
+            __file__,
+            1,
+            "connect failed: host=db port=5432 password=%s",
+            (DB_PASSWORD,),
+            None,
+        )
+        assert DB_PASSWORD not in logs.TextFormatter().format(conninfo)
+    finally:
+        logs.clear_sensitive()
+
+
+async def test_an_uncaught_exception_is_scrubbed_too(tmp_path: Path) -> None:
+    code = (
+        "from fluxora_webhooks import logs\n"
+        "logs.configure('text')\n"
+        f"raise RuntimeError('could not reach http://h.example/hook?token={QUERY_TOKEN}')\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    text = err.decode()
+    assert proc.returncode == 1
+    assert "RuntimeError: could not reach http://h.example" in text
+    assert _leaks(text) == []
