@@ -60,7 +60,6 @@ class Service:
         self.database_url = database_url
         self.redis_url = redis_url
         self.dispatcher: Dispatcher | None = None
-        self._schema_ok_at = 0.0
         self._web: web.AppRunner | None = None
         self.metrics_port: int | None = None
         # Background work (see _start_background); intervals are attributes for tests.

@@ -7,32 +7,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psycopg
 import pytest
 from aiohttp import web
 
-from tests.support.dispatch import pending, rows, scalar, wait_until
+from tests.support.dispatch import enqueue_many, pending, rows, scalar, wait_until
 from tests.support.procs import dispatcher_env, dispatchers, start_dispatcher
 from tests.support.receiver import Received, Receiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-async def _enqueue_many(database_url: str, n: int) -> None:
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
-            " FROM generate_series(1, %s) g",
-            (n,),
-        )
-
-
 async def test_three_dispatchers_never_claim_the_same_row(
     database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
 ) -> None:
     n = 3000
-    await _enqueue_many(database_url, n)
+    await enqueue_many(database_url, n)
     env = dispatcher_env(
         database_url,
         redis_url,
@@ -63,7 +52,7 @@ async def test_sigkill_mid_batch_loses_nothing(
 
     receiver.respond = slow
     n = 300
-    await _enqueue_many(database_url, n)
+    await enqueue_many(database_url, n)
     env = dispatcher_env(
         database_url,
         redis_url,
@@ -102,7 +91,7 @@ async def test_sigterm_drains_the_in_flight_batch_and_exits_zero(
         return web.Response(status=200)
 
     receiver.respond = slow
-    await _enqueue_many(database_url, 30)
+    await enqueue_many(database_url, 30)
     env = dispatcher_env(
         database_url,
         redis_url,

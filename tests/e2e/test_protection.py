@@ -9,14 +9,13 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
 from fluxora_webhooks.breaker import OPEN, read_breaker_state
 from fluxora_webhooks.ratelimit import rate_limit_key
-from tests.support.dispatch import pending, scalar, wait_until
+from tests.support.dispatch import enqueue_many, pending, scalar, wait_until
 from tests.support.procs import dispatcher_env, dispatchers
 from tests.support.receiver import Received, Receiver
 from tests.support.redis_server import RedisServer, free_port
@@ -25,16 +24,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # Latency between the gate's admission (Redis clock) and the consumer's receipt (same host).
 SKEW_S = 0.05
-
-
-async def _enqueue_many(database_url: str, n: int) -> None:
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
-            " FROM generate_series(1, %s) g",
-            (n,),
-        )
 
 
 async def _dead_letters(database_url: str) -> int:
@@ -51,7 +40,7 @@ async def test_retries_across_three_dispatchers_respect_the_shared_rate(
         return web.Response(status=503 if r.attempt <= 2 else 200)
 
     receiver.respond = respond
-    await _enqueue_many(database_url, events)
+    await enqueue_many(database_url, events)
     env = dispatcher_env(
         database_url, redis_url, receiver.url, redis_prefix,
         WEBHOOK_RETRY_RPS=str(rps), WEBHOOK_RETRY_SCHEDULE="50ms", WEBHOOK_MAX_ATTEMPTS="3",
@@ -92,7 +81,7 @@ async def test_breaker_blocks_while_open_probes_once_per_period_and_recovers(
         return web.Response(status=503 if r.at < failing_until else 200)
 
     receiver.respond = respond
-    await _enqueue_many(database_url, events)
+    await enqueue_many(database_url, events)
     env = dispatcher_env(
         database_url, redis_url, receiver.url, redis_prefix,
         WEBHOOK_CIRCUIT_BREAKER_THRESHOLD="3", WEBHOOK_CIRCUIT_BREAKER_RESET_MS=str(reset_ms),
@@ -163,12 +152,12 @@ async def test_redis_outage_does_not_stop_deliveries_and_protection_resumes(
         client = Redis.from_url(url)
         try:
             async with dispatchers(2, env, tmp_path):
-                await _enqueue_many(database_url, 20)
+                await enqueue_many(database_url, 20)
                 await receiver.wait_for(20)
                 assert await client.exists(key)  # the gate records attempts
 
                 server.stop()
-                await _enqueue_many(database_url, 50)
+                await enqueue_many(database_url, 50)
                 await receiver.wait_for(70, timeout=30)  # delivered with Redis down
                 await wait_until(lambda: _drained(database_url), what="drained during outage")
 
@@ -185,7 +174,7 @@ async def test_redis_outage_does_not_stop_deliveries_and_protection_resumes(
                         await asyncio.sleep(0.005)
 
                 watcher = asyncio.create_task(watch())
-                await _enqueue_many(database_url, 20)
+                await enqueue_many(database_url, 20)
                 await receiver.wait_for(90, timeout=30)
                 await wait_until(lambda: _drained(database_url), what="drained after restart")
                 watcher.cancel()

@@ -22,6 +22,8 @@ from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.ratelimit import rate_limit_key, url_digest
 from fluxora_webhooks.redis_gate import RedisGate
+from tests.support import gates
+from tests.support.gates import server_ms
 
 pytestmark = pytest.mark.integration
 
@@ -30,21 +32,17 @@ TRANSITIONS = "fluxora_webhook_circuit_breaker_transitions_total"
 
 
 def make_gate(client: Redis, prefix: str, **overrides: Any) -> RedisGate:
-    options: dict[str, Any] = {
-        "retry_rps": 1000,
-        "breaker_threshold": 3,
-        "breaker_reset_ms": 200,
-        "probe_ttl_ms": 10_000,
-        "prefix": prefix,
-        "timeout_ms": 5_000,
-    }
-    options.update(overrides)
-    return RedisGate(client, **options)
-
-
-async def server_ms(client: Redis) -> int:
-    seconds, micros = await client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
+    return gates.make_gate(
+        client,
+        prefix,
+        **{
+            "retry_rps": 1000,
+            "breaker_threshold": 3,
+            "breaker_reset_ms": 200,
+            "probe_ttl_ms": 10_000,
+            **overrides,
+        },
+    )
 
 
 async def wait_until_server_ms(client: Redis, target: int) -> None:

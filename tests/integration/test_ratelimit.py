@@ -13,6 +13,8 @@ from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.ratelimit import rate_limit_key, url_digest
 from fluxora_webhooks.redis_gate import RedisGate
+from tests.support import gates
+from tests.support.gates import server_ms
 
 pytestmark = pytest.mark.integration
 
@@ -21,21 +23,17 @@ DENIED = Admission(False, delay_ms=1000, reason="rate_limited")
 
 
 def make_gate(client: Redis, prefix: str, **overrides: Any) -> RedisGate:
-    options: dict[str, Any] = {
-        "retry_rps": 3,
-        "breaker_threshold": 0,
-        "breaker_reset_ms": 60_000,
-        "probe_ttl_ms": 10_000,
-        "prefix": prefix,
-        "timeout_ms": 5_000,
-    }
-    options.update(overrides)
-    return RedisGate(client, **options)
-
-
-async def server_ms(client: Redis) -> int:
-    seconds, micros = await client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
+    return gates.make_gate(
+        client,
+        prefix,
+        **{
+            "retry_rps": 3,
+            "breaker_threshold": 0,
+            "breaker_reset_ms": 60_000,
+            "probe_ttl_ms": 10_000,
+            **overrides,
+        },
+    )
 
 
 async def scored(client: Redis, key: str) -> dict[bytes, float]:

@@ -26,6 +26,7 @@ from fluxora_webhooks.gate import Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.ratelimit import rate_limit_key
 from fluxora_webhooks.redis_gate import RedisGate
+from tests.support.gates import server_ms
 
 pytestmark = pytest.mark.integration
 
@@ -53,11 +54,6 @@ def gate_options(prefix: str, **overrides: Any) -> dict[str, Any]:
     }
     options.update(overrides)
     return options
-
-
-async def server_ms(client: Redis) -> int:
-    seconds, micros = await client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def fail_opens() -> float:
@@ -173,6 +169,7 @@ import asyncio, json, sys, time
 from redis.asyncio import Redis
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_gate import RedisGate
+from tests.support.gates import server_ms
 
 config = json.loads(sys.argv[1])
 

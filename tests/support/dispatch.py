@@ -74,6 +74,17 @@ async def rows(database_url: str, sql: str, params: Any = None) -> list[tuple[An
         return list(await cur.fetchall())
 
 
+async def enqueue_many(database_url: str, n: int, event_type: str = "stream.updated") -> None:
+    """``n`` events by plain SQL, as a producer in any language would write them."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " SELECT 's-' || g, %s, jsonb_build_object('n', g)"
+            " FROM generate_series(1, %s) g",
+            (event_type, n),
+        )
+
+
 async def pending(database_url: str) -> int:
     return int(
         await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")

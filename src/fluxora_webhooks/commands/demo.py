@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from pathlib import Path
 
 import psycopg
@@ -82,7 +81,7 @@ def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     from ..demo import DemoOptions, run_demo
     from ..demo.display import DemoDisplay, print_summary
 
-    opts = build_parser().parse_args(_rest(args))
+    opts = build_parser().parse_args(args.rest)
     options = DemoOptions(
         events=opts.events,
         seed=opts.seed,
@@ -125,9 +124,3 @@ def command(args: argparse.Namespace, env: dict[str, str]) -> int:
                 markup=False,
             )
             return 1
-
-
-def _rest(args: argparse.Namespace) -> Sequence[str]:
-    rest: list[str] = list(getattr(args, "rest", None) or [])
-    # `fluxora-webhooks demo -- --events 60`: the separator is not an argument of ours.
-    return rest[1:] if rest[:1] == ["--"] else rest

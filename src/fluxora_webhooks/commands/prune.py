@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
@@ -52,13 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(rest: Sequence[str]) -> argparse.Namespace:
-    argv = list(rest)
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
-    return build_parser().parse_args(argv)
-
-
 def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     import psycopg
 
@@ -66,7 +58,7 @@ def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     from ..retention import prune
     from ..settings import parse_duration_ms
 
-    opts = parse(args.rest)
+    opts = build_parser().parse_args(args.rest)
     older_than_ms = parse_duration_ms(opts.older_than, "--older-than")
     if not 1 <= opts.batch_size <= MAX_BATCH_SIZE:
         raise ConfigError("--batch-size", f"must be between 1 and {MAX_BATCH_SIZE}")

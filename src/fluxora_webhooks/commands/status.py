@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 PROG = "fluxora-webhooks status"
@@ -43,18 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(rest: Sequence[str]) -> argparse.Namespace:
-    argv = list(rest)
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
-    return build_parser().parse_args(argv)
-
-
 def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     from ..cli import _engines, run_async
     from ..errors import ConfigError
 
-    opts = parse(args.rest)
+    opts = build_parser().parse_args(args.rest)
     if opts.minutes < 1:
         raise ConfigError("--minutes", "must be at least 1")
     webhook_url = env.get("WEBHOOK_URL", "").strip()
