@@ -26,7 +26,7 @@ def admin_database_url() -> str:
     url = os.environ.get("FLUXORA_TEST_DATABASE_URL")
     if url:
         return url
-    if _reachable("127.0.0.1", 5432):
+    if not _force_embedded() and _reachable("127.0.0.1", 5432):
         return DEFAULT_PG
     return _embedded_admin_url()
 
@@ -36,9 +36,14 @@ def redis_url() -> str:
     url = os.environ.get("FLUXORA_TEST_REDIS_URL")
     if url:
         return url
-    if _reachable("127.0.0.1", 6379):
+    if not _force_embedded() and _reachable("127.0.0.1", 6379):
         return DEFAULT_REDIS
     return _embedded_redis_url()
+
+
+def _force_embedded() -> bool:
+    """``FLUXORA_TEST_ENGINES=embedded`` runs the suite as on a machine with neither engine."""
+    return os.environ.get("FLUXORA_TEST_ENGINES", "").strip().lower() == "embedded"
 
 
 def with_dbname(url: str, name: str) -> str:
