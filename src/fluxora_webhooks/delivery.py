@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from enum import Enum
 
 import aiohttp
@@ -97,7 +98,7 @@ async def attempt(
             else:
                 body_error = None
             retry_after = (
-                parse_retry_after(response.headers.get("Retry-After"), time.time())
+                parse_retry_after(response.headers.get("Retry-After"), _consumer_now(response))
                 if kind is Kind.RETRYABLE
                 else None
             )
@@ -151,6 +152,21 @@ async def attempt(
             duration_ms=elapsed(),
             reason="invalid_request",
         )
+
+
+def _consumer_now(response: aiohttp.ClientResponse) -> float:
+    """The moment of the response on the consumer's clock (its ``Date`` header).
+
+    A ``Retry-After`` HTTP date is measured against it, so the delay (and the due time the
+    database derives from it) does not depend on this process's clock: one running hours
+    behind used to schedule such a retry hours late. Without a usable ``Date`` header,
+    this process's clock.
+    """
+    try:
+        when = parsedate_to_datetime(response.headers.get("Date", ""))
+    except (TypeError, ValueError, IndexError):
+        return time.time()
+    return when.timestamp() if when is not None and when.tzinfo is not None else time.time()
 
 
 def _endpoint_error(exc: BaseException) -> EndpointError | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import time
@@ -32,7 +33,15 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from . import metrics
 from .delivery import AttemptResult, Kind, attempt
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
-from .outbox import NOTIFY_CHANNEL, Claimed, Completion, claim_due, complete, next_due_in_ms
+from .outbox import (
+    NOTIFY_CHANNEL,
+    Claimed,
+    Completion,
+    claim_due,
+    complete,
+    next_due_in_ms,
+    relock_claimed,
+)
 from .retry import RetryPolicy
 from .settings import Settings
 from .signing import Signer
@@ -41,6 +50,9 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 
 _DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 _BACKOFF_MAX_S = 5.0
+_LOCK_TIMEOUT_MS = 10_000
+_STATEMENT_TIMEOUT_MS = 60_000
+_POOL_RECONNECT_S = 5.0
 _HELD_ELSEWHERE_MS = 50
 
 
@@ -83,6 +95,10 @@ class Waker:
         finally:
             if not waiter.done():
                 waiter.cancel()
+            # A waiter that timed out leaves the queue now, not at the next wake-up: an
+            # idle dispatcher would otherwise pile up one per poll.
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
 
 
 class Dispatcher:
@@ -106,6 +122,10 @@ class Dispatcher:
         self._own_session = session is None
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_ms / 1000)
+        # At most max_connections requests at once in this process. A request waits for a
+        # slot here, before its timeout starts: waiting for a connection is not the
+        # consumer's failure and must not consume an attempt or trip the breaker.
+        self._slots = asyncio.Semaphore(settings.max_connections)
         self._stopping = asyncio.Event()
         self._waker = Waker(cap=settings.claim_loops)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
@@ -135,9 +155,14 @@ class Dispatcher:
             min_size=loops,
             max_size=loops + 1,
             kwargs={"autocommit": True},
+            configure=self._configure_connection,
             open=False,
             name="fluxora-claim",
-            reconnect_timeout=float("inf"),
+            # The pool's own reconnect backoff doubles without a cap (1, 2, 4, ... 64 s):
+            # after a long outage it came back long after PostgreSQL did. Each reconnect
+            # attempt gives up after a few seconds instead; the claim loops (capped
+            # backoff) then ask again, which starts a fresh attempt.
+            reconnect_timeout=_POOL_RECONNECT_S,
         )
         await self._pool.open(wait=False)
         if self._session is None:
@@ -158,6 +183,19 @@ class Dispatcher:
             await self._pool.close()
             if self._own_session and self._session is not None:
                 await self._session.close()
+
+    async def _configure_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Session limits of a claim connection. Its transaction idles while the batch's
+        requests are in flight, so a server-wide idle_in_transaction_session_timeout shorter
+        than the request timeout would kill every slow batch; and a lock that never comes
+        (an operator's ALTER TABLE, say) must not hang a claim loop (or a drain) forever."""
+        idle_ms = self.settings.timeout_ms + 60_000
+        await conn.execute(
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
+            " set_config('lock_timeout', %s, false),"
+            " set_config('statement_timeout', %s, false)",
+            (str(idle_ms), str(_LOCK_TIMEOUT_MS), str(_STATEMENT_TIMEOUT_MS)),
+        )
 
     # -- wake-ups --------------------------------------------------------------------
 
@@ -189,7 +227,7 @@ class Dispatcher:
         backoff = 0.05
         while not self.stopping:
             try:
-                async with self._pool.connection() as conn:
+                async with self._pool.connection(timeout=_POOL_RECONNECT_S) as conn:
                     while not self.stopping:
                         claimed, next_due = await self._run_batch(conn)
                         backoff = 0.05
@@ -233,14 +271,30 @@ class Dispatcher:
 
     async def _run_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
         """One claim transaction. Returns (rows claimed, ms until the next future due row)."""
-        async with conn.transaction():
-            rows = await claim_due(conn, self.settings.batch_size)
-            if rows:
-                completions = await self._attempt_batch(rows)
-                await self._complete(conn, completions)
-            next_due = await next_due_in_ms(conn) if len(rows) < self.settings.batch_size else 0
+        completions: list[Completion] = []
+        try:
+            async with conn.transaction():
+                rows = await claim_due(conn, self.settings.batch_size)
+                if rows:
+                    completions = await self._attempt_batch(rows)
+                    # No savepoint around the batch statement: SAVEPOINT and RELEASE cost
+                    # two more round trips and a subtransaction per batch, about a fifth
+                    # of the database's CPU per batch (docs/performance.md). If it fails,
+                    # the transaction rolls back and the except below takes over.
+                    await complete(conn, completions)
+                claimed = len(rows)
+                next_due = await next_due_in_ms(conn) if claimed < self.settings.batch_size else 0
+        except _DB_ERRORS:
+            raise
+        except psycopg.Error as exc:
+            if not completions:
+                raise  # nothing was sent: the claim itself failed
+            log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+            await self._complete_row_by_row(conn, completions)
+            claimed, next_due = len(completions), 0
+        self._count_outcomes(completions)
         self.batches += 1
-        return len(rows), next_due
+        return claimed, next_due
 
     async def _attempt_batch(self, rows: Sequence[Claimed]) -> list[Completion]:
         admissions = await self._admit(rows)
@@ -280,6 +334,10 @@ class Dispatcher:
         return admissions
 
     async def _send(self, row: Claimed, timestamp: int) -> AttemptResult:
+        async with self._slots:
+            return await self._send_now(row, timestamp)
+
+    async def _send_now(self, row: Claimed, timestamp: int) -> AttemptResult:
         assert self._session is not None
         metrics.IN_FLIGHT.inc()
         try:
@@ -345,18 +403,20 @@ class Dispatcher:
         )
         return Completion(row.id, "dead_letter", reason=reason, **base)  # type: ignore[arg-type]
 
-    async def _complete(
+    async def _complete_row_by_row(
         self, conn: psycopg.AsyncConnection[Any], completions: Sequence[Completion]
     ) -> None:
-        try:
-            async with conn.transaction():  # a savepoint: the fallback below can go on
-                await complete(conn, completions)
-        except _DB_ERRORS:
-            raise
-        except psycopg.Error as exc:
-            log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+        """After a batch statement failed and its transaction rolled back: lock again the
+        rows that are still ours to record and record each on its own (a savepoint each),
+        so one bad row never undoes the others. A row another loop claimed meanwhile is
+        skipped: that loop sends it again and records its own attempt (at-least-once)."""
+        async with conn.transaction():
+            mine = await relock_claimed(conn, [c.id for c in completions])
             for one in completions:
-                await self._complete_one(conn, one)
+                if one.id in mine:
+                    await self._complete_one(conn, one)
+
+    def _count_outcomes(self, completions: Sequence[Completion]) -> None:
         for one in completions:
             if one.outcome == "dead_letter":
                 metrics.DEAD_LETTERS.labels(one.reason or "unknown").inc()
@@ -419,6 +479,8 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=settings.timeout_ms / 1000),
+        # Response bodies are kept as the attempt record, raw: ask for them uncompressed.
+        headers={"Accept-Encoding": "identity"},
         auto_decompress=False,
         raise_for_status=False,
     )

@@ -112,6 +112,13 @@ async def next_due_in_ms(conn: psycopg.AsyncConnection[Any]) -> int | None:
     return None if row is None or row[0] is None else max(0, int(row[0]))
 
 
+async def relock_claimed(conn: psycopg.AsyncConnection[Any], ids: Sequence[int]) -> set[int]:
+    """Lock again, after a rolled-back batch, those of ``ids`` still unprocessed and not
+    held by another transaction; returns their ids."""
+    cur = await conn.execute(query("relock_claimed"), {"ids": list(ids)})
+    return {int(row[0]) for row in await cur.fetchall()}
+
+
 async def complete(
     conn: psycopg.AsyncConnection[Any], completions: Sequence[Completion]
 ) -> tuple[int, int, int, int]:

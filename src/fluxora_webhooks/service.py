@@ -75,42 +75,50 @@ class Service:
             await check_schema(conn)
 
     async def run(self, *, install_signals: bool = True) -> None:
+        """Run until SIGTERM/SIGINT (or :meth:`stop`). The first signal drains: the in-flight
+        batch finishes, bounded by the request timeout plus a grace period; a second signal
+        (or the bound) abandons it (its rows are rolled back and delivered later)."""
         self._register_sensitive()
-        await self.check()
-        gate: DeliveryGate = (
-            await connect_gate(self.settings, self.redis_url) if self.redis_url else OpenGate()
-        )
-        self.dispatcher = Dispatcher(self.settings, conninfo=self.database_url, gate=gate)
+        self._stop_requested = asyncio.Event()
+        self._forced = asyncio.Event()
         loop = asyncio.get_running_loop()
-        if install_signals:
+        if install_signals:  # before anything slow, so a signal during start-up is clean
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
-        if self.settings.metrics_port:
-            await self._start_http()
-        background = self._start_background()
-        task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
-        log.info(
-            "dispatching (batch %d, %d claim loops, poll %d ms)",
-            self.settings.batch_size,
-            self.settings.claim_loops,
-            self.settings.poll_interval_ms,
-        )
+        gate: DeliveryGate = OpenGate()
+        background: Any = None
+        task: asyncio.Task[None] | None = None
         try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            pass
+            await self.check()
+            if self.redis_url:
+                gate = await connect_gate(self.settings, self.redis_url)
+            self.dispatcher = Dispatcher(self.settings, conninfo=self.database_url, gate=gate)
+            if self._stop_requested.is_set():
+                return
+            if self.settings.metrics_port:
+                await self._start_http()
+            background = self._start_background()
+            task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
+            log.info(
+                "dispatching (batch %d, %d claim loops, poll %d ms)",
+                self.settings.batch_size,
+                self.settings.claim_loops,
+                self.settings.poll_interval_ms,
+            )
+            stop = asyncio.create_task(self._stop_requested.wait())
+            try:
+                await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                pass  # cancelled from outside: drain as for a signal
+            finally:
+                stop.cancel()
+            if task.done():
+                task.result()  # the dispatcher ended by itself: raise its error
         finally:
-            if not task.done():
-                self.dispatcher.stop()
-                bound = self.settings.timeout_ms / 1000 + DRAIN_GRACE_S
-                try:
-                    await asyncio.wait_for(asyncio.shield(task), bound)
-                except TimeoutError:
-                    log.error("drain exceeded %.1fs; abandoning in-flight batch", bound)
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            await self._stop_background(background)
+            if task is not None and not task.done():
+                await self._drain(task)
+            if background is not None:
+                await self._stop_background(background)
             await gate.close()
             if self._web is not None:
                 await self._web.cleanup()
@@ -119,9 +127,32 @@ class Service:
                     loop.remove_signal_handler(sig)
         log.info("stopped")
 
+    async def _drain(self, task: asyncio.Task[None]) -> None:
+        assert self.dispatcher is not None
+        self.dispatcher.stop()
+        bound = self.settings.timeout_ms / 1000 + DRAIN_GRACE_S
+        forced = asyncio.create_task(self._forced.wait())
+        try:
+            await asyncio.wait({task, forced}, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            forced.cancel()
+        if not task.done():
+            why = "a second signal" if self._forced.is_set() else f"the {bound:.1f}s drain bound"
+            log.error("%s: abandoning the in-flight batch (it will be delivered later)", why)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     def stop(self) -> None:
-        if self.dispatcher is not None and not self.dispatcher.stopping:
-            log.info("stopping: finishing the in-flight batch")
+        """First call: drain and stop. A second call: stop at once."""
+        if not hasattr(self, "_stop_requested"):
+            return
+        if self._stop_requested.is_set():
+            self._forced.set()
+            return
+        log.info("stopping: finishing the in-flight batch")
+        self._stop_requested.set()
+        if self.dispatcher is not None:
             self.dispatcher.stop()
 
     # -- HTTP endpoint ---------------------------------------------------------------

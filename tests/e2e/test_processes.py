@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psycopg
 import pytest
 from aiohttp import web
 
@@ -66,7 +67,11 @@ async def test_sigkill_mid_batch_loses_nothing(
     await receiver.wait_for(15, timeout=30)
     victim.kill()
     assert await victim.wait(10) == -9
-    in_flight_at_kill = await pending(database_url)
+    # Requests the consumer got whose rows the victim never committed: really mid-batch.
+    committed = await scalar(
+        database_url, "SELECT count(*) FROM webhook_outbox WHERE outcome = 'delivered'"
+    )
+    in_flight_at_kill = len(receiver.received) - committed
     async with dispatchers(2, env, tmp_path):
         await wait_until(lambda: _drained(database_url), timeout=120, what="all delivered")
     counts = Counter(r.delivery_id for r in receiver.received)
@@ -123,3 +128,58 @@ async def test_sigterm_drains_the_in_flight_batch_and_exits_zero(
 
 async def _drained(database_url: str) -> bool:
     return await pending(database_url) == 0
+
+
+async def test_sigterm_drain_is_bounded_when_the_database_hangs(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    receiver.respond = lambda r: web.Response(status=410)  # each row needs a dead letter
+    await enqueue_many(database_url, 5)
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_BATCH_SIZE="10", WEBHOOK_CLAIM_LOOPS="1", WEBHOOK_TIMEOUT_MS="2000",
+    )  # fmt: skip
+    async with await psycopg.AsyncConnection.connect(database_url) as blocker:
+        # An operator's long transaction: the batch cannot write its dead letters.
+        await blocker.execute("LOCK TABLE webhook_dead_letter IN ACCESS EXCLUSIVE MODE")
+        proc = await start_dispatcher(env, tmp_path / "hung.log")
+        await receiver.wait_for(5, timeout=30)
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        proc.terminate()
+        code = await proc.wait(30)
+        took = time.monotonic() - started
+        await blocker.rollback()
+    assert code == 0, proc.log()
+    assert took < 2 + 5 + 3, took  # the request timeout plus the grace period
+    assert "abandoning the in-flight batch" in proc.log()
+    # Nothing lost: the abandoned batch was rolled back and is delivered by the next run.
+    assert await pending(database_url) == 5
+    async with dispatchers(1, env, tmp_path):
+        await wait_until(lambda: _drained(database_url), timeout=30, what="dead-lettered")
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter") == 5
+
+
+async def test_a_second_sigterm_stops_at_once(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    async def never(r: Received) -> web.Response:
+        await asyncio.sleep(60)
+        return web.Response()
+
+    receiver.respond = never
+    await enqueue_many(database_url, 3)
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix, WEBHOOK_TIMEOUT_MS="30000"
+    )
+    proc = await start_dispatcher(env, tmp_path / "twice.log")
+    await receiver.wait_for(3, timeout=30)
+    started = time.monotonic()
+    proc.terminate()
+    await asyncio.sleep(0.5)
+    proc.terminate()
+    code = await proc.wait(20)
+    assert code == 0, proc.log()
+    assert time.monotonic() - started < 10  # not the 35 s drain bound
+    assert "a second signal" in proc.log()
+    assert await pending(database_url) == 3  # rolled back, to be delivered later

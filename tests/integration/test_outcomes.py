@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from typing import Any
 
 import psycopg
@@ -195,14 +196,25 @@ async def test_connection_refused_is_retried_then_dead_lettered(database_url: st
     assert "token" not in dead["last_error"]
 
 
-async def test_retry_after_lengthens_the_delay(database_url: str, receiver: Receiver) -> None:
-    answers = iter([web.Response(status=429, headers={"Retry-After": "1"}), web.Response()])
-    receiver.respond = lambda r: next(answers)
+async def test_retry_after_lengthens_the_delay_counted_from_the_response(
+    database_url: str, receiver: Receiver
+) -> None:
+    answered: list[float] = []
+
+    async def respond(r: Received) -> web.Response:
+        if not answered:
+            await asyncio.sleep(1.0)  # a slow answer: the delay counts from its end
+            answered.append(time.time())
+            return web.Response(status=429, headers={"Retry-After": "2"})
+        return web.Response()
+
+    receiver.respond = respond
     await _enqueue(database_url)
     async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
-        await receiver.wait_for(2, timeout=10)
-    first, second = receiver.received
-    assert second.at - first.at >= 0.95  # the 30 ms schedule was lengthened to 1 s
+        await receiver.wait_for(2, timeout=15)
+    second = receiver.received[1]
+    # The 30 ms schedule was lengthened to 2 s, measured from the response, not the claim.
+    assert second.at - answered[0] >= 1.95, second.at - answered[0]
 
 
 async def test_replay_keeps_the_delivery_id(database_url: str, receiver: Receiver) -> None:
@@ -250,3 +262,24 @@ async def test_large_response_body_is_truncated_not_an_error(
     assert await rows(
         database_url, "SELECT outcome, length(response_body) FROM webhook_outbox"
     ) == [("delivered", 1000)]
+
+
+async def test_waiting_for_a_connection_is_not_a_timeout(
+    database_url: str, receiver: Receiver
+) -> None:
+    async def slow(r: Received) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.Response()
+
+    receiver.respond = slow
+    await _enqueue(database_url, 12)
+    # 12 rows in one batch share 2 connections: 6 rounds of 0.3 s, each within the 1 s
+    # timeout, although the last ones wait almost 2 s for their turn.
+    settings = make_settings(
+        receiver.url, batch_size=12, claim_loops=1, max_connections=2, timeout_ms=1000
+    )
+    async with running_dispatcher(settings, database_url, policy=FAST):
+        await wait_until(lambda: _idle(database_url), timeout=30, what="idle")
+    outcomes = await rows(database_url, "SELECT outcome, count(*) FROM webhook_outbox GROUP BY 1")
+    assert outcomes == [("delivered", 12)]
+    assert len(receiver.received) == 12

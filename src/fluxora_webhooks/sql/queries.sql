@@ -16,13 +16,15 @@ FOR UPDATE SKIP LOCKED;
 -- are either claimed by this loop, locked by another one (which completes them), or arrive
 -- with a NOTIFY; counting them would make an idle loop spin while others work. (And no
 -- GREATEST(0, ...): it skips NULLs, turning "nothing pending" into "due now".)
-SELECT (EXTRACT(EPOCH FROM (min(created_at) - now())) * 1000)::bigint
+SELECT (EXTRACT(EPOCH FROM (min(created_at) - clock_timestamp())) * 1000)::bigint
 FROM webhook_outbox
 WHERE processed = false AND created_at > now();
 
 -- name: complete_batch
 -- Every outcome of one batch in one statement: mark attempts processed, defer rows,
 -- insert retries (same delivery id, next attempt) and dead letters.
+-- Times are clock_timestamp(), not now(): now() is the start of the claim transaction,
+-- before the HTTP attempts, and a delay (Retry-After above all) counts from their end.
 WITH r AS (
     SELECT *
     FROM unnest(
@@ -32,7 +34,7 @@ WITH r AS (
 ),
 done AS (
     UPDATE webhook_outbox o
-    SET processed = true, processed_at = now(), outcome = r.outcome,
+    SET processed = true, processed_at = clock_timestamp(), outcome = r.outcome,
         status_code = r.status_code, error = r.error, response_body = r.response_body,
         duration_ms = r.duration_ms
     FROM r
@@ -41,7 +43,7 @@ done AS (
 ),
 deferred AS (
     UPDATE webhook_outbox o
-    SET created_at = now() + r.delay_ms * interval '1 millisecond',
+    SET created_at = clock_timestamp() + r.delay_ms * interval '1 millisecond',
         deferrals = o.deferrals + 1
     FROM r
     WHERE o.id = r.id AND r.outcome = 'deferred'
@@ -51,7 +53,7 @@ retried AS (
     INSERT INTO webhook_outbox
         (stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at)
     SELECT o.stream_id, o.event_type, o.payload,
-           now() + r.delay_ms * interval '1 millisecond',
+           clock_timestamp() + r.delay_ms * interval '1 millisecond',
            o.delivery_id, o.attempt + 1, o.enqueued_at
     FROM r JOIN webhook_outbox o ON o.id = r.id
     WHERE r.outcome = 'retry'
@@ -60,15 +62,24 @@ retried AS (
 dead AS (
     INSERT INTO webhook_dead_letter
         (delivery_id, stream_id, event_type, payload, attempts, reason, last_status,
-         last_error, last_response, enqueued_at)
+         last_error, last_response, enqueued_at, dead_at)
     SELECT o.delivery_id, o.stream_id, o.event_type, o.payload, o.attempt, r.reason,
-           r.status_code, r.error, r.response_body, o.enqueued_at
+           r.status_code, r.error, r.response_body, o.enqueued_at, clock_timestamp()
     FROM r JOIN webhook_outbox o ON o.id = r.id
     WHERE r.outcome = 'dead_letter'
     RETURNING id
 )
 SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM deferred),
        (SELECT count(*) FROM retried), (SELECT count(*) FROM dead);
+
+-- name: relock_claimed
+-- complete_batch runs without a savepoint; when it fails, its transaction rolls back and
+-- the dispatcher locks again the rows of that batch that are still its to record (not
+-- processed meanwhile, not claimed by another loop) and records them one by one.
+SELECT id
+FROM webhook_outbox
+WHERE id = ANY(%(ids)s::bigint[]) AND processed = false
+FOR UPDATE SKIP LOCKED;
 
 -- name: enqueue
 INSERT INTO webhook_outbox (stream_id, event_type, payload)
