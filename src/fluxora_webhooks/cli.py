@@ -138,21 +138,24 @@ def cmd_dlq(args: argparse.Namespace, env: dict[str, str]) -> int:
             if not found:
                 print(f"no dead letter with id {args.id}", file=sys.stderr)
                 return 1
-            print(json.dumps(found if len(found) > 1 else found[0], default=str, indent=2))
+            print(json.dumps(found, default=str, indent=2))
             return 0
         if not args.all and not args.ids:
             print(f"dlq {args.dlq_command}: name delivery ids, or --all", file=sys.stderr)
             return EXIT_CONFIG
-        action = deadletters.replay if args.dlq_command == "replay" else deadletters.purge
-        done = await action(database_url, args.ids, include_all=args.all)
+        done, missing = await deadletters.replay_or_purge(
+            database_url, args.dlq_command, args.ids, include_all=args.all
+        )
         verb = "replayed" if args.dlq_command == "replay" else "purged"
         if args.json:
-            print(json.dumps({verb: done}))
+            print(json.dumps({verb: done, "not_found": missing}))
         else:
             for delivery_id in done:
                 print(f"{verb} {delivery_id}")
             print(f"{len(done)} dead letter(s) {verb}")
-        return 0
+        for key in missing:
+            print(f"no waiting dead letter with id {key}", file=sys.stderr)
+        return 1 if missing else 0
 
     return run_async(main())
 
@@ -164,6 +167,12 @@ def _subcommand(name: str) -> Callable[[argparse.Namespace, dict[str, str]], int
     module = importlib.import_module(f"fluxora_webhooks.commands.{name}")
     fn: Callable[[argparse.Namespace, dict[str, str]], int] = module.command
     return fn
+
+
+def _positive_int(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dlq", help="list, show, replay or purge dead letters")
     dsub = p.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     d = dsub.add_parser("list", help="dead letters, newest first")
-    d.add_argument("--limit", type=int, default=100)
+    d.add_argument("--limit", type=_positive_int, default=100)
     d.add_argument("--all", action="store_true", help="include replayed and purged ones")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d = dsub.add_parser("show", help="one dead letter in full (payload, last error, response)")
@@ -223,6 +232,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # the layer below, translated in one place: no traceback
+        message = _describe_failure(exc)
+        if message is None:
+            raise
+        print(f"fluxora-webhooks: {logs.scrub(message)}", file=sys.stderr)
+        return 1
+
+
+def _describe_failure(exc: BaseException) -> str | None:
+    """A one-line message for the failures a user can meet (database or port unavailable)."""
+    import psycopg
+    import redis
+
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, psycopg.OperationalError):
+        return f"cannot reach the database: {first_line or type(exc).__name__}"
+    if isinstance(exc, psycopg.Error):
+        return f"database error ({type(exc).__name__}): {first_line}"
+    if isinstance(exc, redis.RedisError):
+        return f"Redis error ({type(exc).__name__}): {first_line}"
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or type(exc).__name__}" + (
+            f": {exc.filename}" if exc.filename else ""
+        )
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,17 +29,24 @@ async def show(database_url: str, key: str) -> list[dict[str, Any]]:
         return list(await cur.fetchall())
 
 
-async def _act(database_url: str, name: str, keys: Sequence[str], include_all: bool) -> list[str]:
+async def replay_or_purge(
+    database_url: str, action: str, keys: Sequence[str], *, include_all: bool = False
+) -> tuple[list[str], list[str]]:
+    """``action`` is replay (back into the outbox, due now, same delivery id) or purge
+    (kept as 'purged' until ``prune`` removes it). Returns (delivery ids done, the keys
+    that matched no waiting dead letter)."""
     async with await psycopg.AsyncConnection.connect(database_url) as conn, conn.transaction():
-        cur = await conn.execute(query(name), {"keys": list(keys), "all": include_all})
-        return [str(r[0]) for r in await cur.fetchall()]
+        cur = await conn.execute(query(f"dlq_{action}"), {"keys": list(keys), "all": include_all})
+        found = [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
+    matched = {k for pair in found for k in pair}
+    return [d for d, _ in found], [k for k in keys if k not in matched]
 
 
 async def replay(database_url: str, keys: Sequence[str], *, include_all: bool = False) -> list[str]:
     """Put dead letters back into the outbox, due now, with their delivery id."""
-    return await _act(database_url, "dlq_replay", keys, include_all)
+    return (await replay_or_purge(database_url, "replay", keys, include_all=include_all))[0]
 
 
 async def purge(database_url: str, keys: Sequence[str], *, include_all: bool = False) -> list[str]:
     """Discard dead letters (kept as 'purged' until ``prune`` removes them)."""
-    return await _act(database_url, "dlq_purge", keys, include_all)
+    return (await replay_or_purge(database_url, "purge", keys, include_all=include_all))[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -81,7 +82,7 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     code, out = await run_command("dlq", "list", env=env)
     assert code == 0 and all(i in out for i in ids), out
     code, out = await run_command("dlq", "show", ids[0], env=env)
-    assert code == 0 and json.loads(json.loads(out)["payload"]) == {"g": 1}
+    assert code == 0 and json.loads(json.loads(out)[0]["payload"]) == {"g": 1}
     code, out = await run_command("dlq", "replay", ids[0], env=env)
     assert code == 0 and f"replayed {ids[0]}" in out, out
     code, out = await run_command("dlq", "purge", "--all", env=env)
@@ -95,3 +96,16 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     assert code == 2 and "--all" in out
     code, out = await run_command("dlq", "show", "no-such-id", env=env)
     assert code == 1
+    code, out = await run_command("dlq", "replay", ids[1], "no-such-id", env=env)
+    assert code == 1 and "no waiting dead letter with id no-such-id" in out, out
+    code, out = await run_command("dlq", "purge", ids[0], env=env)  # replayed, not waiting
+    assert code == 1 and f"no waiting dead letter with id {ids[0]}" in out, out
+
+
+async def test_database_unreachable_is_a_clear_message(tmp_path: Path) -> None:
+    env = command_env(DATABASE_URL="postgresql://someone:pw-not-shown@127.0.0.1:1/nowhere")
+    for args in (("migrate",), ("dlq", "list"), ("status",), ("prune", "--older-than", "7d")):
+        code, out = await run_command(*args, env=env)
+        assert code == 1, (args, out)
+        assert "cannot reach the database" in out, (args, out)
+        assert "Traceback" not in out and "pw-not-shown" not in out, (args, out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
@@ -67,26 +66,17 @@ def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     async def main() -> int:
         from ..migrations import check_schema
 
-        try:
-            async with await psycopg.AsyncConnection.connect(
-                database_url, autocommit=True, connect_timeout=10
-            ) as conn:
-                await check_schema(conn)
-                result = await prune(
-                    conn,
-                    older_than_ms=older_than_ms,
-                    dead_letters=opts.dead_letters,
-                    batch_size=opts.batch_size,
-                    dry_run=opts.dry_run,
-                )
-        except psycopg.OperationalError as exc:
-            from ..logs import scrub
-
-            print(
-                f"fluxora-webhooks: database unavailable: {scrub(str(exc)).strip()}",
-                file=sys.stderr,
+        async with await psycopg.AsyncConnection.connect(
+            database_url, autocommit=True, connect_timeout=10
+        ) as conn:
+            await check_schema(conn)
+            result = await prune(
+                conn,
+                older_than_ms=older_than_ms,
+                dead_letters=opts.dead_letters,
+                batch_size=opts.batch_size,
+                dry_run=opts.dry_run,
             )
-            return 1
         report(result, opts)
         return 0
 

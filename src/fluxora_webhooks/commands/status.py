@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 PROG = "fluxora-webhooks status"
@@ -56,23 +55,14 @@ def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     threshold = _breaker_threshold(env)
 
     async def main() -> int:
-        import psycopg
-
-        try:
-            snapshot = await read_status(
-                database_url,
-                minutes=opts.minutes,
-                webhook_url=webhook_url or None,
-                redis_url=redis_url,
-                redis_prefix=env.get("FLUXORA_REDIS_PREFIX", ""),
-                breaker_threshold=threshold,
-            )
-        except psycopg.OperationalError as exc:
-            from ..logs import scrub
-
-            message = scrub(str(exc)).strip()
-            print(f"fluxora-webhooks: database unavailable: {message}", file=sys.stderr)
-            return 1
+        snapshot = await read_status(
+            database_url,
+            minutes=opts.minutes,
+            webhook_url=webhook_url or None,
+            redis_url=redis_url,
+            redis_prefix=env.get("FLUXORA_REDIS_PREFIX", ""),
+            breaker_threshold=threshold,
+        )
         if opts.json:
             print(json.dumps(snapshot, indent=2, default=str))
         else:

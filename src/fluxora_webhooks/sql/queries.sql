@@ -108,17 +108,19 @@ WITH picked AS (
     UPDATE webhook_dead_letter
     SET state = 'replayed', state_changed_at = now()
     WHERE state = 'dead' AND (%(all)s OR delivery_id::text = ANY(%(keys)s) OR id::text = ANY(%(keys)s))
-    RETURNING delivery_id, stream_id, event_type, payload, enqueued_at
+    RETURNING id, delivery_id, stream_id, event_type, payload, enqueued_at
+),
+queued AS (
+    INSERT INTO webhook_outbox (stream_id, event_type, payload, delivery_id, enqueued_at)
+    SELECT stream_id, event_type, payload, delivery_id, enqueued_at FROM picked
 )
-INSERT INTO webhook_outbox (stream_id, event_type, payload, delivery_id, enqueued_at)
-SELECT stream_id, event_type, payload, delivery_id, enqueued_at FROM picked
-RETURNING delivery_id::text;
+SELECT delivery_id::text, id::text FROM picked;
 
 -- name: dlq_purge
 UPDATE webhook_dead_letter
 SET state = 'purged', state_changed_at = now()
 WHERE state = 'dead' AND (%(all)s OR delivery_id::text = ANY(%(keys)s) OR id::text = ANY(%(keys)s))
-RETURNING delivery_id::text;
+RETURNING delivery_id::text, id::text;
 
 -- name: backlog
 -- The backlog as the service's gauges and `status` read it. Every part is served by a
