@@ -32,6 +32,8 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from . import metrics
 from .delivery import AttemptResult, Kind, attempt
+from .endpoints import validate_url
+from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
 from .outbox import (
     NOTIFY_CHANNEL,
@@ -113,6 +115,14 @@ class Dispatcher:
         session: aiohttp.ClientSession | None = None,
         policy: RetryPolicy | None = None,
     ) -> None:
+        # Settings built in code skip from_env: the URL policy and the secret are checked
+        # here too, so a library user cannot send unsigned or to a refused URL.
+        try:
+            validate_url(settings.webhook_url)
+        except EndpointError as exc:
+            raise ConfigError("webhook_url", str(exc)) from None
+        if not settings.secret:
+            raise ConfigError("secret", "must not be empty")
         self.settings = settings
         self.conninfo = conninfo
         self.url = settings.webhook_url
@@ -323,7 +333,9 @@ class Dispatcher:
 
     async def _admit(self, rows: Sequence[Claimed]) -> list[Admission]:
         try:
-            admissions = await self.gate.admit(self.url, [row.attempt for row in rows])
+            # The gate treats attempt numbers above 1 as retries; a replay counts as one.
+            attempts = [max(row.attempt, 2) if row.is_retry else 1 for row in rows]
+            admissions = await self.gate.admit(self.url, attempts)
         except Exception:
             log.exception("delivery gate failed; admitting the batch (fail open)")
             metrics.REDIS_FAIL_OPEN.labels("gate").inc()

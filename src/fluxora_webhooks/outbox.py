@@ -76,6 +76,12 @@ class Claimed:
     event_type: str
     body: bytes
     attempt: int
+    replay: bool = False
+
+    @property
+    def is_retry(self) -> bool:
+        """Gated as a retry: a later attempt, or a replayed dead letter."""
+        return self.attempt > 1 or self.replay
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,7 @@ async def claim_due(conn: psycopg.AsyncConnection[Any], batch: int) -> list[Clai
     """Lock up to ``batch`` due rows (``FOR UPDATE SKIP LOCKED``) in the open transaction."""
     cur = await conn.execute(query("claim_due"), {"batch": batch})
     return [
-        Claimed(int(r[0]), r[1], r[2], r[3].encode("utf-8"), int(r[4]))
+        Claimed(int(r[0]), r[1], r[2], r[3].encode("utf-8"), int(r[4]), bool(r[5]))
         for r in await cur.fetchall()
     ]
 

@@ -6,12 +6,15 @@ silently to a default. Secrets are kept out of ``repr`` and messages.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .errors import ConfigError, EndpointError
 
@@ -20,7 +23,10 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY_SCHEDULE = "5s,5m,30m,2h,5h,10h,10h"
 MIN_SECRET_BYTES = 24
 
-_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
+_DURATION = re.compile(r"^\s*([0-9]+)\s*(ms|s|m|h|d)\s*$")
+_DIGITS = re.compile(r"[0-9]+")
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+MAX_DELAY_MS = 7 * 86_400_000
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
@@ -35,21 +41,27 @@ def parse_duration_ms(text: str, variable: str) -> int:
 
 
 def parse_schedule(text: str, variable: str = "WEBHOOK_RETRY_SCHEDULE") -> tuple[int, ...]:
-    """Parse a comma-separated list of durations; at least one entry."""
-    parts = [p for p in text.split(",")]
+    """Parse a comma-separated list of durations (each from 1 ms to 7 days)."""
+    parts = text.split(",")
     if not text.strip() or any(not p.strip() for p in parts):
         raise ConfigError(variable, "must be a comma-separated list of durations such as 5s,5m,2h")
-    return tuple(parse_duration_ms(p, variable) for p in parts)
+    delays = tuple(parse_duration_ms(p, variable) for p in parts)
+    for part, delay in zip(parts, delays, strict=True):
+        if not 1 <= delay <= MAX_DELAY_MS:
+            raise ConfigError(variable, f"{part.strip()!r} must be between 1ms and 7d")
+    return delays
 
 
 def _int(
     env: Mapping[str, str], name: str, default: int, *, low: int = 1, high: int | None = None
 ) -> int:
     raw = env.get(name)
-    if raw is None or raw.strip() == "":
+    if raw is None:
         return default
     text = raw.strip()
-    if not re.fullmatch(r"[+]?\d+", text):
+    if not text:
+        raise ConfigError(name, "is set but empty (unset it to use the default)")
+    if not _DIGITS.fullmatch(text):
         raise ConfigError(name, f"{text!r} is not a whole number")
     value = int(text)
     if value < low:
@@ -68,7 +80,15 @@ def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | Non
     if raw == "" or raw.strip() == "":
         raise ConfigError(name, "must not be empty")
     value = raw.encode("utf-8")
-    if len(value) < MIN_SECRET_BYTES and not raw.startswith("whsec_"):
+    key = value
+    if raw.startswith("whsec_"):
+        try:
+            key = base64.b64decode(raw[len("whsec_") :], validate=True)
+        except (binascii.Error, ValueError):
+            raise ConfigError(
+                name, "starts with whsec_ but the rest is not valid base64 (Standard Webhooks)"
+            ) from None
+    if len(key) < MIN_SECRET_BYTES:
         log.warning("%s is shorter than %d bytes; use a long random secret", name, MIN_SECRET_BYTES)
     return value
 
@@ -86,6 +106,33 @@ def _networks(
         except ValueError:
             raise ConfigError(name, f"{part.strip()!r} is not a CIDR network") from None
     return tuple(nets)
+
+
+def _check_redis_url(url: str) -> None:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("REDIS_URL", "must start with redis://, rediss:// or unix://")
+    parts = urlsplit(url)
+    try:
+        _ = parts.port
+    except ValueError:
+        raise ConfigError("REDIS_URL", "has a port that is not a number") from None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError("REDIS_URL", "unix:// needs a socket path")
+        return
+    if not parts.hostname:
+        raise ConfigError("REDIS_URL", "has no host")
+    db = parts.path.lstrip("/")
+    if db and not _DIGITS.fullmatch(db):
+        raise ConfigError("REDIS_URL", "the database (after the last /) must be a number")
+
+
+def _is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.fullmatch(text))
 
 
 @dataclass(frozen=True)
@@ -159,8 +206,11 @@ class Settings:
             raise ConfigError("FLUXORA_REDIS_PREFIX", "must not contain { or }")
         database_url = env.get("DATABASE_URL", "").strip() or None
         redis_url = env.get("REDIS_URL", "").strip() or None
-        if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError("REDIS_URL", "must start with redis://, rediss:// or unix://")
+        if redis_url:
+            _check_redis_url(redis_url)
+        metrics_host = env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1"
+        if not _is_host(metrics_host):
+            raise ConfigError("WEBHOOK_METRICS_HOST", f"{metrics_host!r} is not an address")
         # libpq key=value strings are allowed too.
         if (
             database_url
@@ -176,17 +226,19 @@ class Settings:
             secret_previous=previous,
             database_url=database_url,
             redis_url=redis_url,
-            poll_interval_ms=_int(env, "WEBHOOK_POLL_INTERVAL_MS", 10_000),
+            poll_interval_ms=_int(env, "WEBHOOK_POLL_INTERVAL_MS", 10_000, high=3_600_000),
             batch_size=_int(env, "WEBHOOK_BATCH_SIZE", 10, high=1000),
             retry_rps=_int(env, "WEBHOOK_RETRY_RPS", 10),
             circuit_breaker_threshold=_int(env, "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", 0, low=0),
-            circuit_breaker_reset_ms=_int(env, "WEBHOOK_CIRCUIT_BREAKER_RESET_MS", 300_000),
+            circuit_breaker_reset_ms=_int(
+                env, "WEBHOOK_CIRCUIT_BREAKER_RESET_MS", 300_000, high=MAX_DELAY_MS
+            ),
             max_attempts=_int(env, "WEBHOOK_MAX_ATTEMPTS", 8, high=1000),
             retry_schedule_ms=schedule,
-            timeout_ms=_int(env, "WEBHOOK_TIMEOUT_MS", 15_000),
-            max_response_bytes=_int(env, "WEBHOOK_MAX_RESPONSE_BYTES", 65_536),
+            timeout_ms=_int(env, "WEBHOOK_TIMEOUT_MS", 15_000, high=3_600_000),
+            max_response_bytes=_int(env, "WEBHOOK_MAX_RESPONSE_BYTES", 65_536, high=16 << 20),
             metrics_port=_int(env, "WEBHOOK_METRICS_PORT", 9464, low=0, high=65535),
-            metrics_host=env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1",
+            metrics_host=metrics_host,
             claim_loops=_int(env, "WEBHOOK_CLAIM_LOOPS", 4, high=64),
             max_connections=_int(env, "WEBHOOK_MAX_CONNECTIONS", 100, high=10_000),
             redis_prefix=redis_prefix,

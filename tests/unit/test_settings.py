@@ -70,6 +70,20 @@ def test_defaults_match_the_design_document() -> None:
         ("WEBHOOK_ALLOWED_NETWORKS", "10.0.0.0/8,nonsense", "not a CIDR"),
         ("WEBHOOK_RETENTION", "a week", "not a duration"),
         ("FLUXORA_REDIS_PREFIX", "tenant{a}:", "must not contain"),
+        ("WEBHOOK_BATCH_SIZE", "", "empty"),
+        ("WEBHOOK_POLL_INTERVAL_MS", "+5", "not a whole number"),
+        ("WEBHOOK_POLL_INTERVAL_MS", "\u0661\u0660", "not a whole number"),  # Arabic-Indic 10
+        ("WEBHOOK_POLL_INTERVAL_MS", "3600001", "at most"),
+        ("WEBHOOK_TIMEOUT_MS", "3600001", "at most"),
+        ("WEBHOOK_MAX_RESPONSE_BYTES", "99999999999", "at most"),
+        ("WEBHOOK_CIRCUIT_BREAKER_RESET_MS", "999999999999", "at most"),
+        ("WEBHOOK_RETRY_SCHEDULE", "5s,0s", "between 1ms and 7d"),
+        ("WEBHOOK_RETRY_SCHEDULE", "3000000000h", "between 1ms and 7d"),
+        ("WEBHOOK_SECRET", "whsec_not*base64!", "not valid base64"),
+        ("REDIS_URL", "redis://127.0.0.1:abc/0", "port"),
+        ("REDIS_URL", "redis://127.0.0.1:6379/zero", "must be a number"),
+        ("REDIS_URL", "redis:///0", "no host"),
+        ("WEBHOOK_METRICS_HOST", "not a host!", "not an address"),
     ],
 )
 def test_invalid_values_name_the_variable(variable: str, value: str, fragment: str) -> None:
@@ -117,3 +131,31 @@ def test_durations_and_schedules() -> None:
     assert parse_duration_ms("2h", "X") == 7_200_000
     assert parse_duration_ms("7d", "X") == 604_800_000
     assert parse_schedule("1s, 2m") == (1000, 120_000)
+
+
+def test_whsec_secret_length_warning_looks_at_the_decoded_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import base64
+
+    with caplog.at_level(logging.WARNING):
+        Settings.from_env({**GOOD, "WEBHOOK_SECRET": "whsec_" + base64.b64encode(b"x").decode()})
+    assert "shorter than 24 bytes" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Settings.from_env(
+            {**GOOD, "WEBHOOK_SECRET": "whsec_" + base64.b64encode(b"k" * 32).decode()}
+        )
+    assert "shorter" not in caplog.text
+
+
+def test_a_dispatcher_built_in_code_checks_url_and_secret() -> None:
+    import dataclasses
+
+    from fluxora_webhooks.dispatcher import Dispatcher
+
+    good = Settings.from_env(GOOD)
+    with pytest.raises(ConfigError, match="https is required"):
+        Dispatcher(dataclasses.replace(good, webhook_url="http://example.com/x"), conninfo="")
+    with pytest.raises(ConfigError, match="secret"):
+        Dispatcher(dataclasses.replace(good, secret=b""), conninfo="")

@@ -3,7 +3,8 @@
 
 -- name: claim_due
 -- The design document's claim. Served by webhook_outbox_due_idx.
-SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt
+SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
+       replay
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
@@ -51,10 +52,10 @@ deferred AS (
 ),
 retried AS (
     INSERT INTO webhook_outbox
-        (stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at)
+        (stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at, replay)
     SELECT o.stream_id, o.event_type, o.payload,
            clock_timestamp() + r.delay_ms * interval '1 millisecond',
-           o.delivery_id, o.attempt + 1, o.enqueued_at
+           o.delivery_id, o.attempt + 1, o.enqueued_at, o.replay
     FROM r JOIN webhook_outbox o ON o.id = r.id
     WHERE r.outcome = 'retry'
     RETURNING id
@@ -111,8 +112,8 @@ WITH picked AS (
     RETURNING id, delivery_id, stream_id, event_type, payload, enqueued_at
 ),
 queued AS (
-    INSERT INTO webhook_outbox (stream_id, event_type, payload, delivery_id, enqueued_at)
-    SELECT stream_id, event_type, payload, delivery_id, enqueued_at FROM picked
+    INSERT INTO webhook_outbox (stream_id, event_type, payload, delivery_id, enqueued_at, replay)
+    SELECT stream_id, event_type, payload, delivery_id, enqueued_at, true FROM picked
 )
 SELECT delivery_id::text, id::text FROM picked;
 
