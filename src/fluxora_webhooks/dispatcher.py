@@ -55,7 +55,6 @@ _BACKOFF_MAX_S = 5.0
 _LOCK_TIMEOUT_MS = 10_000
 _STATEMENT_TIMEOUT_MS = 60_000
 _POOL_RECONNECT_S = 5.0
-_HELD_ELSEWHERE_MS = 50
 
 
 class Waker:
@@ -267,16 +266,11 @@ class Dispatcher:
 
     def _sleep_s(self, next_due_ms: int | None) -> float:
         """How long an idle loop waits (a NOTIFY or a busy loop's wake-up cuts it short)."""
+        # next_due_in_ms counts only rows due after the claim began (rows due before it are
+        # claimed, or held by another loop that completes them), so 0 means one became due
+        # meanwhile: claim again at once. Nothing to spin on.
         poll = self.settings.poll_interval_ms
-        if next_due_ms is None:
-            wait = poll
-        elif next_due_ms == 0:
-            # The claim found nothing, yet a row is due: other loops hold it and will
-            # complete it. Re-claiming every millisecond only burns CPU (ours and the
-            # database's); check again shortly in case its holder died.
-            wait = min(poll, _HELD_ELSEWHERE_MS)
-        else:
-            wait = min(poll, next_due_ms + 1)
+        wait = poll if next_due_ms is None else min(poll, next_due_ms + 1)
         return max(wait, 1) / 1000
 
     async def _run_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:

@@ -1,0 +1,286 @@
+"""The benchmark's table (Markdown, so docs/performance.md can quote it), the targets of
+issue 8, and the PNG chart."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+# Issue 8: what a run must show.
+RAW_RATIO_MIN = 0.6
+PEER_RATIO_MIN = 1.5
+P50_MAX_MS = 5.0
+P99_MAX_MS = 25.0
+CLAIM_RATIO_MAX = 2.0
+
+
+def _get(out: dict[str, Any], *path: str) -> Any:
+    node: Any = out
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def targets(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each target of the issue: the measured value, the bound, met or not (None: not run)."""
+    ours = max(
+        (r for r in (_get(out, "ours", "best", "rate"), _get(out, "ours", "tuned", "rate")) if r),
+        default=None,
+    )
+    raw = _get(out, "raw", "best", "rate")
+    peer = _get(out, "pgqueuer", "best", "rate")
+    p50 = _get(out, "latency", "p50_ms")
+    p99 = _get(out, "latency", "p99_ms")
+    points = _get(out, "claim", "points") or []
+    claim_ratio = None
+    if len(points) >= 2 and points[0]["processed_rows"] == 0:
+        claim_ratio = points[-1]["p50_ms"] / points[0]["p50_ms"]
+
+    def check(value: float | None, bound: float, at_least: bool) -> dict[str, Any]:
+        met = None if value is None else (value >= bound if at_least else value < bound)
+        return {"value": value, "bound": bound, "met": met}
+
+    return {
+        "ours / raw HTTP": check(ours / raw if ours and raw else None, RAW_RATIO_MIN, True),
+        "ours / pgqueuer": check(ours / peer if ours and peer else None, PEER_RATIO_MIN, True),
+        "latency p50 (ms)": check(p50, P50_MAX_MS, False),
+        "latency p99 (ms)": check(p99, P99_MAX_MS, False),
+        "claim, most rows / empty": check(claim_ratio, CLAIM_RATIO_MAX, False),
+    }
+
+
+def _n(value: float | None, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _cpu(run: dict[str, Any]) -> str:
+    cpu = run.get("cpu_pct") or {}
+    if not cpu:
+        return ""
+    return ", ".join(f"{k} {v:.0f}%" for k, v in cpu.items() if v >= 1)
+
+
+def render_table(out: dict[str, Any]) -> str:
+    raw = _get(out, "raw", "best", "rate")
+    peer = _get(out, "pgqueuer", "best", "rate")
+    rows: list[tuple[str, str, str, str, str]] = []
+
+    def ratio(value: float | None, base: float | None) -> str:
+        return f"{value / base:.2f}" if value and base else "-"
+
+    for r in _get(out, "raw", "runs") or []:
+        rows.append(
+            (
+                f"raw HTTP, aiohttp client, {r['concurrency']} connections",
+                f"{_n(r['rate'])} req/s",
+                ratio(r["rate"], raw),
+                "",
+                _cpu(r),
+            )
+        )
+    ours_runs = list(_get(out, "ours", "runs") or [])
+    extra = [_get(out, "ours", k) for k in ("gate_off_1p", "tuned")]
+    for r in [*ours_runs, *(e for e in extra if e)]:
+        what = f"ours, {r['processes']} process{'es' if r['processes'] > 1 else ''}"
+        if not r["gate"]:
+            what += ", Redis gate off"
+        tuned = {k: v for k, v in (r.get("env") or {}).items()}
+        if tuned:
+            what += ", " + ", ".join(f"{k}={v}" for k, v in tuned.items())
+        else:
+            what += ", defaults"
+        rows.append(
+            (what, f"{_n(r['rate'])} ev/s", ratio(r["rate"], raw), ratio(r["rate"], peer), _cpu(r))
+        )
+    for r in _get(out, "pgqueuer", "runs") or []:
+        rows.append(
+            (
+                f"pgqueuer {_get(out, 'pgqueuer', 'version')}, batch {r['batch']}, "
+                f"{r['processes']} process{'es' if r['processes'] > 1 else ''}, {r['driver']}",
+                f"{_n(r['rate'])} jobs/s",
+                ratio(r["rate"], raw),
+                ratio(r["rate"], peer),
+                _cpu(r),
+            )
+        )
+    lines = [
+        "| measurement | result | / raw HTTP | / pgqueuer best | CPU (100% = 1 core) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    lat = out.get("latency")
+    if lat:
+        lines.append(
+            f"| commit-to-receipt at {lat['rate']}/s for {_n(lat['seconds'], 0)} s, "
+            f"poll {lat['poll_interval_ms']} ms | p50 {_n(lat['p50_ms'], 2)} ms, "
+            f"p95 {_n(lat['p95_ms'], 2)} ms, p99 {_n(lat['p99_ms'], 2)} ms, "
+            f"max {_n(lat['max_ms'], 1)} ms |  |  | commit itself p50 "
+            f"{_n(lat['commit_p50_ms'], 2)} ms |"
+        )
+    points = _get(out, "claim", "points") or []
+    base = points[0]["p50_ms"] if points and points[0]["processed_rows"] == 0 else None
+    for p in points:
+        lines.append(
+            f"| claim (batch 10), {p['processed_rows']:,} processed rows | "
+            f"p50 {_n(p['p50_ms'], 3)} ms, p95 {_n(p['p95_ms'], 3)} ms | "
+            f"x{p['p50_ms'] / base:.2f} of empty |  | "
+            f"{'index' if p['uses_index'] else 'NO INDEX'} |"
+            if base
+            else f"| claim, {p['processed_rows']:,} processed rows | "
+            f"p50 {_n(p['p50_ms'], 3)} ms |  |  |  |"
+        )
+    churn = _get(out, "claim", "churn")
+    if churn:
+        lines.append(
+            f"| claim after {churn['updated_rows_not_vacuumed']:,} rows were marked processed"
+            f" and not vacuumed | first {_n(churn['first_ms'], 2)} ms, then p50 "
+            f"{_n(churn['p50_ms'], 3)} ms | "
+            + (f"x{churn['p50_ms'] / base:.2f} of empty" if base else "")
+            + f" |  | after VACUUM: p50 {_n(churn.get('after_vacuum_p50_ms'), 3)} ms |"
+        )
+    for label, g in (_get(out, "gate", "per_batch") or {}).items():
+        lines.append(
+            f"| Redis gate round trip ({label}, batch of {g['batch']}) | "
+            f"p50 {_n(g['p50_ms'], 3)} ms, p99 {_n(g['p99_ms'], 3)} ms |  |  |  |"
+        )
+    lines.append("")
+    lines.append("| target (issue 8) | measured | bound | met |")
+    lines.append("|---|---:|---:|---|")
+    for name, t in (out.get("targets") or {}).items():
+        met = {True: "yes", False: "**no**", None: "not run"}[t["met"]]
+        lines.append(f"| {name} | {_n(t['value'], 2)} | {t['bound']} | {met} |")
+    meta = out.get("meta", {})
+    lines.append("")
+    lines.append(
+        f"{meta.get('mode')} run, {meta.get('events'):,} events per throughput run, "
+        f"body {meta.get('body_bytes')} bytes, {meta.get('machine', {}).get('cpus')} CPUs, "
+        f"PostgreSQL {meta.get('postgres')}, {meta.get('seconds')} s in all"
+    )
+    if meta.get("dispatcher_env"):
+        lines.append(f"dispatcher environment: {meta['dispatcher_env']}")
+    return "\n".join(lines)
+
+
+def render_cpu_table(out: dict[str, Any]) -> str:
+    """CPU microseconds per delivery, by process group, for the throughput runs."""
+    rows = []
+    candidates: list[tuple[str, dict[str, Any] | None]] = [
+        ("raw HTTP (best)", _get(out, "raw", "best"))
+    ]
+    for r in _get(out, "ours", "runs") or []:
+        candidates.append((f"ours, {r['processes']}p, defaults", r))
+    candidates.append(("ours, 1p, gate off", _get(out, "ours", "gate_off_1p")))
+    tuned = _get(out, "ours", "tuned")
+    if tuned:
+        env = ", ".join(f"{k}={v}" for k, v in (tuned.get("env") or {}).items())
+        candidates.append((f"ours, {tuned['processes']}p, {env}", tuned))
+    for r in _get(out, "pgqueuer", "runs") or []:
+        candidates.append((f"pgqueuer, batch {r['batch']}, {r['processes']}p", r))
+    for label, run in candidates:
+        if not run or not run.get("rate"):
+            continue
+        cpu = run.get("cpu_pct") or {}
+        per = {k: 10_000 * v / run["rate"] for k, v in cpu.items()}
+        sender = per.get("client", per.get("dispatchers", per.get("workers")))
+        others = per.get("machine", 0) - sum(v for k, v in per.items() if k != "machine")
+        rows.append(
+            f"| {label} | {_n(run['rate'])} | {_n(sender)} | {_n(per.get('postgres'))} | "
+            f"{_n(per.get('redis'))} | {_n(per.get('receiver'))} | {_n(max(others, 0))} |"
+        )
+    head = [
+        "| run | deliveries/s | sender (us) | PostgreSQL (us) | Redis (us) | receiver (us) |"
+        " anything else on the machine (us) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    return "\n".join(head + rows)
+
+
+def render_chart(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
+    # Throughput.
+    labels: list[str] = []
+    values: list[float] = []
+    colours: list[str] = []
+    raw = _get(out, "raw", "best")
+    if raw:
+        labels.append(f"raw HTTP\n(c={raw['concurrency']})")
+        values.append(raw["rate"])
+        colours.append("#999999")
+    for r in _get(out, "ours", "runs") or []:
+        labels.append(f"ours\n{r['processes']}p")
+        values.append(r["rate"])
+        colours.append("#1f77b4")
+    off = _get(out, "ours", "gate_off_1p")
+    if off:
+        labels.append("ours 1p\nno gate")
+        values.append(off["rate"])
+        colours.append("#6baed6")
+    tuned = _get(out, "ours", "tuned")
+    if tuned:
+        batch = (tuned.get("env") or {}).get("WEBHOOK_BATCH_SIZE", "?")
+        labels.append(f"ours {tuned['processes']}p\nb{batch}")
+        values.append(tuned["rate"])
+        colours.append("#08519c")
+    for r in _get(out, "pgqueuer", "runs") or []:
+        labels.append(f"pgq\nb{r['batch']} {r['processes']}p")
+        values.append(r["rate"])
+        colours.append("#ff7f0e")
+    ax = axes[0]
+    bars = ax.bar(range(len(values)), values, color=colours)
+    ax.set_xticks(range(len(values)), labels, fontsize=8)
+    ax.set_ylabel("deliveries per second")
+    ax.set_title("Throughput (loopback receiver, 2 cores)")
+    for bar, v in zip(bars, values, strict=True):
+        ax.annotate(
+            f"{v:,.0f}",
+            (bar.get_x() + bar.get_width() / 2, v),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    if raw:
+        ax.axhline(raw["rate"] * RAW_RATIO_MIN, color="#999999", ls="--", lw=1)
+        ax.annotate("0.6 x raw", (0, raw["rate"] * RAW_RATIO_MIN), fontsize=7, va="bottom")
+    # Latency.
+    ax = axes[1]
+    lat = out.get("latency")
+    if lat:
+        edges = [e for e, _ in lat["histogram_ms"]]
+        counts = [c for _, c in lat["histogram_ms"]]
+        names = [f"<={e:g}" if e < 1e8 else ">1000" for e in edges]
+        ax.bar(range(len(counts)), counts, color="#2ca02c")
+        ax.set_xticks(range(len(counts)), names, fontsize=7, rotation=45)
+        ax.set_xlabel("commit-to-receipt, ms")
+        ax.set_ylabel("events")
+        ax.set_title(
+            f"Latency at {lat['rate']}/s: p50 {lat['p50_ms']:.2f}, p95 {lat['p95_ms']:.2f}, "
+            f"p99 {lat['p99_ms']:.2f} ms",
+            fontsize=10,
+        )
+    # Claim.
+    ax = axes[2]
+    points = _get(out, "claim", "points") or []
+    if points:
+        names = [f"{p['processed_rows']:,}" for p in points]
+        ax.bar(range(len(points)), [p["p50_ms"] for p in points], color="#9467bd", label="p50")
+        ax.plot(
+            range(len(points)), [p["p95_ms"] for p in points], "o", color="#333333", label="p95"
+        )
+        ax.set_xticks(range(len(points)), names, fontsize=8)
+        ax.set_xlabel("processed rows in the table")
+        ax.set_ylabel("claim of 10 rows, ms")
+        ax.set_title("Claim time")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,55 @@
+"""The benchmark runs end to end in its tiny mode and writes every section. No timings are
+asserted: the benchmark measures, the test only checks that it can."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import engines
+from tests.support.procs import command_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SECTIONS = ("raw", "ours", "pgqueuer", "latency", "claim", "gate")
+
+
+def test_bench_tiny_writes_every_section(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fluxora_webhooks",
+            "bench",
+            "--tiny",
+            "--results",
+            str(tmp_path),
+            "--database-url",
+            engines.admin_database_url(),
+            "--redis-url",
+            engines.redis_url(),
+        ],
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=120,
+        check=False,
+    )
+    text = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, text
+    (saved,) = tmp_path.glob("2*.json")
+    result = json.loads(saved.read_text())
+    for section in SECTIONS:
+        assert section in result, f"{section} missing:\n{text}"
+    assert result["ours"]["best"]["received"] >= result["meta"]["events"]
+    assert all(run["left_pending"] == 0 for run in result["ours"]["runs"])
+    assert result["latency"]["received"] == result["latency"]["events"]
+    assert result["claim"]["points"][0]["processed_rows"] == 0
+    assert all(p["uses_index"] for p in result["claim"]["points"])
+    assert set(result["targets"]) >= {"ours / raw HTTP", "latency p99 (ms)"}
+    assert list(tmp_path.glob("2*.png")), "no chart"
+    assert "| measurement |" in text
