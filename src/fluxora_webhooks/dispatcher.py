@@ -281,11 +281,7 @@ class Dispatcher:
                 rows = await claim_due(conn, self.settings.batch_size)
                 if rows:
                     completions = await self._attempt_batch(rows)
-                    # No savepoint around the batch statement: SAVEPOINT and RELEASE cost
-                    # two more round trips and a subtransaction per batch, about a fifth
-                    # of the database's CPU per batch (docs/performance.md). If it fails,
-                    # the transaction rolls back and the except below takes over.
-                    await complete(conn, completions)
+                    completions = await self._record(conn, completions)
                 claimed = len(rows)
                 next_due = await next_due_in_ms(conn) if claimed < self.settings.batch_size else 0
         except _DB_ERRORS:
@@ -294,8 +290,8 @@ class Dispatcher:
             if not completions:
                 raise  # nothing was sent: the claim itself failed
             log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
-            await self._complete_row_by_row(conn, completions)
             claimed, next_due = len(completions), 0
+            completions = await self._complete_row_by_row(conn, completions)
         self._count_outcomes(completions)
         self.batches += 1
         return claimed, next_due
@@ -409,18 +405,49 @@ class Dispatcher:
         )
         return Completion(row.id, "dead_letter", reason=reason, **base)  # type: ignore[arg-type]
 
+    async def _record(
+        self, conn: psycopg.AsyncConnection[Any], completions: list[Completion]
+    ) -> list[Completion]:
+        """Write the batch's outcomes in its claim transaction; returns what was recorded.
+
+        A batch where every row was delivered is one UPDATE, written without a savepoint:
+        SAVEPOINT and RELEASE cost two more round trips and a subtransaction, about a fifth
+        of the database's CPU per batch (docs/performance.md); if it fails anyway, the
+        transaction rolls back and _run_batch relocks and records row by row. A batch that
+        inserts retries or dead letters gets a savepoint, so a row the database rejects
+        is recorded on its own while the others keep their locks (no window in which
+        another loop could claim and re-send them)."""
+        if all(c.outcome == "delivered" for c in completions):
+            await complete(conn, completions)
+            return completions
+        try:
+            async with conn.transaction():
+                await complete(conn, completions)
+            return completions
+        except _DB_ERRORS:
+            raise
+        except psycopg.Error as exc:
+            log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+        recorded = [await self._complete_one(conn, one) for one in completions]
+        return [one for one in recorded if one is not None]
+
     async def _complete_row_by_row(
         self, conn: psycopg.AsyncConnection[Any], completions: Sequence[Completion]
-    ) -> None:
+    ) -> list[Completion]:
         """After a batch statement failed and its transaction rolled back: lock again the
         rows that are still ours to record and record each on its own (a savepoint each),
         so one bad row never undoes the others. A row another loop claimed meanwhile is
-        skipped: that loop sends it again and records its own attempt (at-least-once)."""
+        skipped: that loop sends it again and records its own attempt (at-least-once).
+        Returns what was recorded."""
+        recorded: list[Completion] = []
         async with conn.transaction():
             mine = await relock_claimed(conn, [c.id for c in completions])
             for one in completions:
                 if one.id in mine:
-                    await self._complete_one(conn, one)
+                    done = await self._complete_one(conn, one)
+                    if done is not None:
+                        recorded.append(done)
+        return recorded
 
     def _count_outcomes(self, completions: Sequence[Completion]) -> None:
         for one in completions:
@@ -428,11 +455,15 @@ class Dispatcher:
                 metrics.DEAD_LETTERS.labels(one.reason or "unknown").inc()
             self._outcome[one.outcome].inc()
 
-    async def _complete_one(self, conn: psycopg.AsyncConnection[Any], one: Completion) -> None:
+    async def _complete_one(
+        self, conn: psycopg.AsyncConnection[Any], one: Completion
+    ) -> Completion | None:
+        """Record one row's outcome; failing that, dead-letter it; failing that, defer it a
+        minute (never left due at once: that would re-send it in a tight loop)."""
         try:
             async with conn.transaction():
                 await complete(conn, [one])
-            return
+            return one
         except _DB_ERRORS:
             raise
         except psycopg.Error as exc:
@@ -447,11 +478,21 @@ class Dispatcher:
         try:
             async with conn.transaction():
                 await complete(conn, [bare])
+            return bare
         except _DB_ERRORS:
             raise
         except psycopg.Error:
-            # Left unprocessed: the lock is released at commit and the row is tried again.
-            log.error("row %d: could not be completed; it stays pending", one.id)
+            log.error("row %d: could not be completed; deferred by a minute", one.id)
+        later = Completion(one.id, "deferred", delay_ms=60_000)
+        try:
+            async with conn.transaction():
+                await complete(conn, [later])
+            return later
+        except _DB_ERRORS:
+            raise
+        except psycopg.Error:
+            log.error("row %d: could not even be deferred; it stays pending", one.id)
+            return None
 
 
 def _breaker_signal(result: AttemptResult) -> bool | None:

@@ -283,3 +283,58 @@ async def test_waiting_for_a_connection_is_not_a_timeout(
     outcomes = await rows(database_url, "SELECT outcome, count(*) FROM webhook_outbox GROUP BY 1")
     assert outcomes == [("delivered", 12)]
     assert len(receiver.received) == 12
+
+
+@pytest.mark.parametrize(
+    ("table", "when", "status"),
+    [
+        # A batch with a dead letter: written under a savepoint.
+        ("webhook_dead_letter", "BEFORE INSERT", 410),
+        # An all-delivered batch (no savepoint): rolled back, relocked, recorded row by row.
+        ("webhook_outbox", "BEFORE UPDATE", 200),
+    ],
+)
+async def test_a_row_the_database_rejects_never_blocks_the_batch_nor_spins(
+    database_url: str, receiver: Receiver, table: str, when: str, status: int
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        # A row whose outcome the database refuses to record, whatever we try.
+        await conn.execute(
+            "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.stream_id = 'poison' AND (TG_TABLE_NAME = 'webhook_dead_letter'"
+            " OR NEW.processed) THEN RAISE EXCEPTION 'rejected'; END IF;"
+            " RETURN NEW; END $$"
+        )
+        await conn.execute(
+            f"CREATE TRIGGER poison {when} ON {table} FOR EACH ROW EXECUTE FUNCTION poison()"
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " VALUES ('ok-1', 'e', '{}'), ('poison', 'e', '{}'), ('ok-2', 'e', '{}')"
+        )
+    (poison_id,) = [
+        row[0]
+        for row in await rows(
+            database_url, "SELECT delivery_id::text FROM webhook_outbox WHERE stream_id='poison'"
+        )
+    ]
+
+    async def respond(r: Received) -> web.Response:
+        return web.Response(status=status if r.delivery_id == poison_id else 200)
+
+    receiver.respond = respond
+    settings = make_settings(receiver.url, claim_loops=1)
+    async with running_dispatcher(settings, database_url, policy=FAST):
+        await receiver.wait_for(3)
+        await asyncio.sleep(1.0)  # a row left due would be re-sent over and over by now
+    assert len(receiver.received) == 3
+    got = await rows(
+        database_url,
+        "SELECT stream_id, processed, outcome, deferrals, created_at > now() + interval '50 s'"
+        " FROM webhook_outbox ORDER BY stream_id",
+    )
+    assert got == [
+        ("ok-1", True, "delivered", 0, False),
+        ("ok-2", True, "delivered", 0, False),
+        ("poison", False, None, 1, True),  # deferred a minute, nothing lost
+    ]
