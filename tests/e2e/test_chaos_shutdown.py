@@ -1,0 +1,114 @@
+"""SIGTERM during a busy batch: every claim loop has a full batch in flight, mixing slow
+successes, requests the consumer never answers (they time out), 503s and 410s. The process
+exits 0 within the bound (request timeout + 5 s); every attempt that was in flight is
+recorded with the outcome SPEC section 4 names; nothing else was claimed; and a second
+dispatcher delivers the rest: nothing is lost."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.chaos import (
+    Behaviour,
+    ChaosConsumer,
+    Hit,
+    account,
+    enqueue_events,
+    stop_processes,
+    tracebacks,
+)
+from tests.support.dispatch import pending, rows, wait_until
+from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TIMEOUT_S = 3
+DRAIN_GRACE_S = 5
+ABANDONED = "abandoning the in-flight batch"  # the service's log line when the bound is hit
+LOOPS, BATCH = 4, 20
+# First attempts: (behaviour, the outcome recorded for it, its error).
+FIRST = {
+    "slow-ok": (Behaviour.SLOW, "delivered", None),  # answers 200 after 2 s: in time
+    "silent": (Behaviour.SILENT, "retry", "timeout"),  # never answers: times out
+    "retry": (Behaviour.RETRY, "retry", "HTTP 503"),
+    "gone": (Behaviour.GONE, "dead_letter", "HTTP 410"),
+    "ok": (Behaviour.OK, "delivered", None),
+}
+
+
+async def test_sigterm_during_a_busy_batch(
+    database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    def choose(hit: Hit) -> Behaviour:
+        assert hit.kind is not None
+        return FIRST[hit.kind][0] if hit.attempt == 1 else Behaviour.OK
+
+    consumer = ChaosConsumer(choose, slow_s=2.0)
+    await consumer.start()
+    env = dispatcher_env(
+        database_url, redis_url, consumer.url, redis_prefix,
+        WEBHOOK_TIMEOUT_MS=str(TIMEOUT_S * 1000), WEBHOOK_BATCH_SIZE=str(BATCH),
+        WEBHOOK_CLAIM_LOOPS=str(LOOPS), WEBHOOK_RETRY_SCHEDULE="100ms",
+        WEBHOOK_MAX_ATTEMPTS="3", WEBHOOK_RETRY_RPS="1000",
+    )  # fmt: skip
+    kinds = [kind for _ in range(60) for kind in FIRST]  # 300 events, kinds interleaved
+    procs: list[DispatcherProcess] = []
+    try:
+        proc = await start_dispatcher(env, tmp_path / "first.log")
+        procs.append(proc)
+        await enqueue_events(database_url, kinds)
+        await consumer.wait_for(LOOPS * BATCH)  # every loop has a full batch in flight
+        in_flight = len(consumer.hits)
+        started = time.monotonic()
+        [code] = await stop_processes([proc], TIMEOUT_S + DRAIN_GRACE_S + 10)
+        took = time.monotonic() - started
+        first_hits = list(consumer.hits)
+        log = proc.log()
+        assert code == 0, log
+        assert took <= TIMEOUT_S + DRAIN_GRACE_S, took
+        assert ABANDONED not in log and tracebacks(log) == 0, log
+
+        # Every attempt that was in flight is recorded, with its SPEC section 4 outcome.
+        recorded = {
+            (d, a): (kind, outcome, error)
+            for d, a, kind, outcome, error in await rows(
+                database_url,
+                "SELECT delivery_id::text, attempt, payload->>'kind', outcome, error"
+                " FROM webhook_outbox WHERE processed",
+            )
+        }
+        assert len(first_hits) >= in_flight
+        for hit in first_hits:
+            assert hit.kind is not None
+            kind, outcome, error = recorded[(hit.delivery_id, hit.attempt)]
+            assert (outcome, error) == FIRST[kind][1:], (kind, outcome, error)
+        assert len(recorded) == len(first_hits)  # nothing completed unsent, nothing twice
+        # Nothing else was claimed: the rest is pending (plus the retries just scheduled).
+        retries = sum(1 for v in recorded.values() if v[1] == "retry")
+        assert await pending(database_url) == len(kinds) - len(first_hits) + retries
+
+        # A second dispatcher takes over and settles everything.
+        second = await start_dispatcher(env, tmp_path / "second.log")
+        procs.append(second)
+        await wait_until(lambda: _drained(database_url), timeout=60, what="all settled")
+        assert await stop_processes([second], TIMEOUT_S + DRAIN_GRACE_S + 10) == [0]
+    finally:
+        await stop_processes(procs)  # after a failure: none left behind
+        await consumer.stop()
+    print(
+        f"\nSIGTERM with {in_flight} requests in flight: exited 0 after {took:.1f}s,"
+        f" {len(first_hits)} attempts recorded"
+    )
+    accounting = await account(database_url, consumer)
+    gone = kinds.count("gone")
+    assert accounting.ok and accounting.lost == 0, accounting
+    assert accounting.delivered == len(kinds) - gone, accounting
+    assert accounting.dead_letters == gone, accounting
+    assert accounting.duplicates == 0, accounting  # a clean stop sends nothing twice
+
+
+async def _drained(database_url: str) -> bool:
+    return await pending(database_url) == 0
