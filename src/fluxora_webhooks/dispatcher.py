@@ -396,7 +396,7 @@ class Dispatcher:
         reason = result.reason if result.kind is Kind.PERMANENT else "attempts_exhausted"
         metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         log.warning(
-            "delivery %s dead-lettered after attempt %d: %s (%s)",
+            "delivery %s goes to the dead letters after attempt %d: %s (%s)",
             row.delivery_id,
             row.attempt,
             reason,
