@@ -144,7 +144,7 @@ async def test_logs_and_metrics_never_carry_a_secret_or_a_full_url(
 
     text = "\n".join(logs_seen)
     assert "Redis unavailable" in text  # the fail-open path was logged too
-    assert "dead-lettered" in text and "retry in" in text
+    assert "goes to the dead letters" in text and "retry in" in text
     assert f"127.0.0.1:{refused_port}" in text  # scheme and host are fine
     assert _leaks(text) == [], text
     for page in metrics_seen:
