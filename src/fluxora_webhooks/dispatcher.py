@@ -371,17 +371,11 @@ class Dispatcher:
         return result
 
     def _decide(self, row: Claimed, result: AttemptResult) -> Completion:
-        base = {
-            "status_code": result.status,
-            "error": result.error,
-            "response_body": result.body,
-            "duration_ms": result.duration_ms,
-        }
         if result.kind is Kind.DELIVERED:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
             if log.isEnabledFor(logging.DEBUG):  # the fields are built only when logged
                 log.debug("delivered", extra=_log_fields(row, result))
-            return Completion(row.id, "delivered", **base)  # type: ignore[arg-type]
+            return _completion(row, result, "delivered")
         if result.kind is Kind.RETRYABLE and not self.policy.exhausted(row.attempt):
             delay = self.policy.delay_ms(row.attempt, result.retry_after_ms)
             log.info(
@@ -392,7 +386,7 @@ class Dispatcher:
                 delay / 1000,
                 extra=_log_fields(row, result),
             )
-            return Completion(row.id, "retry", delay_ms=delay, **base)  # type: ignore[arg-type]
+            return _completion(row, result, "retry", delay_ms=delay)
         reason = result.reason if result.kind is Kind.PERMANENT else "attempts_exhausted"
         metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         log.warning(
@@ -403,7 +397,7 @@ class Dispatcher:
             result.error or result.status,
             extra=_log_fields(row, result),
         )
-        return Completion(row.id, "dead_letter", reason=reason, **base)  # type: ignore[arg-type]
+        return _completion(row, result, "dead_letter", reason=reason)
 
     async def _record(
         self, conn: psycopg.AsyncConnection[Any], completions: list[Completion]
@@ -493,6 +487,26 @@ class Dispatcher:
         except psycopg.Error:
             log.error("row %d: could not even be deferred; it stays pending", one.id)
             return None
+
+
+def _completion(
+    row: Claimed,
+    result: AttemptResult,
+    outcome: str,
+    *,
+    delay_ms: int = 0,
+    reason: str | None = None,
+) -> Completion:
+    return Completion(
+        row.id,
+        outcome,
+        delay_ms=delay_ms,
+        status_code=result.status,
+        error=result.error,
+        response_body=result.body,
+        duration_ms=result.duration_ms,
+        reason=reason,
+    )
 
 
 def _breaker_signal(result: AttemptResult) -> bool | None:

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from tests.support.dispatch import enqueue_many, pending, rows, scalar, wait_until
+from tests.support.dispatch import delivered, enqueue_many, pending, rows, scalar, wait_until
 from tests.support.procs import dispatcher_env, dispatchers, start_dispatcher
 from tests.support.receiver import Received, Receiver
 
@@ -68,9 +68,7 @@ async def test_sigkill_mid_batch_loses_nothing(
     victim.kill()
     assert await victim.wait(10) == -9
     # Requests the consumer got whose rows the victim never committed: really mid-batch.
-    committed = await scalar(
-        database_url, "SELECT count(*) FROM webhook_outbox WHERE outcome = 'delivered'"
-    )
+    committed = await delivered(database_url)
     in_flight_at_kill = len(receiver.received) - committed
     async with dispatchers(2, env, tmp_path):
         await wait_until(lambda: _drained(database_url), timeout=120, what="all delivered")
@@ -80,12 +78,7 @@ async def test_sigkill_mid_batch_loses_nothing(
     # Only what the killed process had in flight (2 loops x 10 rows) can be sent twice.
     assert 0 < duplicates <= 20, duplicates
     assert in_flight_at_kill > 0
-    assert (
-        await scalar(
-            database_url, "SELECT count(*) FROM webhook_outbox WHERE outcome = 'delivered'"
-        )
-        == n
-    )
+    assert await delivered(database_url) == n
 
 
 async def test_sigterm_drains_the_in_flight_batch_and_exits_zero(
@@ -117,10 +110,7 @@ async def test_sigterm_drains_the_in_flight_batch_and_exits_zero(
     assert took < 10, took  # bounded by the request timeout plus grace
     assert "Traceback" not in log, log
     # The in-flight batch was completed and recorded; nothing else was claimed.
-    delivered = await scalar(
-        database_url, "SELECT count(*) FROM webhook_outbox WHERE outcome = 'delivered'"
-    )
-    assert delivered == len(receiver.received) == 10
+    assert await delivered(database_url) == len(receiver.received) == 10
     assert await pending(database_url) == 20
     await asyncio.sleep(0.5)
     assert len(receiver.received) == 10

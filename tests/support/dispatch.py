@@ -85,6 +85,15 @@ async def enqueue_many(database_url: str, n: int, event_type: str = "stream.upda
         )
 
 
+async def delivered(database_url: str) -> int:
+    """Outbox rows recorded as delivered."""
+    return int(
+        await scalar(
+            database_url, "SELECT count(*) FROM webhook_outbox WHERE outcome = 'delivered'"
+        )
+    )
+
+
 async def pending(database_url: str) -> int:
     return int(
         await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")
