@@ -2,16 +2,18 @@
 
 Producer side: :func:`enqueue` inside your own transaction. Consumer side: :func:`verify`.
 Service side: :class:`Dispatcher` configured by :class:`Settings` (or ``fluxora-webhooks run``).
+
+``Dispatcher`` and ``Settings`` are imported on first use, so a producer or a consumer that
+only needs :func:`enqueue` or :func:`verify` does not load the dispatcher's HTTP client.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
 
-from .dispatcher import Dispatcher
+from ._version import __version__
 from .errors import (
     ConfigError,
-    DatabaseError,
     EmbeddedEngineError,
     EndpointError,
     FluxoraError,
@@ -19,12 +21,14 @@ from .errors import (
     VerificationError,
 )
 from .outbox import enqueue
-from .settings import Settings
 from .signing import Signer, verify
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+    from .settings import Settings
 
 __all__ = [
     "ConfigError",
-    "DatabaseError",
     "Dispatcher",
     "EmbeddedEngineError",
     "EndpointError",
@@ -37,3 +41,15 @@ __all__ = [
     "enqueue",
     "verify",
 ]
+
+_LAZY = {"Dispatcher": "dispatcher", "Settings": "settings"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,23 +10,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from enum import Enum
 
 import aiohttp
 
-from .endpoints import redacted
 from .errors import EndpointError
-from .retry import parse_retry_after
+from .retry import Kind, parse_retry_after
+from .urlpolicy import redacted
 
 RETRYABLE_STATUS = frozenset({408, 425, 429})
-
-
-class Kind(Enum):
-    DELIVERED = "delivered"
-    RETRYABLE = "retryable"
-    PERMANENT = "permanent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +70,11 @@ async def attempt(
     *,
     timeout: aiohttp.ClientTimeout,
     max_response_bytes: int,
+    clock: Callable[[], float] = time.time,
 ) -> AttemptResult:
-    """POST once; never raises for what the consumer or the network does."""
+    """POST once; never raises for what the consumer or the network does. ``clock`` is
+    this process's wall clock (used only when a consumer's ``Retry-After`` date comes
+    without a usable ``Date`` header)."""
     started = time.perf_counter()
 
     def elapsed() -> float:
@@ -98,7 +95,9 @@ async def attempt(
             else:
                 body_error = None
             retry_after = (
-                parse_retry_after(response.headers.get("Retry-After"), _consumer_now(response))
+                parse_retry_after(
+                    response.headers.get("Retry-After"), _consumer_now(response, clock)
+                )
                 if kind is Kind.RETRYABLE
                 else None
             )
@@ -154,7 +153,7 @@ async def attempt(
         )
 
 
-def _consumer_now(response: aiohttp.ClientResponse) -> float:
+def _consumer_now(response: aiohttp.ClientResponse, clock: Callable[[], float]) -> float:
     """The moment of the response on the consumer's clock (its ``Date`` header).
 
     A ``Retry-After`` HTTP date is measured against it, so the delay (and the due time the
@@ -165,8 +164,8 @@ def _consumer_now(response: aiohttp.ClientResponse) -> float:
     try:
         when = parsedate_to_datetime(response.headers.get("Date", ""))
     except (TypeError, ValueError, IndexError):
-        return time.time()
-    return when.timestamp() if when is not None and when.tzinfo is not None else time.time()
+        return clock()
+    return when.timestamp() if when is not None and when.tzinfo is not None else clock()
 
 
 def _endpoint_error(exc: BaseException) -> EndpointError | None:

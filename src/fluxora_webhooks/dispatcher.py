@@ -23,30 +23,31 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from . import metrics
-from .delivery import AttemptResult, Kind, attempt
-from .endpoints import validate_url
+from .delivery import AttemptResult, attempt
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
 from .outbox import (
     NOTIFY_CHANNEL,
     Claimed,
     Completion,
+    Outcome,
     claim_due,
     complete,
     next_due_in_ms,
     relock_claimed,
 )
-from .retry import RetryPolicy
+from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer
+from .urlpolicy import validate_url
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
@@ -55,6 +56,8 @@ _BACKOFF_MAX_S = 5.0
 _LOCK_TIMEOUT_MS = 10_000
 _STATEMENT_TIMEOUT_MS = 60_000
 _POOL_RECONNECT_S = 5.0
+
+T = TypeVar("T")
 
 
 class Waker:
@@ -113,6 +116,7 @@ class Dispatcher:
         gate: DeliveryGate | None = None,
         session: aiohttp.ClientSession | None = None,
         policy: RetryPolicy | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         # Settings built in code skip from_env: the URL policy and the secret are checked
         # here too, so a library user cannot send unsigned or to a refused URL.
@@ -128,6 +132,9 @@ class Dispatcher:
         self.gate: DeliveryGate = gate or OpenGate()
         self.policy = policy or RetryPolicy(settings.max_attempts, settings.retry_schedule_ms)
         self._signer = Signer(settings.secret, settings.secret_previous)
+        # This process's wall clock: only for a Retry-After date that comes without the
+        # consumer's Date header. Due times and signed timestamps come from the database.
+        self._clock = clock
         self._own_session = session is None
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_ms / 1000)
@@ -140,10 +147,7 @@ class Dispatcher:
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self.ready = asyncio.Event()
         self.batches = 0
-        self._outcome = {
-            name: metrics.DELIVERIES.labels(name)
-            for name in ("delivered", "retry", "dead_letter", "deferred")
-        }
+        self._outcome = {outcome: metrics.DELIVERIES.labels(outcome) for outcome in Outcome}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -236,7 +240,10 @@ class Dispatcher:
         backoff = 0.05
         while not self.stopping:
             try:
-                async with self._pool.connection(timeout=_POOL_RECONNECT_S) as conn:
+                conn = await self._unless_stopping(self._pool.getconn(timeout=_POOL_RECONNECT_S))
+                if conn is None:
+                    return
+                try:
                     while not self.stopping:
                         claimed, next_due = await self._run_batch(conn)
                         backoff = 0.05
@@ -246,6 +253,8 @@ class Dispatcher:
                         if claimed:
                             continue  # a partial batch: claim once more before sleeping
                         await self._waker.wait(self._sleep_s(next_due))
+                finally:
+                    await self._pool.putconn(conn)
             except asyncio.CancelledError:
                 raise
             except _DB_ERRORS as exc:
@@ -261,8 +270,26 @@ class Dispatcher:
             except Exception:
                 metrics.CLAIM_ERRORS.inc()
                 log.exception("claim loop %d: unexpected error; retrying", index)
-            await asyncio.sleep(backoff * (1 + random.random()))
+            await self._unless_stopping(asyncio.sleep(backoff * (1 + random.random())))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    async def _unless_stopping(self, step: Awaitable[T]) -> T | None:
+        """``step``'s result, or None as soon as :meth:`stop` is called (``step`` is then
+        cancelled): a stop never waits for a pool connection or a back-off."""
+        work = asyncio.ensure_future(step)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *_DB_ERRORS):
+            late = await work
+            if isinstance(late, psycopg.AsyncConnection) and self._pool is not None:
+                await self._pool.putconn(late)  # obtained just as the stop came
+        return None
 
     def _sleep_s(self, next_due_ms: int | None) -> float:
         """How long an idle loop waits (a NOTIFY or a busy loop's wake-up cuts it short)."""
@@ -298,18 +325,15 @@ class Dispatcher:
 
     async def _attempt_batch(self, rows: Sequence[Claimed]) -> list[Completion]:
         admissions = await self._admit(rows)
-        timestamp = int(time.time())
-        sends = [
-            self._send(row, timestamp)
-            for row, adm in zip(rows, admissions, strict=True)
-            if adm.allowed
-        ]
+        sends = [self._send(row) for row, adm in zip(rows, admissions, strict=True) if adm.allowed]
         results = iter(await asyncio.gather(*sends))
         completions: list[Completion] = []
         reports: list[tuple[Admission, bool | None]] = []
         for row, adm in zip(rows, admissions, strict=True):
             if not adm.allowed:
-                completions.append(Completion(row.id, "deferred", delay_ms=max(adm.delay_ms, 1)))
+                completions.append(
+                    Completion(row.id, Outcome.DEFERRED, delay_ms=max(adm.delay_ms, 1))
+                )
                 continue
             result = next(results)
             reports.append((adm, _breaker_signal(result)))
@@ -335,11 +359,11 @@ class Dispatcher:
             return [ALLOW] * len(rows)
         return admissions
 
-    async def _send(self, row: Claimed, timestamp: int) -> AttemptResult:
+    async def _send(self, row: Claimed) -> AttemptResult:
         async with self._slots:
-            return await self._send_now(row, timestamp)
+            return await self._send_now(row)
 
-    async def _send_now(self, row: Claimed, timestamp: int) -> AttemptResult:
+    async def _send_now(self, row: Claimed) -> AttemptResult:
         assert self._session is not None
         metrics.IN_FLIGHT.inc()
         try:
@@ -348,7 +372,7 @@ class Dispatcher:
                 event_type=row.event_type,
                 attempt=row.attempt,
                 body=row.body,
-                timestamp=timestamp,
+                timestamp=row.timestamp,
             )
             result = await attempt(
                 self._session,
@@ -357,6 +381,7 @@ class Dispatcher:
                 headers,
                 timeout=self._timeout,
                 max_response_bytes=self.settings.max_response_bytes,
+                clock=self._clock,
             )
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
@@ -371,33 +396,33 @@ class Dispatcher:
         return result
 
     def _decide(self, row: Claimed, result: AttemptResult) -> Completion:
-        if result.kind is Kind.DELIVERED:
+        decision = self.policy.decide(
+            row.attempt, result.kind, reason=result.reason, retry_after_ms=result.retry_after_ms
+        )
+        if decision.outcome is not Outcome.RETRY:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
+        if decision.outcome is Outcome.DELIVERED:
             if log.isEnabledFor(logging.DEBUG):  # the fields are built only when logged
                 log.debug("delivered", extra=_log_fields(row, result))
-            return _completion(row, result, "delivered")
-        if result.kind is Kind.RETRYABLE and not self.policy.exhausted(row.attempt):
-            delay = self.policy.delay_ms(row.attempt, result.retry_after_ms)
+        elif decision.outcome is Outcome.RETRY:
             log.info(
                 "delivery %s attempt %d failed (%s); retry in %.1fs",
                 row.delivery_id,
                 row.attempt,
                 result.error or result.status,
-                delay / 1000,
+                decision.delay_ms / 1000,
                 extra=_log_fields(row, result),
             )
-            return _completion(row, result, "retry", delay_ms=delay)
-        reason = result.reason if result.kind is Kind.PERMANENT else "attempts_exhausted"
-        metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
-        log.warning(
-            "delivery %s goes to the dead letters after attempt %d: %s (%s)",
-            row.delivery_id,
-            row.attempt,
-            reason,
-            result.error or result.status,
-            extra=_log_fields(row, result),
-        )
-        return _completion(row, result, "dead_letter", reason=reason)
+        else:
+            log.warning(
+                "delivery %s goes to the dead letters after attempt %d: %s (%s)",
+                row.delivery_id,
+                row.attempt,
+                decision.reason,
+                result.error or result.status,
+                extra=_log_fields(row, result),
+            )
+        return _completion(row, result, decision)
 
     async def _record(
         self, conn: psycopg.AsyncConnection[Any], completions: list[Completion]
@@ -411,7 +436,7 @@ class Dispatcher:
         inserts retries or dead letters gets a savepoint, so a row the database rejects
         is recorded on its own while the others keep their locks (no window in which
         another loop could claim and re-send them)."""
-        if all(c.outcome == "delivered" for c in completions):
+        if all(c.outcome is Outcome.DELIVERED for c in completions):
             await complete(conn, completions)
             return completions
         try:
@@ -445,7 +470,7 @@ class Dispatcher:
 
     def _count_outcomes(self, completions: Sequence[Completion]) -> None:
         for one in completions:
-            if one.outcome == "dead_letter":
+            if one.outcome is Outcome.DEAD_LETTER:
                 metrics.DEAD_LETTERS.labels(one.reason or "unknown").inc()
             self._outcome[one.outcome].inc()
 
@@ -453,59 +478,44 @@ class Dispatcher:
         self, conn: psycopg.AsyncConnection[Any], one: Completion
     ) -> Completion | None:
         """Record one row's outcome; failing that, dead-letter it; failing that, defer it a
-        minute (never left due at once: that would re-send it in a tight loop)."""
-        try:
-            async with conn.transaction():
-                await complete(conn, [one])
-            return one
-        except _DB_ERRORS:
-            raise
-        except psycopg.Error as exc:
-            log.error("row %d: completion failed (%s); dead-lettering it", one.id, exc.sqlstate)
-        bare = Completion(
-            one.id,
-            "dead_letter",
-            status_code=one.status_code,
-            error=f"could not record outcome {one.outcome!r}: database rejected the row",
-            reason="internal_error",
+        minute (never left due at once: that would re-send it in a tight loop). Returns what
+        was recorded (None: nothing could be; the row stays pending)."""
+        fallbacks = (
+            one,
+            Completion(
+                one.id,
+                Outcome.DEAD_LETTER,
+                status_code=one.status_code,
+                error=f"could not record outcome {one.outcome!r}: database rejected the row",
+                reason="internal_error",
+            ),
+            Completion(one.id, Outcome.DEFERRED, delay_ms=60_000),
         )
-        try:
-            async with conn.transaction():
-                await complete(conn, [bare])
-            return bare
-        except _DB_ERRORS:
-            raise
-        except psycopg.Error:
-            log.error("row %d: could not be completed; deferred by a minute", one.id)
-        later = Completion(one.id, "deferred", delay_ms=60_000)
-        try:
-            async with conn.transaction():
-                await complete(conn, [later])
-            return later
-        except _DB_ERRORS:
-            raise
-        except psycopg.Error:
-            log.error("row %d: could not even be deferred; it stays pending", one.id)
-            return None
+        for recording in fallbacks:
+            try:
+                async with conn.transaction():
+                    await complete(conn, [recording])
+                return recording
+            except _DB_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                log.error(
+                    "row %d: recording %s failed (%s)", one.id, recording.outcome, exc.sqlstate
+                )
+        log.error("row %d: could not be completed at all; it stays pending", one.id)
+        return None
 
 
-def _completion(
-    row: Claimed,
-    result: AttemptResult,
-    outcome: str,
-    *,
-    delay_ms: int = 0,
-    reason: str | None = None,
-) -> Completion:
+def _completion(row: Claimed, result: AttemptResult, decision: Decision) -> Completion:
     return Completion(
         row.id,
-        outcome,
-        delay_ms=delay_ms,
+        decision.outcome,
+        delay_ms=decision.delay_ms,
         status_code=result.status,
         error=result.error,
         response_body=result.body,
         duration_ms=result.duration_ms,
-        reason=reason,
+        reason=decision.reason,
     )
 
 
@@ -530,7 +540,7 @@ def _log_fields(row: Claimed, result: AttemptResult) -> dict[str, Any]:
 def make_session(settings: Settings) -> aiohttp.ClientSession:
     """The HTTP client: keep-alive, bounded connections, the connect-time address policy
     (resolved addresses are checked and the connection is pinned to them)."""
-    from .endpoints import make_connector
+    from .connector import make_connector
 
     connector = make_connector(
         allow_loopback=_configured_loopback(settings.webhook_url),
@@ -550,6 +560,6 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
 def _configured_loopback(url: str) -> bool:
     from urllib.parse import urlsplit
 
-    from .endpoints import is_loopback_host
+    from .urlpolicy import is_loopback_host
 
     return is_loopback_host(urlsplit(url).hostname or "")

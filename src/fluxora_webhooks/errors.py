@@ -6,7 +6,6 @@ Every error derives from one base, so ``except FluxoraError`` catches them all::
     +-- ConfigError            a setting is missing or invalid (names the variable)
     +-- EndpointError          a consumer URL or its resolved address is refused
     +-- SchemaError            the database schema is missing, older or newer than the code
-    +-- DatabaseError          a PostgreSQL error, translated from psycopg in one place
     +-- EmbeddedEngineError    an embedded PostgreSQL or Redis could not start or stop
     +-- VerificationError      a received webhook failed verification (``reason`` says which check)
 
@@ -38,10 +37,6 @@ class EndpointError(FluxoraError):
 
 class SchemaError(FluxoraError):
     """The database schema does not match what this version of the code expects."""
-
-
-class DatabaseError(FluxoraError):
-    """A database operation failed."""
 
 
 class EmbeddedEngineError(FluxoraError):

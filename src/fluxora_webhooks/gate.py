@@ -1,15 +1,26 @@
 """The delivery gate: what the dispatcher asks before and tells after a batch of attempts.
 
 The dispatcher asks once per batch (one Redis round trip for the whole batch at most) and
-reports once per batch. The Redis implementation (rate limit + circuit breaker) lives in
-``ratelimit.py`` / ``breaker.py``; :class:`OpenGate` admits everything.
+reports once per batch. The Redis implementation (rate limit + circuit breaker) is
+:class:`~fluxora_webhooks.redis_gate.RedisGate`; :class:`OpenGate` admits everything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
+
+
+class AdmitCode(IntEnum):
+    """The decision for one attempt, as the admit script returns it (``lua/admit.lua``
+    receives these names as constants, so both sides share one definition)."""
+
+    ALLOWED = 0
+    PROBE = 1  # allowed, as the single half-open probe of a breaker
+    RATE_LIMITED = 2
+    CIRCUIT_OPEN = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from . import __version__
+from ._version import __version__
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

@@ -63,6 +63,21 @@ def latest_version() -> int:
     return available()[-1].version
 
 
+async def check_encoding(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Refuse a database that is not UTF8: with SQL_ASCII, PostgreSQL stores bytes unchecked
+    and returns them undecoded, and nothing that reads the outbox could trust its text."""
+    cur = await conn.execute("SELECT current_setting('server_encoding')")
+    row = await cur.fetchone()
+    value = row[0] if row else "?"
+    # Under SQL_ASCII psycopg returns text as bytes: the very problem, seen here first.
+    encoding = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    if encoding.upper() not in ("UTF8", "UTF-8"):
+        raise SchemaError(
+            f"the database's encoding is {encoding}; fluxora-webhooks needs a UTF8 database"
+            " (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+        )
+
+
 async def applied_versions(conn: psycopg.AsyncConnection[Any]) -> dict[int, str]:
     """{version: checksum} recorded in the database ({} when never migrated)."""
     cur = await conn.execute("SELECT to_regclass('fluxora_schema_migrations') IS NOT NULL")
@@ -79,6 +94,7 @@ async def migrate(conn: psycopg.AsyncConnection[Any]) -> list[Migration]:
     ``conn`` must be in autocommit mode; each migration gets its own transaction.
     """
     applied: list[Migration] = []
+    await check_encoding(conn)
     await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
     try:
         await conn.execute(_CREATE_TABLE)
@@ -118,6 +134,7 @@ def _check_known(done: dict[int, str]) -> None:
 
 async def check_schema(conn: psycopg.AsyncConnection[Any]) -> None:
     """Raise :class:`SchemaError` unless the schema is exactly what this code expects."""
+    await check_encoding(conn)
     done = await applied_versions(conn)
     if not done:
         raise SchemaError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, overload
 
 import psycopg
@@ -12,6 +13,19 @@ from psycopg.types.json import Jsonb
 from .queries import query
 
 NOTIFY_CHANNEL = "webhook_outbox"
+
+
+class Outcome(StrEnum):
+    """What an attempt (or a decision not to attempt) did to a claimed row.
+
+    The first three are recorded on the row (``webhook_outbox.outcome``); a deferral only
+    moves the row's due time and consumes no attempt.
+    """
+
+    DELIVERED = "delivered"
+    RETRY = "retry"
+    DEAD_LETTER = "dead_letter"
+    DEFERRED = "deferred"
 
 
 def _check_names(stream_id: str, event_type: str) -> None:
@@ -77,6 +91,9 @@ class Claimed:
     body: bytes
     attempt: int
     replay: bool = False
+    # Unix seconds on the database's clock at the claim: the signed x-fluxora-timestamp
+    # and webhook-timestamp (a dispatcher whose clock is off must not sign stale times).
+    timestamp: int = 0
 
     @property
     def is_retry(self) -> bool:
@@ -88,12 +105,11 @@ class Claimed:
 class Completion:
     """What to write for one claimed row.
 
-    ``outcome``: delivered | retry | dead_letter | deferred. ``delay_ms`` is the delay (from
-    the database's ``now()``) of the retry row or the deferral.
+    ``delay_ms`` is the delay (from the database's clock) of the retry row or the deferral.
     """
 
     id: int
-    outcome: str
+    outcome: Outcome
     delay_ms: int = 0
     status_code: int | None = None
     error: str | None = None
@@ -106,7 +122,7 @@ async def claim_due(conn: psycopg.AsyncConnection[Any], batch: int) -> list[Clai
     """Lock up to ``batch`` due rows (``FOR UPDATE SKIP LOCKED``) in the open transaction."""
     cur = await conn.execute(query("claim_due"), {"batch": batch})
     return [
-        Claimed(int(r[0]), r[1], r[2], r[3].encode("utf-8"), int(r[4]), bool(r[5]))
+        Claimed(int(r[0]), r[1], r[2], r[3].encode("utf-8"), int(r[4]), bool(r[5]), int(r[6]))
         for r in await cur.fetchall()
     ]
 

@@ -3,7 +3,28 @@ dispatcher instances, at one round trip per batch.
 
 ``admit`` runs one Lua script (breaker check, then rate limit, for the whole batch) and
 ``report`` runs another (breaker bookkeeping); both read the Redis server's clock, so the
-instances agree on time. See :mod:`.ratelimit` and :mod:`.breaker` for the keys.
+instances agree on time. The scripts live in ``lua/*.lua`` and are composed and loaded
+once.
+
+Keys, per consumer URL (``<digest>`` is the full SHA-256 hex digest of the URL, the only
+form of a URL in Redis; the braces make one URL's keys share a Redis Cluster hash slot, so
+each script touches one slot):
+
+- ``{prefix}webhook_rl:{<digest>}``: the retry limit, a sliding-window log. A sorted set
+  with one member per outbound attempt, scored by the Redis server's clock in ms. First
+  attempts are recorded but never refused; a retry is refused while the window already
+  holds ``limit`` attempts. It expires one window after its last member was added.
+- ``{prefix}webhook_cb:{<digest>}``: the circuit breaker, a hash with ``state``
+  (``closed``, ``open``, ``half-open``), ``failures`` (consecutive retryable failures
+  while closed), ``reset_at`` (server ms when an open circuit may be probed) and
+  ``probe`` (the token of the current half-open probe's owner, ``""`` when none). A
+  missing hash means closed with no failures: closing deletes it, so healthy consumers
+  cost nothing; a stored hash expires ``reset_ms`` + one day after its last change.
+- ``{prefix}webhook_cb_probe:{<digest>}``: the half-open probe lease, taken with ``SET NX
+  PX probe_ttl`` and holding the owner's token: exactly one attempt across all instances
+  probes a half-open circuit, and a probe whose dispatcher crashed expires so a later one
+  can probe again. Only the latest owner's report closes or re-opens a half-open circuit;
+  while open, reports change nothing, so stragglers cannot extend ``reset_at``.
 
 Redis is a protection, not a dependency: when it is down, slow or answers an error, the
 gate fails open (``admit`` allows everything, ``report`` does nothing), counts
@@ -16,10 +37,14 @@ and the gate protects again as soon as Redis answers.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
@@ -29,9 +54,8 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import metrics
-from .breaker import BREAKER_LUA, STATE_IDLE_TTL_MS, breaker_key, probe_key
-from .gate import ALLOW, Admission
-from .ratelimit import RATE_LIMIT_LUA, rate_limit_key
+from .gate import ALLOW, Admission, AdmitCode
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -41,100 +65,82 @@ T = TypeVar("T")
 CONNECT_TIMEOUT_S = 0.25
 SOCKET_TIMEOUT_S = 0.5
 HEALTH_CHECK_INTERVAL_S = 10
+# A half-open probe's lease outlives its attempt's timeout by this much.
+PROBE_MARGIN_MS = 5_000
 
-# Admit codes returned by the script, one per attempt.
-_ALLOWED, _PROBE, _RATE_LIMITED, _CIRCUIT_OPEN = 0, 1, 2, 3
+RATE_LIMIT_KEY = "webhook_rl:"
+BREAKER_KEY = "webhook_cb:"
+PROBE_KEY = "webhook_cb_probe:"
 
-_NOW_LUA = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-"""
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half-open"
 
-ADMIT_LUA = (
-    _NOW_LUA
-    + BREAKER_LUA
-    + RATE_LIMIT_LUA
-    + """
--- KEYS: rate limit set, breaker hash, probe lease (one hash slot).
--- ARGV: window_ms, limit, threshold (0: no breaker), reset_ms, probe_ttl_ms, state_ttl_ms,
---       token, then one flag per attempt: '1' retry, '0' first attempt.
--- Returns {now, from_state, to_state, code1, delay1, code2, delay2, ...}; code 0 allowed,
--- 1 allowed as the probe, 2 rate limited, 3 circuit open; from/to name the breaker
--- transition this call made ('' when none).
-local window = tonumber(ARGV[1])
-local limit = tonumber(ARGV[2])
-local threshold = tonumber(ARGV[3])
-local reset_ms = tonumber(ARGV[4])
-local probe_ttl = tonumber(ARGV[5])
-local token = ARGV[7]
-local now = now_ms()
-local cb = nil
-local from, to = '', ''
-if threshold > 0 then
-  cb = cb_load(KEYS[2])
-  local before = cb.state
-  cb_tick(cb, now, KEYS[3])
-  if cb.state ~= before then from, to = before, cb.state end
-end
-local count = rl_count(KEYS[1], now, window)
-local recorded = 0
-local probing = false
-local out = {now, from, to}
-for i = 8, #ARGV do
-  local state = cb and cb.state or 'closed'
-  local code, delay = 0, 0
-  if state == 'open' then
-    code, delay = 3, math.max(1, cb.reset_at - now)
-  elseif state == 'half-open' and (probing or not cb_probe_free(KEYS[3], token)) then
-    code, delay = 3, cb_probe_wait(KEYS[3], probe_ttl, reset_ms)
-  elseif ARGV[i] == '1' and count >= limit then
-    code, delay = 2, window
-  elseif state == 'half-open' and not cb_take_probe(cb, KEYS[3], token, probe_ttl) then
-    code, delay = 3, cb_probe_wait(KEYS[3], probe_ttl, reset_ms)
-  else
-    if state == 'half-open' then
-      code = 1
-      probing = true
-    end
-    rl_record(KEYS[1], now, token, i)
-    count = count + 1
-    recorded = recorded + 1
-  end
-  out[#out + 1] = code
-  out[#out + 1] = delay
-end
-if recorded > 0 then rl_expire(KEYS[1], window) end
-if cb then cb_save(KEYS[2], cb, tonumber(ARGV[6])) end
-return out
-"""
-)
+# The retry limit's window: WEBHOOK_RETRY_RPS attempts per this many milliseconds.
+RATE_WINDOW_MS = 1000
+# How long a breaker hash outlives its last change, beyond reset_ms.
+STATE_IDLE_TTL_MS = 86_400_000
 
-REPORT_LUA = (
-    _NOW_LUA
-    + BREAKER_LUA
-    + """
--- KEYS: breaker hash, probe lease. ARGV: threshold, reset_ms, state_ttl_ms, then one
--- (outcome, probe token) pair per result: outcome '1' delivered, '0' retryable failure,
--- '-' neither. Returns the transitions made: {from1, to1, from2, to2, ...}.
-local threshold = tonumber(ARGV[1])
-local reset_ms = tonumber(ARGV[2])
-local now = now_ms()
-local cb = cb_load(KEYS[1])
-local out = {}
-for i = 4, #ARGV, 2 do
-  local before = cb.state
-  cb_record(cb, ARGV[i], ARGV[i + 1], now, threshold, reset_ms, KEYS[2])
-  if cb.state ~= before then
-    out[#out + 1] = before
-    out[#out + 1] = cb.state
-  end
-end
-cb_save(KEYS[1], cb, tonumber(ARGV[3]))
-return out
-"""
-)
+
+def url_digest(url: str) -> str:
+    """The full SHA-256 hex digest of the full URL: the only form of a URL in Redis keys."""
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def hash_tagged(prefix: str, name: str, url: str) -> str:
+    """``{prefix}{name}{<digest>}``: the braces make a URL's keys share a Cluster slot."""
+    return f"{prefix}{name}{{{url_digest(url)}}}"
+
+
+def rate_limit_key(url: str, prefix: str = "") -> str:
+    """The sorted set of the attempts sent to ``url`` within the last window."""
+    return hash_tagged(prefix, RATE_LIMIT_KEY, url)
+
+
+def breaker_key(url: str, prefix: str = "") -> str:
+    """The hash holding the breaker state of ``url``."""
+    return hash_tagged(prefix, BREAKER_KEY, url)
+
+
+def probe_key(url: str, prefix: str = "") -> str:
+    """The half-open probe lease of ``url``."""
+    return hash_tagged(prefix, PROBE_KEY, url)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerState:
+    """A snapshot of one consumer's breaker, for operators and tests."""
+
+    state: str = CLOSED
+    failures: int = 0
+    reset_at_ms: int = 0
+    probe_token: str = ""
+
+
+async def read_breaker_state(redis: Any, url: str, prefix: str = "") -> BreakerState:
+    """Read the stored state of ``url``'s breaker (closed when nothing is stored)."""
+    raw: dict[Any, Any] = await redis.hgetall(breaker_key(url, prefix))
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    state = fields.get("state", CLOSED)
+    return BreakerState(
+        state=state if state in (OPEN, HALF_OPEN) else CLOSED,
+        failures=int(fields.get("failures") or 0),
+        reset_at_ms=int(fields.get("reset_at") or 0),
+        probe_token=fields.get("probe", ""),
+    )
+
+
+@cache
+def lua_script(name: str) -> str:
+    """The source of ``lua/<name>.lua`` with what it uses: the admit codes as constants,
+    the server clock, and the breaker and rate-limit functions. Read once."""
+    folder = resources.files("fluxora_webhooks").joinpath("lua")
+    codes = "".join(f"local {code.name} = {int(code)}\n" for code in AdmitCode)
+    parts = [codes] + [
+        folder.joinpath(f"{part}.lua").read_text("utf-8")
+        for part in ("clock", "breaker", "ratelimit", name)
+    ]
+    return "\n".join(parts)
 
 
 class RedisGate:
@@ -163,7 +169,7 @@ class RedisGate:
         breaker_reset_ms: int,
         probe_ttl_ms: int,
         prefix: str = "",
-        window_ms: int = 1000,
+        window_ms: int = RATE_WINDOW_MS,
         timeout_ms: int = 750,
         failure_backoff_ms: int = 1000,
         clock: Callable[[], float] = time.monotonic,
@@ -193,8 +199,8 @@ class RedisGate:
         self.window_ms = window_ms
         self._timeout_s = timeout_ms / 1000
         self._state_ttl_ms = breaker_reset_ms + STATE_IDLE_TTL_MS
-        self._admit_script = redis.register_script(ADMIT_LUA)
-        self._report_script = redis.register_script(REPORT_LUA)
+        self._admit_script = redis.register_script(lua_script("admit"))
+        self._report_script = redis.register_script(lua_script("report"))
         password = redis.connection_pool.connection_kwargs.get("password")
         self._outage = _Outage(failure_backoff_ms / 1000, clock, str(password or ""))
 
@@ -307,7 +313,7 @@ async def connect_gate(
     breaker_reset_ms: int,
     probe_ttl_ms: int,
     prefix: str = "",
-    window_ms: int = 1000,
+    window_ms: int = RATE_WINDOW_MS,
     timeout_ms: int = 750,
     failure_backoff_ms: int = 1000,
 ) -> RedisGate:
@@ -394,17 +400,15 @@ def _decode_admit(
     from_state, to_state = _text(values[1]), _text(values[2])
     admissions: list[Admission] = []
     for i in range(3, len(values), 2):
-        code, delay = int(values[i]), int(values[i + 1])
-        if code == _ALLOWED:
+        code, delay = AdmitCode(int(values[i])), int(values[i + 1])
+        if code is AdmitCode.ALLOWED:
             admissions.append(ALLOW)
-        elif code == _PROBE:
+        elif code is AdmitCode.PROBE:
             admissions.append(Admission(True, probe=True, probe_token=token))
-        elif code == _RATE_LIMITED:
+        elif code is AdmitCode.RATE_LIMITED:
             admissions.append(Admission(False, delay_ms=delay, reason="rate_limited"))
-        elif code == _CIRCUIT_OPEN:
-            admissions.append(Admission(False, delay_ms=delay, reason="circuit_open"))
         else:
-            raise ValueError(f"admit script answered unknown code {code}")
+            admissions.append(Admission(False, delay_ms=delay, reason="circuit_open"))
     return admissions, ((from_state, to_state) if from_state else None)
 
 
@@ -415,3 +419,16 @@ def _decode_transitions(reply: Any) -> list[tuple[str, str]]:
 
 def _count_transition(from_state: str, to_state: str) -> None:
     metrics.BREAKER_TRANSITIONS.labels(from_state=from_state, to_state=to_state).inc()
+
+
+async def gate_for(settings: Settings, redis_url: str) -> RedisGate:
+    """The gate a dispatcher configured by ``settings`` uses (see :func:`connect_gate`); a
+    half-open probe may hold its lease for one attempt plus a margin."""
+    return await connect_gate(
+        redis_url,
+        retry_rps=settings.retry_rps,
+        breaker_threshold=settings.circuit_breaker_threshold,
+        breaker_reset_ms=settings.circuit_breaker_reset_ms,
+        probe_ttl_ms=settings.timeout_ms + PROBE_MARGIN_MS,
+        prefix=settings.redis_prefix,
+    )

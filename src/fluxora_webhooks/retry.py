@@ -1,5 +1,12 @@
 """The retry policy: schedule, jitter, Retry-After, and the dead-letter decision.
 
+| attempt's kind | decision                                                     |
+|----------------|--------------------------------------------------------------|
+| delivered      | delivered                                                    |
+| retryable      | retry after the schedule's delay (Retry-After may lengthen   |
+|                | it), or dead letter (``attempts_exhausted``) after the last  |
+| permanent      | dead letter, with the attempt's reason                       |
+
 Pure functions of their inputs; randomness comes from an injected source, so a ten-hour
 schedule is tested without sleeping.
 """
@@ -10,9 +17,30 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
+from enum import Enum
+
+from .outbox import Outcome
 
 RETRY_AFTER_CAP_MS = 24 * 3_600_000
 JITTER = 0.20
+
+
+class Kind(Enum):
+    """How one HTTP attempt ended, as far as retrying is concerned."""
+
+    DELIVERED = "delivered"
+    RETRYABLE = "retryable"
+    PERMANENT = "permanent"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to record for an attempt: ``delay_ms`` for a retry, ``reason`` for a dead
+    letter."""
+
+    outcome: Outcome
+    delay_ms: int = 0
+    reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +68,18 @@ class RetryPolicy:
     def exhausted(self, attempt: int) -> bool:
         """True when the attempt that just failed was the last one allowed."""
         return attempt >= self.max_attempts
+
+    def decide(
+        self, attempt: int, kind: Kind, *, reason: str = "", retry_after_ms: int | None = None
+    ) -> Decision:
+        """The outcome of attempt number ``attempt``, which ended as ``kind`` (``reason``:
+        why a permanent failure was permanent)."""
+        if kind is Kind.DELIVERED:
+            return Decision(Outcome.DELIVERED)
+        if kind is Kind.RETRYABLE and not self.exhausted(attempt):
+            return Decision(Outcome.RETRY, delay_ms=self.delay_ms(attempt, retry_after_ms))
+        why = reason if kind is Kind.PERMANENT else "attempts_exhausted"
+        return Decision(Outcome.DEAD_LETTER, reason=why)
 
 
 def parse_retry_after(value: str | None, now_s: float) -> int | None:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -25,38 +25,31 @@ from .dispatcher import Dispatcher
 from .errors import SchemaError
 from .gate import DeliveryGate, OpenGate
 from .migrations import check_schema
-from .queries import query
+from .ops import BACKLOG_COUNT_CAP, read_backlog, set_backlog_gauges
+from .redis_gate import gate_for
 from .settings import Settings
 
 log = logging.getLogger("fluxora_webhooks.service")
 
 DRAIN_GRACE_S = 5.0
 GAUGE_REFRESH_S = 5.0
-# The backlog gauges count at most this many rows per reading (see read_backlog).
-BACKLOG_COUNT_CAP = 100_000
 # With WEBHOOK_RETENTION set: a prune at start-up, then one per interval.
 RETENTION_INTERVAL_S = 600.0
 RETENTION_BATCH_SIZE = 2000
 RETENTION_PAUSE_S = 0.05
 
 
-async def connect_gate(settings: Settings, redis_url: str) -> DeliveryGate:
-    """The Redis gate (rate limit + breaker); it fails open by itself when Redis is down."""
-    from .redis_gate import connect_gate as connect_redis_gate
-
-    return await connect_redis_gate(
-        redis_url,
-        retry_rps=settings.retry_rps,
-        breaker_threshold=settings.circuit_breaker_threshold,
-        breaker_reset_ms=settings.circuit_breaker_reset_ms,
-        probe_ttl_ms=settings.timeout_ms + 5_000,
-        prefix=settings.redis_prefix,
-    )
-
-
 class Service:
-    def __init__(self, settings: Settings, *, database_url: str, redis_url: str | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        database_url: str,
+        redis_url: str | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
+        self.clock = clock  # the dispatcher's wall clock (see Dispatcher)
         self.database_url = database_url
         self.redis_url = redis_url
         self.dispatcher: Dispatcher | None = None
@@ -91,8 +84,10 @@ class Service:
         try:
             await self.check()
             if self.redis_url:
-                gate = await connect_gate(self.settings, self.redis_url)
-            self.dispatcher = Dispatcher(self.settings, conninfo=self.database_url, gate=gate)
+                gate = await gate_for(self.settings, self.redis_url)
+            self.dispatcher = Dispatcher(
+                self.settings, conninfo=self.database_url, gate=gate, clock=self.clock
+            )
             if self._stop_requested.is_set():
                 return
             if self.settings.metrics_port:
@@ -250,7 +245,7 @@ class Service:
             return
         from redis.asyncio import Redis
 
-        from .breaker import read_breaker_state
+        from .redis_gate import read_breaker_state
 
         if self._breaker_redis is None:
             self._breaker_redis = Redis.from_url(
@@ -315,60 +310,3 @@ class Service:
 
 def _count_pruned(table: str, rows: int) -> None:
     metrics.RETENTION_DELETED.labels(table=table).inc(rows)
-
-
-@dataclass(frozen=True, slots=True)
-class Backlog:
-    """The outbox backlog at one moment (see :func:`read_backlog`)."""
-
-    pending: int
-    due: int
-    oldest_due_age_s: float  # 0 when nothing is due
-    next_due_in_s: float | None  # the earliest row due later; None when there is none
-    dead_letters: int
-    capped: bool  # a count reached the cap: ``pending`` is an estimate, ``due`` a lower bound
-    cap: int
-
-
-async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_COUNT_CAP) -> Backlog:
-    """Read the backlog cheaply, however large the table.
-
-    Everything comes from the partial indexes (``webhook_outbox_due_idx``,
-    ``webhook_dead_letter_dead_idx``); counts stop at ``cap`` rows. When the pending count
-    reaches the cap, ``pending`` is the larger of the cap and PostgreSQL's own estimate of
-    the partial index's size (``pg_class.reltuples``, kept current by autovacuum), and
-    ``capped`` is set; ``due`` and ``dead_letters`` are then lower bounds.
-    """
-    cur = await conn.execute(query("backlog"), {"cap": cap})
-    row = await cur.fetchone()
-    assert row is not None
-    pending, due, oldest, next_due, estimate, dead = row
-    capped = int(pending) >= cap or int(due) >= cap or int(dead) >= cap
-    if int(pending) >= cap:
-        pending = max(cap, int(estimate or 0))
-    return Backlog(
-        pending=int(pending),
-        due=int(due),
-        oldest_due_age_s=max(0.0, float(oldest or 0.0)),
-        next_due_in_s=None if next_due is None else max(0.0, float(next_due)),
-        dead_letters=int(dead),
-        capped=capped,
-        cap=cap,
-    )
-
-
-def set_backlog_gauges(backlog: Backlog) -> None:
-    metrics.OUTBOX_PENDING.set(backlog.pending)
-    metrics.OUTBOX_DUE.set(backlog.due)
-    metrics.OUTBOX_PENDING_ESTIMATED.set(1 if backlog.capped else 0)
-    metrics.OUTBOX_OLDEST_DUE_AGE.set(backlog.oldest_due_age_s)
-    metrics.DEAD_LETTER_ROWS.set(backlog.dead_letters)
-    metrics.BACKLOG_REFRESHED.set(time.time())
-
-
-async def refresh_gauges(database_url: str) -> None:
-    """Read the backlog once and set the gauges (a connection of its own)."""
-    async with await psycopg.AsyncConnection.connect(
-        database_url, autocommit=True, connect_timeout=5
-    ) as conn:
-        set_backlog_gauges(await read_backlog(conn))

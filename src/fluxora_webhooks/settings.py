@@ -52,9 +52,7 @@ def parse_schedule(text: str, variable: str = "WEBHOOK_RETRY_SCHEDULE") -> tuple
     return delays
 
 
-def _int(
-    env: Mapping[str, str], name: str, default: int, *, low: int = 1, high: int | None = None
-) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int | None) -> int:
     raw = env.get(name)
     if raw is None:
         return default
@@ -175,8 +173,9 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = True) -> Settings:
         """Parse and validate the environment. Raises :class:`ConfigError`."""
-        from .endpoints import check_url_address, validate_url
+        from .urlpolicy import check_url_address, validate_url
 
+        engines = EngineSettings.from_env(env)
         url = env.get("WEBHOOK_URL", "").strip()
         if require_endpoint and not url:
             raise ConfigError("WEBHOOK_URL", "is required (the consumer's https URL)")
@@ -200,6 +199,66 @@ class Settings:
         log_format = env.get("LOG_FORMAT", "text").strip().lower() or "text"
         if log_format not in ("text", "json"):
             raise ConfigError("LOG_FORMAT", f"must be text or json, got {log_format!r}")
+        metrics_host = env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1"
+        if not _is_host(metrics_host):
+            raise ConfigError("WEBHOOK_METRICS_HOST", f"{metrics_host!r} is not an address")
+        numbers = {
+            attr: _int(env, variable, _default(attr), low=low, high=high)
+            for attr, (variable, low, high) in _INTEGERS.items()
+        }
+        return cls(
+            webhook_url=url,
+            secret=secret,
+            secret_previous=previous,
+            database_url=engines.database_url,
+            redis_url=engines.redis_url,
+            retry_schedule_ms=schedule,
+            metrics_host=metrics_host,
+            redis_prefix=engines.redis_prefix,
+            allowed_networks=allowed,
+            retention_ms=retention,
+            log_format=log_format,
+            home=engines.home,
+            **numbers,
+        )
+
+
+# Every whole-number setting: field -> (variable, lowest, highest). Defaults are the
+# dataclass fields' defaults above, written once.
+_INTEGERS: dict[str, tuple[str, int, int | None]] = {
+    "poll_interval_ms": ("WEBHOOK_POLL_INTERVAL_MS", 1, 3_600_000),
+    "batch_size": ("WEBHOOK_BATCH_SIZE", 1, 1000),
+    "retry_rps": ("WEBHOOK_RETRY_RPS", 1, None),
+    "circuit_breaker_threshold": ("WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", 0, None),
+    "circuit_breaker_reset_ms": ("WEBHOOK_CIRCUIT_BREAKER_RESET_MS", 1, MAX_DELAY_MS),
+    "max_attempts": ("WEBHOOK_MAX_ATTEMPTS", 1, 1000),
+    "timeout_ms": ("WEBHOOK_TIMEOUT_MS", 1, 3_600_000),
+    "max_response_bytes": ("WEBHOOK_MAX_RESPONSE_BYTES", 1, 16 << 20),
+    "metrics_port": ("WEBHOOK_METRICS_PORT", 0, 65535),
+    "claim_loops": ("WEBHOOK_CLAIM_LOOPS", 1, 64),
+    "max_connections": ("WEBHOOK_MAX_CONNECTIONS", 1, 10_000),
+}
+
+
+def _default(attr: str) -> int:
+    value = Settings.__dataclass_fields__[attr].default
+    assert isinstance(value, int)
+    return value
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Where the database and Redis are, as every command reads it: ``DATABASE_URL`` and
+    ``REDIS_URL`` (``None``: the embedded engines in ``home``), ``FLUXORA_HOME`` and
+    ``FLUXORA_REDIS_PREFIX``. Validated; the one parser of these variables."""
+
+    database_url: str | None = field(default=None, repr=False)
+    redis_url: str | None = field(default=None, repr=False)
+    home: Path = Path(".fluxora")
+    redis_prefix: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
         redis_prefix = env.get("FLUXORA_REDIS_PREFIX", "")
         if "{" in redis_prefix or "}" in redis_prefix:
             # Braces would change the Redis Cluster hash tag of the per-consumer keys.
@@ -208,9 +267,6 @@ class Settings:
         redis_url = env.get("REDIS_URL", "").strip() or None
         if redis_url:
             _check_redis_url(redis_url)
-        metrics_host = env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1"
-        if not _is_host(metrics_host):
-            raise ConfigError("WEBHOOK_METRICS_HOST", f"{metrics_host!r} is not an address")
         # libpq key=value strings are allowed too.
         if (
             database_url
@@ -220,30 +276,5 @@ class Settings:
             raise ConfigError(
                 "DATABASE_URL", "must be a postgresql:// URL or a libpq connection string"
             )
-        return cls(
-            webhook_url=url,
-            secret=secret,
-            secret_previous=previous,
-            database_url=database_url,
-            redis_url=redis_url,
-            poll_interval_ms=_int(env, "WEBHOOK_POLL_INTERVAL_MS", 10_000, high=3_600_000),
-            batch_size=_int(env, "WEBHOOK_BATCH_SIZE", 10, high=1000),
-            retry_rps=_int(env, "WEBHOOK_RETRY_RPS", 10),
-            circuit_breaker_threshold=_int(env, "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", 0, low=0),
-            circuit_breaker_reset_ms=_int(
-                env, "WEBHOOK_CIRCUIT_BREAKER_RESET_MS", 300_000, high=MAX_DELAY_MS
-            ),
-            max_attempts=_int(env, "WEBHOOK_MAX_ATTEMPTS", 8, high=1000),
-            retry_schedule_ms=schedule,
-            timeout_ms=_int(env, "WEBHOOK_TIMEOUT_MS", 15_000, high=3_600_000),
-            max_response_bytes=_int(env, "WEBHOOK_MAX_RESPONSE_BYTES", 65_536, high=16 << 20),
-            metrics_port=_int(env, "WEBHOOK_METRICS_PORT", 9464, low=0, high=65535),
-            metrics_host=metrics_host,
-            claim_loops=_int(env, "WEBHOOK_CLAIM_LOOPS", 4, high=64),
-            max_connections=_int(env, "WEBHOOK_MAX_CONNECTIONS", 100, high=10_000),
-            redis_prefix=redis_prefix,
-            allowed_networks=allowed,
-            retention_ms=retention,
-            log_format=log_format,
-            home=Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora"),
-        )
+        home = Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora")
+        return cls(database_url, redis_url, home, redis_prefix)

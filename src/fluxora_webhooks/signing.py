@@ -23,7 +23,7 @@ import re
 import time
 from collections.abc import Mapping
 
-from . import __version__
+from ._version import __version__
 from .errors import VerificationError
 
 USER_AGENT = f"fluxora-webhooks/{__version__}"

@@ -111,7 +111,7 @@ async def test_every_misbehaviour_gets_the_outcome_spec_section_4_names(
 
     def choose(hit: Hit) -> Behaviour:
         # The misbehaviour on the first attempt; later attempts are answered 200.
-        return Behaviour(hit.kind) if hit.attempt == 1 else Behaviour.OK
+        return Behaviour(hit.kind or "ok") if hit.attempt == 1 else Behaviour.OK
 
     consumer.choose = choose
     env = _env(
@@ -232,7 +232,7 @@ async def test_endless_bodies_are_read_up_to_the_cap_and_memory_stays_bounded(
     consumer: ChaosConsumer,
     tmp_path: Path,
 ) -> None:
-    consumer.choose = lambda hit: Behaviour(hit.kind)
+    consumer.choose = lambda hit: Behaviour(hit.kind or "ok")
     env = _env(database_url, redis_url, redis_prefix, consumer, WEBHOOK_TIMEOUT_MS="3000")
     port = int(env["WEBHOOK_METRICS_PORT"])
     proc = await start_dispatcher(env, tmp_path / "dispatcher.log")

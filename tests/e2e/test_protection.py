@@ -13,8 +13,7 @@ import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
-from fluxora_webhooks.breaker import OPEN, read_breaker_state
-from fluxora_webhooks.ratelimit import rate_limit_key
+from fluxora_webhooks.redis_gate import OPEN, rate_limit_key, read_breaker_state
 from tests.support.dispatch import enqueue_many, pending, scalar, wait_until
 from tests.support.procs import dispatcher_env, dispatchers
 from tests.support.receiver import Received, Receiver
@@ -156,12 +155,12 @@ async def test_redis_outage_does_not_stop_deliveries_and_protection_resumes(
                 await receiver.wait_for(20)
                 assert await client.exists(key)  # the gate records attempts
 
-                server.stop()
+                await asyncio.to_thread(server.stop)  # the receiver's loop keeps answering
                 await enqueue_many(database_url, 50)
                 await receiver.wait_for(70, timeout=30)  # delivered with Redis down
                 await wait_until(lambda: _drained(database_url), what="drained during outage")
 
-                server.start()
+                await asyncio.to_thread(server.start)
                 await client.aclose()
                 client = Redis.from_url(url)
                 await asyncio.sleep(1.5)  # past the gate's back-off after a failure
@@ -174,12 +173,14 @@ async def test_redis_outage_does_not_stop_deliveries_and_protection_resumes(
                         await asyncio.sleep(0.005)
 
                 watcher = asyncio.create_task(watch())
-                await enqueue_many(database_url, 20)
-                await receiver.wait_for(90, timeout=30)
-                await wait_until(lambda: _drained(database_url), what="drained after restart")
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                try:
+                    await enqueue_many(database_url, 20)
+                    await receiver.wait_for(90, timeout=30)
+                    await wait_until(lambda: _drained(database_url), what="drained after restart")
+                finally:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
                 # Protection resumed: attempts are recorded in the restarted Redis again.
                 assert recorded > 0
         finally:

@@ -11,8 +11,7 @@ import psycopg
 import pytest
 from redis.asyncio import Redis
 
-from fluxora_webhooks.breaker import breaker_key
-from fluxora_webhooks.ratelimit import rate_limit_key
+from fluxora_webhooks.redis_gate import breaker_key, rate_limit_key
 from tests.support.dispatch import rows, scalar
 from tests.support.procs import command_env, run_command
 

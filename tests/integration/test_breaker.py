@@ -8,20 +8,21 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from fluxora_webhooks.breaker import (
+from fluxora_webhooks.gate import ALLOW, Admission
+from fluxora_webhooks.metrics import REGISTRY
+from fluxora_webhooks.redis_gate import (
     CLOSED,
     HALF_OPEN,
     OPEN,
     STATE_IDLE_TTL_MS,
     BreakerState,
+    RedisGate,
     breaker_key,
     probe_key,
+    rate_limit_key,
     read_breaker_state,
+    url_digest,
 )
-from fluxora_webhooks.gate import ALLOW, Admission
-from fluxora_webhooks.metrics import REGISTRY
-from fluxora_webhooks.ratelimit import rate_limit_key, url_digest
-from fluxora_webhooks.redis_gate import RedisGate
 from tests.support import gates
 from tests.support.gates import server_ms
 

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from fluxora_webhooks.breaker import breaker_key
 from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
-from fluxora_webhooks.ratelimit import rate_limit_key
-from fluxora_webhooks.redis_gate import RedisGate, connect_gate
+from fluxora_webhooks.redis_gate import RedisGate, breaker_key, connect_gate, rate_limit_key
 from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,7 @@ from redis.asyncio import Redis
 
 from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
-from fluxora_webhooks.ratelimit import rate_limit_key, url_digest
-from fluxora_webhooks.redis_gate import RedisGate
+from fluxora_webhooks.redis_gate import RedisGate, rate_limit_key, url_digest
 from tests.support import gates
 from tests.support.gates import server_ms
 

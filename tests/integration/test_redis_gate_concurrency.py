@@ -21,11 +21,15 @@ import pytest
 import redis
 from redis.asyncio import Redis
 
-from fluxora_webhooks.breaker import OPEN, breaker_key, read_breaker_state
 from fluxora_webhooks.gate import Admission
 from fluxora_webhooks.metrics import REGISTRY
-from fluxora_webhooks.ratelimit import rate_limit_key
-from fluxora_webhooks.redis_gate import RedisGate
+from fluxora_webhooks.redis_gate import (
+    OPEN,
+    RedisGate,
+    breaker_key,
+    rate_limit_key,
+    read_breaker_state,
+)
 from tests.support.gates import server_ms
 
 pytestmark = pytest.mark.integration

@@ -18,13 +18,9 @@ import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from fluxora_webhooks.endpoints import (
-    AddressRefused,
-    SafeResolver,
-    check_address,
-    make_connector,
-)
+from fluxora_webhooks.connector import AddressRefused, SafeResolver, make_connector
 from fluxora_webhooks.errors import EndpointError
+from fluxora_webhooks.urlpolicy import check_address
 
 pytestmark = pytest.mark.integration
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from fluxora_webhooks.errors import SchemaError
 from fluxora_webhooks.migrations import available, check_schema, latest_version, migrate
 from fluxora_webhooks.queries import query
+from tests.support import engines
 
 pytestmark = pytest.mark.integration
 
@@ -105,3 +108,30 @@ def _nodes(plan: dict[str, Any]) -> Any:
     yield plan
     for child in plan.get("Plans", []):
         yield from _nodes(child)
+
+
+async def test_a_sql_ascii_database_is_refused_with_a_clear_message(
+    pg_admin_url: str,
+) -> None:
+    """Under SQL_ASCII PostgreSQL returns text as bytes; migrate and the schema check say
+    what is wrong instead of failing later with a misleading checksum error."""
+    name = f"fluxora_ascii_{uuid.uuid4().hex[:10]}"
+    async with await psycopg.AsyncConnection.connect(pg_admin_url, autocommit=True) as admin:
+        await admin.execute(
+            sql.SQL(
+                "CREATE DATABASE {} ENCODING 'SQL_ASCII' TEMPLATE template0"
+                " LC_COLLATE 'C' LC_CTYPE 'C'"
+            ).format(sql.Identifier(name))
+        )
+    try:
+        url = engines.with_dbname(pg_admin_url, name)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            with pytest.raises(SchemaError, match=r"encoding is SQL_ASCII.*needs a UTF8"):
+                await migrate(conn)
+            with pytest.raises(SchemaError, match="encoding is SQL_ASCII"):
+                await check_schema(conn)
+    finally:
+        async with await psycopg.AsyncConnection.connect(pg_admin_url, autocommit=True) as admin:
+            await admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )

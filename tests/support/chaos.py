@@ -9,8 +9,8 @@
 - :class:`OwnPostgres`: a PostgreSQL server of the test's own (temporary data folder, free
   port), which may be stopped, restarted and crashed without touching the shared cluster.
 - :func:`terminate_backends`: ``pg_terminate_backend`` on the backends of one database only.
-- :func:`clock_shift_env`: a child process whose wall clock runs hours off (a
-  ``sitecustomize`` that patches :mod:`time`).
+- :func:`clock_shift_env`: a dispatcher whose wall clock runs hours off (injected by
+  :mod:`tests.support.skewed_run`).
 - :func:`account`: the accounting of a run: written, delivered, duplicates, dead letters,
   lost (see :class:`Accounting` for the precise definitions).
 """
@@ -432,7 +432,7 @@ class OwnPostgres:
         if not pid_file.exists():
             return False
         with contextlib.suppress(ValueError, OSError):
-            return psutil.pid_exists(int(pid_file.read_text().split()[0]))
+            return bool(psutil.pid_exists(int(pid_file.read_text().split()[0])))
         return False
 
     def log(self) -> str:
@@ -466,26 +466,11 @@ def dbname_of(url: str) -> str:
 
 # --------------------------------------------------------------------------- clocks
 
-_SITECUSTOMIZE = '''"""From tests/support/chaos.py: clocks run CHAOS_CLOCK_SHIFT_S seconds off."""
-import os
-import time
 
-_shift = float(os.environ.get("CHAOS_CLOCK_SHIFT_S") or 0)
-if _shift:
-    _time, _time_ns, _monotonic = time.time, time.time_ns, time.monotonic
-    time.time = lambda: _time() + _shift
-    time.time_ns = lambda: _time_ns() + int(_shift * 1e9)
-    time.monotonic = lambda: _monotonic() + _shift
-'''
-
-
-def clock_shift_env(folder: Path, shift_s: float) -> dict[str, str]:
-    """Environment for a Python child process whose ``time.time`` (and ``time.monotonic``)
-    run ``shift_s`` seconds off: a ``sitecustomize`` module on its ``PYTHONPATH``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "CHAOS_CLOCK_SHIFT_S": str(shift_s)}
+def clock_shift_env(shift_s: float) -> dict[str, str]:
+    """Environment for a dispatcher started by :mod:`tests.support.skewed_run`, whose wall
+    clock runs ``shift_s`` seconds off (injected into the dispatcher, not patched)."""
+    return {"CHAOS_CLOCK_SHIFT_S": str(shift_s)}
 
 
 # --------------------------------------------------------------------------- processes
@@ -631,7 +616,7 @@ async def account(
             "SELECT delivery_id::text, count(*) FROM webhook_outbox"
             " WHERE outcome = 'delivered' GROUP BY 1"
         )
-        recorded = dict(await cur.fetchall())
+        recorded: dict[str, int] = {str(d): int(n) for d, n in await cur.fetchall()}
         cur = await conn.execute("SELECT DISTINCT delivery_id::text FROM webhook_dead_letter")
         dead = {r[0] for r in await cur.fetchall()}
         cur = await conn.execute(

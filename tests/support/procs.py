@@ -61,12 +61,15 @@ class DispatcherProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-async def start_dispatcher(env: dict[str, str], log_path: Path) -> DispatcherProcess:
+async def start_dispatcher(
+    env: dict[str, str], log_path: Path, *, module: str = "fluxora_webhooks"
+) -> DispatcherProcess:
+    """``python -m fluxora_webhooks run`` (or ``python -m <module> run``)."""
     log_file = log_path.open("wb")
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "fluxora_webhooks",
+        module,
         "run",
         env=env,
         stdout=log_file,

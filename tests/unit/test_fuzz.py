@@ -9,9 +9,9 @@ import string
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fluxora_webhooks.endpoints import check_address, normalise_host, validate_url
 from fluxora_webhooks.errors import EndpointError, VerificationError
 from fluxora_webhooks.signing import Signer, verify
+from fluxora_webhooks.urlpolicy import check_address, normalise_host, validate_url
 
 SECRET = b"fuzzing-secret-0123456789abcdef"
 NOW = 1_750_000_000

@@ -7,8 +7,8 @@ from email.utils import format_datetime
 
 import pytest
 
-from fluxora_webhooks.delivery import Kind, classify_status
-from fluxora_webhooks.retry import RETRY_AFTER_CAP_MS, RetryPolicy, parse_retry_after
+from fluxora_webhooks.delivery import classify_status
+from fluxora_webhooks.retry import RETRY_AFTER_CAP_MS, Kind, RetryPolicy, parse_retry_after
 
 DAY_SCHEDULE = (5_000, 300_000, 1_800_000, 7_200_000, 18_000_000, 36_000_000, 36_000_000)
 

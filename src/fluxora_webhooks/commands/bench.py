@@ -10,12 +10,18 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-_HELP = "run from a source checkout (make bench), or set FLUXORA_BENCH_DIR"
+NAME = "bench"
+HELP = "measure throughput and latency against the raw HTTP limit and a peer"
+# Every argument after "bench" goes to benchmarks/run.py as it is (its own --help too).
+PASSTHROUGH = True
+
+_WHERE = "run from a source checkout (make bench), or set FLUXORA_BENCH_DIR"
 
 
-def find_benchmarks(env: dict[str, str]) -> Path | None:
+def find_benchmarks(env: Mapping[str, str]) -> Path | None:
     """``$FLUXORA_BENCH_DIR``, else ``benchmarks/`` under the working directory, else beside
     the source tree this package was installed from (an editable install)."""
     candidates = []
@@ -29,15 +35,19 @@ def find_benchmarks(env: dict[str, str]) -> Path | None:
     return None
 
 
-def command(args: argparse.Namespace, env: dict[str, str]) -> int:
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of benchmarks/run.py")
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     folder = find_benchmarks(env)
     if folder is None:
-        print(f"fluxora-webhooks bench: benchmarks/run.py not found; {_HELP}", file=sys.stderr)
+        print(f"fluxora-webhooks bench: benchmarks/run.py not found; {_WHERE}", file=sys.stderr)
         return 2
     rest = list(args.rest or [])
     if rest[:1] == ["--"]:  # `fluxora-webhooks bench -- --quick`: argparse keeps the "--"
         rest = rest[1:]
     try:
-        return subprocess.call([sys.executable, str(folder / "run.py"), *rest], env=env)
+        return subprocess.call([sys.executable, str(folder / "run.py"), *rest], env=dict(env))
     except KeyboardInterrupt:
         return 130

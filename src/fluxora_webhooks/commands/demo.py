@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from collections.abc import Mapping
 
 import psycopg
 from rich.console import Console
 
-from ..embedded import EmbeddedEngines, describe
 from ..logs import scrub
+from ..settings import EngineSettings
+from .common import positive_int, require_embedded, run_async
+
+NAME = "demo"
+HELP = "the whole system end to end on local engines"
 
 DESCRIPTION = """\
 The original system end to end: payment-stream writes (create, update, pause, cancel), each
@@ -27,13 +31,6 @@ other pending events.
 """
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -41,14 +38,9 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fluxora-webhooks demo",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--events", type=_positive_int, default=300, metavar="N", help="stream writes (300)"
+        "--events", type=positive_int, default=300, metavar="N", help="stream writes (300)"
     )
     parser.add_argument(
         "--seed", type=int, default=1, help="seed of the write plan: same seed, same writes (1)"
@@ -62,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive_int,
+        type=positive_int,
         default=90,
         metavar="SECONDS",
         help="give up and report failure after this long (90)",
@@ -73,32 +65,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain progress lines instead of the live display (automatic when stdout is"
         " not a terminal)",
     )
-    return parser
 
 
-def command(args: argparse.Namespace, env: dict[str, str]) -> int:
-    from ..cli import run_async
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ..demo import DemoOptions, run_demo
     from ..demo.display import DemoDisplay, print_summary
 
-    opts = build_parser().parse_args(args.rest)
+    opts = args
+    found = EngineSettings.from_env(env)
+    if found.database_url is None or found.redis_url is None:
+        require_embedded("DATABASE_URL" if found.database_url is None else "REDIS_URL")
     options = DemoOptions(
         events=opts.events,
         seed=opts.seed,
         rate=opts.rate,
         timeout_s=float(opts.timeout),
-        redis_prefix=env.get("FLUXORA_REDIS_PREFIX", ""),
+        redis_prefix=found.redis_prefix,
     )
     # soft_wrap: progress lines stay whole lines when the output is a file or a pipe.
     console = Console(highlight=False, soft_wrap=True)
-    database_url = env.get("DATABASE_URL", "").strip() or None
-    redis_url = env.get("REDIS_URL", "").strip() or None
-    home = Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora")
+    database_url, redis_url, home = found.database_url, found.redis_url, found.home
 
     console.print(
         f"[bold]fluxora-webhooks demo[/]: {options.events} payment-stream writes"
         f" (seed {options.seed}), each enqueuing its webhook event in the same transaction."
     )
+    from ..embedded import EmbeddedEngines, describe
+
     with EmbeddedEngines(home) as engines:
         notice = describe(home, postgres=database_url is None, redis=redis_url is None)
         if notice:

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
+from .common import engines, run_async
 
-PROG = "fluxora-webhooks prune"
+NAME = "prune"
+HELP = "delete processed rows older than a retention period"
+DESCRIPTION = (
+    "Delete processed outbox rows (the attempt history) older than a period, in "
+    "short batches, alongside running dispatchers. Pending rows are never touched."
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
-            "Delete processed outbox rows (the attempt history) older than a period, in "
-            "short batches, alongside running dispatchers. Pending rows are never touched."
-        ),
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--older-than",
         required=True,
@@ -47,21 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="count what would be deleted; delete nothing"
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    return parser
 
 
-def command(args: argparse.Namespace, env: dict[str, str]) -> int:
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import psycopg
 
-    from ..cli import _engines, run_async
     from ..retention import prune
     from ..settings import parse_duration_ms
 
-    opts = build_parser().parse_args(args.rest)
+    opts = args
     older_than_ms = parse_duration_ms(opts.older_than, "--older-than")
     if not 1 <= opts.batch_size <= MAX_BATCH_SIZE:
         raise ConfigError("--batch-size", f"must be between 1 and {MAX_BATCH_SIZE}")
-    database_url, _ = _engines(env, redis=False)
+    database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
         from ..migrations import check_schema

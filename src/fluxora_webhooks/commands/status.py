@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from typing import Any
 
-PROG = "fluxora-webhooks status"
-OUTCOMES = ("delivered", "retry", "dead_letter")
-# The status command may count further than the service's gauges do: it runs once.
-COUNT_CAP = 1_000_000
-REDIS_TIMEOUT_S = 1.0
+from ..errors import ConfigError
+from ..ops import RECORDED_OUTCOMES, STATUS_COUNT_CAP, read_status
+from .common import engines, run_async
+
+NAME = "status"
+HELP = "backlog, dead letters, recent outcomes and breaker state"
+DESCRIPTION = (
+    "Show the backlog, dead letters, recent attempts by outcome and, when WEBHOOK_URL "
+    "is set, the consumer's circuit breaker (from Redis)."
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
-            "Show the backlog, dead letters, recent attempts by outcome and, when WEBHOOK_URL "
-            "is set, the consumer's circuit breaker (from Redis)."
-        ),
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--minutes",
         type=int,
@@ -38,20 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="window of the recent attempts, in minutes (default 15)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    return parser
 
 
-def command(args: argparse.Namespace, env: dict[str, str]) -> int:
-    from ..cli import _engines, run_async
-    from ..errors import ConfigError
-
-    opts = build_parser().parse_args(args.rest)
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    opts = args
     if opts.minutes < 1:
         raise ConfigError("--minutes", "must be at least 1")
     webhook_url = env.get("WEBHOOK_URL", "").strip()
     # Redis is only needed to show a consumer's breaker: without WEBHOOK_URL, do not even
     # start the embedded one.
-    database_url, redis_url = _engines(env, redis=bool(webhook_url))
+    database_url, redis_url = engines(env, redis=bool(webhook_url))
     threshold = _breaker_threshold(env)
 
     async def main() -> int:
@@ -72,134 +67,13 @@ def command(args: argparse.Namespace, env: dict[str, str]) -> int:
     return run_async(main())
 
 
-def _breaker_threshold(env: dict[str, str]) -> int | None:
+def _breaker_threshold(env: Mapping[str, str]) -> int | None:
     """The breaker threshold, read leniently (status is a diagnostic: a bad value of an
     unrelated variable must not hide the backlog). None when unknown."""
     raw = env.get("WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", "").strip()
     if not raw:
         return 0  # the documented default: disabled
     return int(raw) if raw.isdigit() else None
-
-
-# -- reading ----------------------------------------------------------------------------
-
-
-async def read_status(
-    database_url: str,
-    *,
-    minutes: int,
-    webhook_url: str | None,
-    redis_url: str | None,
-    redis_prefix: str = "",
-    breaker_threshold: int | None = None,
-) -> dict[str, Any]:
-    """Everything ``status`` shows, as a JSON-ready dict."""
-    import psycopg
-    from psycopg.rows import dict_row
-
-    from ..migrations import check_schema
-    from ..queries import query
-    from ..service import read_backlog
-
-    async with await psycopg.AsyncConnection.connect(
-        database_url, autocommit=True, connect_timeout=10
-    ) as conn:
-        await check_schema(conn)
-        backlog = await read_backlog(conn, COUNT_CAP)
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query("recent_outcomes"), {"window_ms": minutes * 60_000})
-        recent = await cur.fetchall()
-        now_row = await (await conn.execute("SELECT now()")).fetchone()
-    assert now_row is not None
-    by_outcome = {r["outcome"]: r for r in recent}
-    out: dict[str, Any] = {
-        "at": now_row[0].isoformat(),
-        "backlog": {
-            "pending": backlog.pending,
-            "due_now": backlog.due,
-            "oldest_due_age_seconds": round(backlog.oldest_due_age_s, 3),
-            "next_due_in_seconds": (
-                None if backlog.next_due_in_s is None else round(backlog.next_due_in_s, 3)
-            ),
-            "estimated": backlog.capped,
-        },
-        "dead_letters": {"waiting": backlog.dead_letters},
-        "recent": {
-            "minutes": minutes,
-            "attempts": {
-                o: int(by_outcome[o]["attempts"]) if o in by_outcome else 0 for o in OUTCOMES
-            },
-            "duration_ms": {
-                o: {"p50": _ms(by_outcome[o]["p50_ms"]), "p95": _ms(by_outcome[o]["p95_ms"])}
-                for o in OUTCOMES
-                if o in by_outcome
-            },
-            "last_at": (max(r["last_at"] for r in recent).isoformat() if recent else None),
-        },
-        "consumer": None,
-    }
-    if webhook_url:
-        out["consumer"] = await read_consumer(
-            webhook_url, redis_url, redis_prefix, breaker_threshold
-        )
-    return out
-
-
-def _ms(value: Any) -> float | None:
-    return None if value is None else round(float(value), 2)
-
-
-async def read_consumer(
-    webhook_url: str, redis_url: str | None, prefix: str, threshold: int | None
-) -> dict[str, Any]:
-    """The consumer's shared breaker and rate-limit window, read from Redis (never raises
-    for Redis: an unreachable Redis is part of the answer)."""
-    import asyncio
-
-    from redis.asyncio import Redis
-
-    from ..breaker import read_breaker_state
-    from ..endpoints import redacted
-    from ..logs import scrub
-    from ..ratelimit import rate_limit_key
-
-    consumer: dict[str, Any] = {
-        "endpoint": redacted(webhook_url),
-        "redis": {"url": scrub(redis_url) if redis_url else None, "reachable": False},
-        "breaker": None,
-        "rate_limit": None,
-    }
-    if not redis_url:
-        consumer["redis"]["error"] = "REDIS_URL is not set"
-        return consumer
-    client = Redis.from_url(
-        redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
-    )
-    try:
-        async with asyncio.timeout(3 * REDIS_TIMEOUT_S):
-            seconds, micros = await client.time()
-            now_ms = int(seconds) * 1000 + int(micros) // 1000
-            state = await read_breaker_state(client, webhook_url, prefix)
-            window = await client.zcount(rate_limit_key(webhook_url, prefix), now_ms - 999, "+inf")
-    except Exception as exc:  # unreachable, auth, timeout: say so, do not fail
-        text = scrub(str(exc)).strip()
-        consumer["redis"]["error"] = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-        return consumer
-    finally:
-        await client.aclose()
-    consumer["redis"]["reachable"] = True
-    consumer["breaker"] = {
-        "enabled": None if threshold is None else threshold > 0,
-        "threshold": threshold,
-        "state": state.state,
-        "failures": state.failures,
-        "reset_in_seconds": (
-            round(max(0, state.reset_at_ms - now_ms) / 1000, 3) if state.state == "open" else None
-        ),
-        "probe_in_flight": bool(state.probe_token),
-    }
-    consumer["rate_limit"] = {"attempts_last_second": int(window)}
-    return consumer
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -245,7 +119,7 @@ def render(snapshot: dict[str, Any]) -> None:
     table.add_row("dead letters waiting", f"{snapshot['dead_letters']['waiting']:,}")
     console.print(table)
     if estimated:
-        console.print(f"(more than {COUNT_CAP:,} rows: counts are estimates)")
+        console.print(f"(more than {STATUS_COUNT_CAP:,} rows: counts are estimates)")
 
     recent = snapshot["recent"]
     table = Table(title=f"Attempts in the last {recent['minutes']} min", title_justify="left")
@@ -253,7 +127,7 @@ def render(snapshot: dict[str, Any]) -> None:
     table.add_column("attempts", justify="right")
     table.add_column("p50 ms", justify="right")
     table.add_column("p95 ms", justify="right")
-    for outcome in OUTCOMES:
+    for outcome in RECORDED_OUTCOMES:
         times = recent["duration_ms"].get(outcome, {})
         table.add_row(
             outcome,

@@ -24,7 +24,7 @@ from ..dispatcher import Dispatcher
 from ..errors import FluxoraError
 from ..gate import DeliveryGate
 from ..migrations import migrate
-from ..service import connect_gate
+from ..redis_gate import gate_for
 from ..settings import Settings
 from . import streams
 from .consumer import Consumer
@@ -151,7 +151,7 @@ class _DemoRun:
             await self.consumer.start()
             try:
                 settings = _settings(self.options, self.consumer.url, self.secret)
-                gate = await connect_gate(settings, self.redis_url)
+                gate = await gate_for(settings, self.redis_url)
                 try:
                     await self._dispatch_and_write(settings, gate, admin)
                 finally:

@@ -4,7 +4,7 @@
 -- name: claim_due
 -- The design document's claim. Served by webhook_outbox_due_idx.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
-       replay
+       replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()

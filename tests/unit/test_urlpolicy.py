@@ -10,23 +10,25 @@ import socket
 
 import aiohttp
 import pytest
+import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from fluxora_webhooks import endpoints
-from fluxora_webhooks.endpoints import (
+from fluxora_webhooks.connector import (
     DNS_CACHE_TTL_SECONDS,
     AddressRefused,
     SafeConnector,
     SafeResolver,
+    make_connector,
+)
+from fluxora_webhooks.errors import EndpointError, FluxoraError
+from fluxora_webhooks.urlpolicy import (
     check_address,
     check_url_address,
     is_loopback_host,
-    make_connector,
     normalise_host,
     redacted,
     validate_url,
 )
-from fluxora_webhooks.errors import EndpointError, FluxoraError
 
 net = ipaddress.ip_network
 
@@ -164,10 +166,10 @@ def _unparseable_url(url: str) -> None:
 def test_a_url_the_http_client_reads_differently_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(endpoints.yarl, "URL", _DisagreeingURL)
+    monkeypatch.setattr(yarl, "URL", _DisagreeingURL)
     with pytest.raises(EndpointError, match="ambiguous"):
         validate_url("https://hooks.example.com/")
-    monkeypatch.setattr(endpoints.yarl, "URL", _unparseable_url)
+    monkeypatch.setattr(yarl, "URL", _unparseable_url)
     with pytest.raises(EndpointError, match="cannot be parsed by the HTTP client"):
         validate_url("https://hooks.example.com/")
 
@@ -321,7 +323,7 @@ async def test_safe_resolver_returns_only_the_allowed_addresses(
 ) -> None:
     inner = FakeResolver("10.0.0.5", "93.184.216.34", "::ffff:127.0.0.1", "2606:4700::1111")
     resolver = SafeResolver(False, resolver=inner)
-    with caplog.at_level(logging.WARNING, logger="fluxora_webhooks.endpoints"):
+    with caplog.at_level(logging.WARNING, logger="fluxora_webhooks.connector"):
         answers = await resolver.resolve("mixed.example", 443, socket.AF_UNSPEC)
     assert [a["host"] for a in answers] == ["93.184.216.34", "2606:4700::1111"]
     assert all(a["port"] == 443 and a["hostname"] == "mixed.example" for a in answers)

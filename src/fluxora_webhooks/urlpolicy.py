@@ -1,55 +1,31 @@
-"""Endpoint safety: the URL policy, and (at connect time) the address policy.
+"""Endpoint safety, part one: the URL policy and the address policy.
 
-URL policy (:func:`validate_url`), applied to the configured ``WEBHOOK_URL`` at start-up:
+URL policy (:func:`validate_url`), applied to a consumer URL when it is configured:
 ``https`` only (``http`` for a loopback host), no credentials, a host that is a valid
 (possibly internationalised) host name or IP literal, parsed the same way by the standard
 library and by the HTTP client.
 
 Address policy (:func:`check_address`), applied at connect time to every address a host
-resolves to. :class:`SafeResolver` drops the refused addresses and returns only the
-checked ones, so aiohttp connects to exactly an address that passed: a DNS answer that
-changes between the check and the connection (DNS rebinding) has nothing to exploit,
-because there is only one resolution and it is the one that is used. The connector built by
-:func:`make_connector` also checks the address of every socket it opens, which covers URLs
-whose host is an IP literal (aiohttp does not resolve those).
-
-A refusal at connect time raises :class:`AddressRefused`, which is both an
-:class:`~fluxora_webhooks.errors.EndpointError` and an ``OSError``: aiohttp wraps it, like
-any connection failure, in an ``aiohttp.ClientConnectorError`` whose ``os_error`` is the
-:class:`AddressRefused`.
+resolves to (by the connector of :mod:`.connector`, which pins each connection to an
+address that passed).
 """
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import ipaddress
-import logging
 import re
-import socket
 from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
-import aiohttp
 import idna
 import yarl
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.connector import AddrInfoType
 
 from .errors import EndpointError
-
-log = logging.getLogger(__name__)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-DEFAULT_RESOLVE_TIMEOUT = 5.0
-# Each cached DNS answer was checked before it was cached, so the cache cannot be used to
-# bypass the policy; a short lifetime only keeps up with legitimate DNS changes.
-DNS_CACHE_TTL_SECONDS = 10
-KEEPALIVE_TIMEOUT_SECONDS = 15.0
 
 _MAX_SHOWN = 80  # characters of a host name shown in a message
 
@@ -69,7 +45,7 @@ _LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?", re.ASCII)
 _NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.ASCII)
 
 
-def _shown(host: str) -> str:
+def shown_host(host: str) -> str:
     """A host as it may appear in a message: bounded, and safe to print."""
     text = host if len(host) <= _MAX_SHOWN else host[:_MAX_SHOWN] + "..."
     return ascii(text)[1:-1]
@@ -102,7 +78,7 @@ def normalise_host(host: str) -> str:
         pass
     if not bare:
         raise EndpointError("the URL has no host")
-    shown = _shown(bare)
+    shown = shown_host(bare)
     if bare.isascii():
         encoded = bare.lower()
         for label in encoded.split("."):
@@ -169,7 +145,7 @@ def validate_url(url: str) -> None:
         raise EndpointError("the URL cannot be parsed") from None
     scheme = parts.scheme.lower()
     if scheme not in ("https", "http"):
-        raise EndpointError(f"scheme {_shown(scheme) or '(none)'!r} is not allowed; use https")
+        raise EndpointError(f"scheme {shown_host(scheme) or '(none)'!r} is not allowed; use https")
     if parts.username is not None or parts.password is not None or "@" in parts.netloc:
         raise EndpointError("URLs with embedded credentials are not allowed")
     if not host:
@@ -178,7 +154,7 @@ def validate_url(url: str) -> None:
     _check_client_agrees(url, normalised)
     if scheme == "http" and not is_loopback_host(normalised):
         raise EndpointError(
-            f"https is required for {_shown(normalised)} (http is allowed for loopback only)"
+            f"https is required for {shown_host(normalised)} (http is allowed for loopback only)"
         )
 
 
@@ -200,7 +176,7 @@ def _check_client_agrees(url: str, normalised: str) -> None:
     except ValueError:
         pass
     raise EndpointError(
-        f"the host {_shown(normalised)} is ambiguous: the HTTP client reads it differently"
+        f"the host {shown_host(normalised)} is ambiguous: the HTTP client reads it differently"
     )
 
 
@@ -337,7 +313,7 @@ def _embedded(address: ipaddress.IPv6Address) -> list[tuple[str, ipaddress.IPv4A
     return []
 
 
-def _parse(ip: object) -> IPAddress | None:
+def parse_ip(ip: object) -> IPAddress | None:
     if isinstance(ip, ipaddress.IPv4Address | ipaddress.IPv6Address):
         address: IPAddress = ip
     elif isinstance(ip, str):
@@ -352,7 +328,7 @@ def _parse(ip: object) -> IPAddress | None:
     return address
 
 
-def _fixed_reason(address: IPAddress) -> str | None:
+def never_allowed_reason(address: IPAddress) -> str | None:
     if address in _METADATA:
         return "a cloud metadata service address"
     for network, reason in _FIXED:
@@ -360,7 +336,7 @@ def _fixed_reason(address: IPAddress) -> str | None:
             return reason
     if isinstance(address, ipaddress.IPv6Address):
         for label, inner in _embedded(address):
-            inner_reason = _fixed_reason(inner)
+            inner_reason = never_allowed_reason(inner)
             if inner_reason is not None:
                 return f"{label} of {inner}, {inner_reason}"
     return None
@@ -381,10 +357,10 @@ def check_address(
     lets through the unspecified, broadcast and multicast addresses or a cloud metadata
     service. A value that is not an IP address is refused.
     """
-    address = _parse(ip)
+    address = parse_ip(ip)
     if address is None:
         return "not an IP address"
-    fixed = _fixed_reason(address)
+    fixed = never_allowed_reason(address)
     if fixed is not None:
         return fixed
     return _overridable_reason(address, allow_loopback, allowed_networks)
@@ -415,149 +391,3 @@ def _overridable_reason(
     if isinstance(address, ipaddress.IPv6Address) and address not in _GLOBAL_UNICAST:
         return "a reserved address (outside 2000::/3)"
     return None
-
-
-class AddressRefused(EndpointError, OSError):
-    """The address policy refused every address of a host.
-
-    An :class:`EndpointError` for our code and an ``OSError`` for aiohttp, which wraps it in
-    ``aiohttp.ClientConnectorError`` (``.os_error`` is this exception). ``host`` is the host
-    name, ``address`` the (first) refused address, ``reason`` why it was refused.
-    """
-
-    def __init__(self, host: str, address: str, reason: str, *, hint: bool = True) -> None:
-        self.host = host
-        self.address = address
-        self.reason = reason
-        message = f"{_shown(host)}: refused to connect to {address}, {reason}"
-        if hint:
-            message += "; add it to WEBHOOK_ALLOWED_NETWORKS if this consumer is intended"
-        super().__init__(errno.EACCES, message)
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
-def _refuse(host: str, address: str, reason: str) -> AddressRefused:
-    parsed = _parse(address)
-    fixed = parsed is None or _fixed_reason(parsed) is not None
-    return AddressRefused(host, address, reason, hint=not fixed)
-
-
-class SafeResolver(AbstractResolver):
-    """A resolver that returns only the addresses the address policy allows.
-
-    ``resolver`` does the resolving (default: aiohttp's ``ThreadedResolver``, i.e. the
-    system's ``getaddrinfo``); each lookup is bounded by ``timeout`` seconds. When every
-    address of a host is refused, :class:`AddressRefused` is raised; aiohttp reports it as
-    ``aiohttp.ClientConnectorDNSError``. A timeout raises ``OSError(ETIMEDOUT)``.
-    """
-
-    def __init__(
-        self,
-        allow_loopback: bool,
-        allowed_networks: Sequence[IPNetwork] = (),
-        resolver: AbstractResolver | None = None,
-        timeout: float = DEFAULT_RESOLVE_TIMEOUT,
-    ) -> None:
-        self.allow_loopback = allow_loopback
-        self.allowed_networks = tuple(allowed_networks)
-        self._resolver = resolver
-        self._owns_resolver = resolver is None
-        self._timeout = timeout
-
-    def check(self, ip: str | IPAddress) -> str | None:
-        """The refusal reason for ``ip`` under this resolver's policy, or None."""
-        return check_address(
-            ip, allow_loopback=self.allow_loopback, allowed_networks=self.allowed_networks
-        )
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        if self._resolver is None:
-            self._resolver = aiohttp.ThreadedResolver()
-        try:
-            async with asyncio.timeout(self._timeout):
-                answers = await self._resolver.resolve(host, port, family)
-        except TimeoutError:
-            raise OSError(
-                errno.ETIMEDOUT, f"resolving {_shown(host)} timed out after {self._timeout}s"
-            ) from None
-        allowed: list[ResolveResult] = []
-        refused: list[tuple[str, str]] = []
-        for answer in answers:
-            reason = self.check(answer["host"])
-            if reason is None:
-                allowed.append(answer)
-            else:
-                refused.append((answer["host"], reason))
-        if not allowed:
-            if refused:
-                raise _refuse(host, *refused[0])
-            raise OSError(errno.EHOSTUNREACH, f"{_shown(host)} resolved to no address")
-        if refused:
-            log.warning(
-                "%s: skipped %d refused address(es), e.g. %s (%s)",
-                _shown(host),
-                len(refused),
-                *refused[0],
-            )
-        return allowed
-
-    async def close(self) -> None:
-        if self._owns_resolver and self._resolver is not None:
-            resolver, self._resolver = self._resolver, None
-            await resolver.close()
-
-
-class SafeConnector(aiohttp.TCPConnector):
-    """A ``TCPConnector`` that resolves through a :class:`SafeResolver` and checks the
-    address of every socket it opens; closing it closes the resolver. Build it with
-    :func:`make_connector`."""
-
-    def __init__(self, *, safe_resolver: SafeResolver, limit: int) -> None:
-        self.safe_resolver = safe_resolver
-        super().__init__(
-            resolver=safe_resolver,
-            limit=limit,
-            use_dns_cache=True,
-            ttl_dns_cache=DNS_CACHE_TTL_SECONDS,
-            keepalive_timeout=KEEPALIVE_TIMEOUT_SECONDS,
-            socket_factory=self._open_checked_socket,
-        )
-
-    def _open_checked_socket(self, addr_info: AddrInfoType) -> socket.socket:
-        # The last word: the exact address this socket will connect to. It covers IP-literal
-        # URLs, which aiohttp never passes to the resolver.
-        family, type_, proto, _, sockaddr = addr_info
-        address = str(sockaddr[0])
-        reason = self.safe_resolver.check(address)
-        if reason is not None:
-            raise _refuse(address, address, reason)
-        return socket.socket(family=family, type=type_, proto=proto)
-
-    async def close(self, *, abort_ssl: bool = False) -> None:
-        await super().close(abort_ssl=abort_ssl)
-        await self.safe_resolver.close()
-
-
-def make_connector(
-    *,
-    allow_loopback: bool,
-    allowed_networks: Sequence[IPNetwork] = (),
-    limit: int = 100,
-    resolver: AbstractResolver | None = None,
-    resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT,
-) -> aiohttp.TCPConnector:
-    """The dispatcher's connector: keep-alive, at most ``limit`` connections, and every
-    connection made to an address the policy allows (resolved, checked and pinned).
-
-    ``allow_loopback`` should be ``is_loopback_host(host of WEBHOOK_URL)``;
-    ``allowed_networks`` is ``Settings.allowed_networks``. ``resolver`` replaces the system
-    resolver (tests; or ``aiohttp.AsyncResolver``). Must be called with a running loop.
-    """
-    safe = SafeResolver(
-        allow_loopback, allowed_networks, resolver=resolver, timeout=resolve_timeout
-    )
-    return SafeConnector(safe_resolver=safe, limit=limit)

@@ -1,0 +1,40 @@
+"""``fluxora-webhooks run``: the dispatcher as a service (configuration from the
+environment; see :mod:`fluxora_webhooks.service`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Mapping
+
+from .common import engines, run_async
+
+NAME = "run"
+HELP = "run the dispatcher (configuration from the environment)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    return None
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    return serve(env)
+
+
+def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> int:
+    """Validate, then run the service until a signal; ``clock`` is the dispatcher's wall
+    clock (tests run a dispatcher whose clock is hours off)."""
+    from .. import logs
+    from ..service import Service
+    from ..settings import Settings
+
+    settings = Settings.from_env(env)
+    logs.configure(settings.log_format)
+    database_url, redis_url = engines(env, redis=True)
+    service = Service(settings, database_url=database_url, redis_url=redis_url, clock=clock)
+
+    async def main() -> int:
+        await service.run()
+        return 0
+
+    return run_async(main())

@@ -1,0 +1,195 @@
+"""Operational readings shared by the service's gauges, ``status`` and the demo: the outbox
+backlog, recent outcomes and a consumer's breaker and rate-limit window.
+
+Read-only, and cheap however large the tables are: counts come from the partial indexes and
+stop at a cap; Redis being unreachable is part of the answer, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from redis.asyncio import Redis
+
+from . import metrics
+from .logs import scrub
+from .migrations import check_schema
+from .outbox import Outcome
+from .queries import query
+from .redis_gate import RATE_WINDOW_MS, rate_limit_key, read_breaker_state
+from .urlpolicy import redacted
+
+# The service's gauges count at most this many rows per reading (see read_backlog).
+BACKLOG_COUNT_CAP = 100_000
+# The status command may count further than the service's gauges do: it runs once.
+STATUS_COUNT_CAP = 1_000_000
+REDIS_TIMEOUT_S = 1.0
+# The outcomes an attempt record can hold, in the order status shows them.
+RECORDED_OUTCOMES = (Outcome.DELIVERED, Outcome.RETRY, Outcome.DEAD_LETTER)
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """The outbox backlog at one moment (see :func:`read_backlog`)."""
+
+    pending: int
+    due: int
+    oldest_due_age_s: float  # 0 when nothing is due
+    next_due_in_s: float | None  # the earliest row due later; None when there is none
+    dead_letters: int
+    capped: bool  # a count reached the cap: ``pending`` is an estimate, ``due`` a lower bound
+    cap: int
+
+
+async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_COUNT_CAP) -> Backlog:
+    """Read the backlog cheaply, however large the table.
+
+    Everything comes from the partial indexes (``webhook_outbox_due_idx``,
+    ``webhook_dead_letter_dead_idx``); counts stop at ``cap`` rows. When the pending count
+    reaches the cap, ``pending`` is the larger of the cap and PostgreSQL's own estimate of
+    the partial index's size (``pg_class.reltuples``, kept current by autovacuum), and
+    ``capped`` is set; ``due`` and ``dead_letters`` are then lower bounds.
+    """
+    cur = await conn.execute(query("backlog"), {"cap": cap})
+    row = await cur.fetchone()
+    assert row is not None
+    pending, due, oldest, next_due, estimate, dead = row
+    capped = int(pending) >= cap or int(due) >= cap or int(dead) >= cap
+    if int(pending) >= cap:
+        pending = max(cap, int(estimate or 0))
+    return Backlog(
+        pending=int(pending),
+        due=int(due),
+        oldest_due_age_s=max(0.0, float(oldest or 0.0)),
+        next_due_in_s=None if next_due is None else max(0.0, float(next_due)),
+        dead_letters=int(dead),
+        capped=capped,
+        cap=cap,
+    )
+
+
+def set_backlog_gauges(backlog: Backlog) -> None:
+    metrics.OUTBOX_PENDING.set(backlog.pending)
+    metrics.OUTBOX_DUE.set(backlog.due)
+    metrics.OUTBOX_PENDING_ESTIMATED.set(1 if backlog.capped else 0)
+    metrics.OUTBOX_OLDEST_DUE_AGE.set(backlog.oldest_due_age_s)
+    metrics.DEAD_LETTER_ROWS.set(backlog.dead_letters)
+    metrics.BACKLOG_REFRESHED.set(time.time())
+
+
+async def read_recent_outcomes(
+    conn: psycopg.AsyncConnection[Any], window_ms: int
+) -> list[dict[str, Any]]:
+    """Attempts completed within the last ``window_ms``, one row per outcome (attempts,
+    p50/p95 duration, last time)."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("recent_outcomes"), {"window_ms": window_ms})
+    return list(await cur.fetchall())
+
+
+async def read_status(
+    database_url: str,
+    *,
+    minutes: int,
+    webhook_url: str | None,
+    redis_url: str | None,
+    redis_prefix: str = "",
+    breaker_threshold: int | None = None,
+) -> dict[str, Any]:
+    """Everything ``status`` shows, as a JSON-ready dict."""
+    async with await psycopg.AsyncConnection.connect(
+        database_url, autocommit=True, connect_timeout=10
+    ) as conn:
+        await check_schema(conn)
+        backlog = await read_backlog(conn, STATUS_COUNT_CAP)
+        recent = await read_recent_outcomes(conn, minutes * 60_000)
+        now_row = await (await conn.execute("SELECT now()")).fetchone()
+    assert now_row is not None
+    by_outcome = {r["outcome"]: r for r in recent}
+    out: dict[str, Any] = {
+        "at": now_row[0].isoformat(),
+        "backlog": {
+            "pending": backlog.pending,
+            "due_now": backlog.due,
+            "oldest_due_age_seconds": round(backlog.oldest_due_age_s, 3),
+            "next_due_in_seconds": (
+                None if backlog.next_due_in_s is None else round(backlog.next_due_in_s, 3)
+            ),
+            "estimated": backlog.capped,
+        },
+        "dead_letters": {"waiting": backlog.dead_letters},
+        "recent": {
+            "minutes": minutes,
+            "attempts": {
+                o: int(by_outcome[o]["attempts"]) if o in by_outcome else 0
+                for o in RECORDED_OUTCOMES
+            },
+            "duration_ms": {
+                o: {"p50": _ms(by_outcome[o]["p50_ms"]), "p95": _ms(by_outcome[o]["p95_ms"])}
+                for o in RECORDED_OUTCOMES
+                if o in by_outcome
+            },
+            "last_at": (max(r["last_at"] for r in recent).isoformat() if recent else None),
+        },
+        "consumer": None,
+    }
+    if webhook_url:
+        out["consumer"] = await read_consumer(
+            webhook_url, redis_url, redis_prefix, breaker_threshold
+        )
+    return out
+
+
+def _ms(value: Any) -> float | None:
+    return None if value is None else round(float(value), 2)
+
+
+async def read_consumer(
+    webhook_url: str, redis_url: str | None, prefix: str, threshold: int | None
+) -> dict[str, Any]:
+    """The consumer's shared breaker and rate-limit window, read from Redis (never raises
+    for Redis: an unreachable Redis is part of the answer)."""
+    consumer: dict[str, Any] = {
+        "endpoint": redacted(webhook_url),
+        "redis": {"url": scrub(redis_url) if redis_url else None, "reachable": False},
+        "breaker": None,
+        "rate_limit": None,
+    }
+    if not redis_url:
+        consumer["redis"]["error"] = "REDIS_URL is not set"
+        return consumer
+    client = Redis.from_url(
+        redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+    )
+    try:
+        async with asyncio.timeout(3 * REDIS_TIMEOUT_S):
+            seconds, micros = await client.time()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            state = await read_breaker_state(client, webhook_url, prefix)
+            window = await client.zcount(
+                rate_limit_key(webhook_url, prefix), now_ms - RATE_WINDOW_MS + 1, "+inf"
+            )
+    except Exception as exc:  # unreachable, auth, timeout: say so, do not fail
+        text = scrub(str(exc)).strip()
+        consumer["redis"]["error"] = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        return consumer
+    finally:
+        await client.aclose()
+    consumer["redis"]["reachable"] = True
+    consumer["breaker"] = {
+        "enabled": None if threshold is None else threshold > 0,
+        "threshold": threshold,
+        "state": state.state,
+        "failures": state.failures,
+        "reset_in_seconds": (
+            round(max(0, state.reset_at_ms - now_ms) / 1000, 3) if state.state == "open" else None
+        ),
+        "probe_in_flight": bool(state.probe_token),
+    }
+    consumer["rate_limit"] = {"attempts_last_second": int(window)}
+    return consumer
