@@ -21,6 +21,7 @@ EXTENSIONS = {
     "prune": "delete processed rows older than a retention period",
     "demo": "the whole system end to end on local engines",
     "bench": "measure throughput and latency against the raw HTTP limit and a peer",
+    "inbox": "the consumer's inbox: install its table, prune old delivery ids",
 }
 EXIT_SCHEMA = 3
 
@@ -165,6 +166,15 @@ def _subcommand(name: str) -> Callable[[argparse.Namespace, dict[str, str]], int
     import importlib
 
     module = importlib.import_module(f"fluxora_webhooks.commands.{name}")
+    if hasattr(module, "configure"):  # the NAME/HELP/configure/run shape of a command module
+
+        def command(args: argparse.Namespace, env: dict[str, str]) -> int:
+            parser = argparse.ArgumentParser(prog=f"fluxora-webhooks {module.NAME}")
+            module.configure(parser)
+            code: int = module.run(parser.parse_args(args.rest), env)
+            return code
+
+        return command
     fn: Callable[[argparse.Namespace, dict[str, str]], int] = module.command
     return fn
 
