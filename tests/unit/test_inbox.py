@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
 import fluxora_webhooks.inbox as inbox
 from fluxora_webhooks.inbox import InboxEvent
+from fluxora_webhooks.inbox._glue import Verification
 from fluxora_webhooks.signing import verify, verify_request
 from tests.support.dispatch import SECRET
 from tests.support.inbox import delivery
@@ -39,6 +42,19 @@ def test_the_event_is_a_frozen_dataclass() -> None:
     ]
 
 
+def test_the_core_imports_no_web_framework() -> None:
+    code = (
+        "import sys, fluxora_webhooks, fluxora_webhooks.inbox, fluxora_webhooks.inbox.aiohttp\n"
+        "loaded = sorted(m for m in ('starlette', 'fastapi', 'django', 'uvicorn')"
+        " if m in sys.modules)\n"
+        "print(','.join(loaded))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""
+
+
 def test_verify_request_is_verify_with_what_it_read() -> None:
     d = delivery(attempt=3)
     found = verify_request(d.body, d.headers, SECRET)
@@ -46,6 +62,23 @@ def test_verify_request_is_verify_with_what_it_read() -> None:
     assert found.scheme == "standard"
     assert found.headers["x-fluxora-attempt"] == "3"
     assert verify_request(d.body, d.fluxora_only(), SECRET).scheme == "fluxora"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"secret": ""}, ValueError),
+        ({"secret": 5}, TypeError),
+        ({"secret": "s" * 30, "scheme": "other"}, ValueError),
+        ({"secret": "s" * 30, "tolerance_s": -1}, ValueError),
+        ({"secret": "s" * 30, "previous_secret": b""}, ValueError),
+    ],
+)
+def test_glue_set_up_mistakes_fail_when_the_app_is_built(
+    kwargs: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        Verification(**kwargs)  # type: ignore[arg-type]
 
 
 def test_raw_header_pairs_keep_the_first_occurrence_of_each_name() -> None:
