@@ -82,6 +82,7 @@ class ConsumerProcess:
     spare: asyncio.subprocess.Process | None = None
     starts: int = 0
     spawned: int = 0
+    keep_spare: bool = True
 
     @property
     def url(self) -> str:
@@ -112,7 +113,8 @@ class ConsumerProcess:
         self.proc = proc
         self.starts += 1
         await self.wait_ready()
-        self.spare = await self._spawn()
+        if self.keep_spare:
+            self.spare = await self._spawn()
 
     async def wait_ready(self, timeout: float = 30) -> None:
         """Until this process prints its ``ready`` line (a replica on the same port may
