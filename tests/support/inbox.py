@@ -26,6 +26,9 @@ class Delivery:
     body: bytes
     headers: dict[str, str]
 
+    def payload(self) -> Any:
+        return json.loads(self.body)
+
     def standard_only(self) -> dict[str, str]:
         return {k: v for k, v in self.headers.items() if not k.startswith("x-fluxora-")}
 
