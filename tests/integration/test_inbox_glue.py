@@ -164,6 +164,9 @@ async def test_the_glue_applies_once_and_answers_for_the_senders_retry_rules(
             "reason": "bad_payload",
         }
         assert consumer.connections == 2  # the refused and the malformed took none
+        huge = delivery(body=b'{"pad": "' + b"x" * (2 << 20) + b'"}')
+        async with http.post(url, data=huge.body, headers=huge.headers) as resp:
+            assert resp.status == 413  # over 1 MiB: refused before it is all read
 
         consumer.fail_next = True
         assert await post(http, url, second) == (500, {"error": "handler_failed"})

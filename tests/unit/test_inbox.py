@@ -87,3 +87,14 @@ def test_raw_header_pairs_keep_the_first_occurrence_of_each_name() -> None:
     assert list(mapping.items()) == [(b"webhook-id", b"first"), (b"Webhook-Id", b"second")]
     assert inbox._header_mapping({"a": "b"}) == {"a": "b"}
     assert inbox._header_mapping([("only-one",), 5]) == {}  # type: ignore[list-item]
+
+
+def test_the_asgi_endpoint_refuses_a_body_limit_below_one_byte() -> None:
+    from fluxora_webhooks.inbox.asgi import inbox_endpoint
+
+    async def handler(*_: object) -> None:
+        return None
+
+    for limit, error in ((0, ValueError), (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(error):
+            inbox_endpoint(lambda: None, handler, secret="s" * 30, max_body_bytes=limit)  # type: ignore[arg-type, return-value]
