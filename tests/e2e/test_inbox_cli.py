@@ -40,27 +40,6 @@ async def test_install_then_prune(empty_database_url: str) -> None:
     assert code == 0 and "deleted 3 delivery id(s)" in out, out
 
 
-@pytest.mark.parametrize(
-    ("args", "option"),
-    [
-        (("prune", "--older-than", "1h"), "--older-than"),  # shorter than the retry window
-        (("prune", "--older-than", "soon"), "--older-than"),
-        (("prune",), "--older-than"),
-        (("prune", "--older-than", "30d", "--batch-size", "0"), "--batch-size"),
-        (("prune", "--older-than", "30d", "--batch-size", "many"), "--batch-size"),
-        ((), "ACTION"),
-        (("rebuild",), "rebuild"),
-    ],
-)
-async def test_bad_input_exits_2_naming_the_option(
-    empty_database_url: str, args: tuple[str, ...], option: str
-) -> None:
-    code, out = await run_command("inbox", *args, env=command_env(DATABASE_URL=empty_database_url))
-    assert code == 2, out
-    assert option in out
-    assert "Traceback" not in out
-
-
 async def test_prune_before_install_says_what_to_run(empty_database_url: str) -> None:
     env = command_env(DATABASE_URL=empty_database_url)
     code, out = await run_command("inbox", "prune", "--older-than", "30d", env=env)

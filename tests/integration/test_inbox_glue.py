@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -133,8 +134,12 @@ async def state(url: str) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 async def test_the_glue_applies_once_and_answers_for_the_senders_retry_rules(
-    framework: str, pool: AsyncConnectionPool[Any], inbox_database_url: str
+    framework: str,
+    pool: AsyncConnectionPool[Any],
+    inbox_database_url: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="fluxora_webhooks.inbox")
     consumer = Consumer()
     first, second = delivery({"amount": 5}), delivery({"amount": 100})
     async with (
@@ -175,6 +180,10 @@ async def test_the_glue_applies_once_and_answers_for_the_senders_retry_rules(
 
     assert await state(inbox_database_url) == (105, sorted([first.delivery_id, second.delivery_id]))
     assert consumer.handled == [first.delivery_id, second.delivery_id, second.delivery_id]
+    logged = caplog.text
+    assert "webhook refused: no_matching_signature" in logged
+    assert f"handling webhook {second.delivery_id} failed" in logged
+    assert SECRET.decode() not in logged
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
