@@ -20,6 +20,7 @@ import pytest_asyncio
 from psycopg import sql
 from redis.asyncio import Redis
 
+from fluxora_webhooks.inbox import install as install_inbox
 from fluxora_webhooks.migrations import migrate
 from tests.support import engines
 from tests.support.receiver import Receiver
@@ -81,6 +82,14 @@ def empty_database_url(pg_admin_url: str) -> Iterator[str]:
         conn.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
+
+
+@pytest.fixture
+def inbox_database_url(empty_database_url: str) -> str:
+    """A consumer's own database (no outbox) with the inbox installed."""
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        install_inbox(conn)
+    return empty_database_url
 
 
 @pytest.fixture(scope="session")

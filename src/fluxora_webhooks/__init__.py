@@ -1,6 +1,7 @@
 """fluxora-webhooks: reliable webhooks from a PostgreSQL transactional outbox.
 
-Producer side: :func:`enqueue` inside your own transaction. Consumer side: :func:`verify`.
+Producer side: :func:`enqueue` inside your own transaction. Consumer side: :func:`verify`,
+and :mod:`fluxora_webhooks.inbox` to apply each event exactly once in your own transaction.
 Service side: :class:`Dispatcher` configured by :class:`Settings` (or ``fluxora-webhooks run``).
 
 ``Dispatcher`` and ``Settings`` are imported on first use, so a producer or a consumer that

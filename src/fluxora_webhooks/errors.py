@@ -47,7 +47,9 @@ class VerificationError(FluxoraError):
     """A webhook failed verification; ``reason`` names the check that failed.
 
     Reasons: ``missing_header``, ``bad_timestamp``, ``timestamp_too_old``,
-    ``timestamp_too_new``, ``bad_signature``, ``no_matching_signature``.
+    ``timestamp_too_new``, ``bad_signature``, ``no_matching_signature``; and from the
+    consumer's inbox, for a request whose signature is good: ``bad_payload`` (the body is
+    not JSON), ``bad_delivery_id`` (an id it cannot store).
     """
 
     def __init__(self, reason: str, message: str) -> None:

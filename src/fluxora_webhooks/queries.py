@@ -1,4 +1,5 @@
-"""The named SQL blocks of ``sql/queries.sql``, loaded once."""
+"""The named SQL blocks of ``sql/queries.sql`` (the outbox) and ``sql/inbox.sql`` (the
+consumer's inbox), loaded once."""
 
 from __future__ import annotations
 
@@ -20,10 +21,18 @@ def parse_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
+_FILES = ("sql/queries.sql", "sql/inbox.sql")
+
+
 @cache
 def _all() -> dict[str, str]:
-    text = resources.files("fluxora_webhooks").joinpath("sql/queries.sql").read_text("utf-8")
-    return parse_blocks(text)
+    blocks: dict[str, str] = {}
+    for name in _FILES:
+        text = resources.files("fluxora_webhooks").joinpath(name).read_text("utf-8")
+        found = parse_blocks(text)
+        assert not found.keys() & blocks.keys(), f"duplicate block names in {name}"
+        blocks.update(found)
+    return blocks
 
 
 def query(name: str) -> str:

@@ -10,7 +10,9 @@ Two schemes are sent on every request:
 :func:`verify` checks either scheme on the consumer side. It prefers Standard Webhooks when
 ``webhook-signature`` is present, because that scheme also signs the delivery id; the
 x-fluxora scheme does not, so a captured request could be replayed with a different
-``x-fluxora-delivery-id`` within the timestamp tolerance.
+``x-fluxora-delivery-id`` within the timestamp tolerance. :func:`verify_request` is the same
+check returning what it read as well; the consumer's inbox (:mod:`fluxora_webhooks.inbox`)
+verifies with it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import hmac
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ._version import __version__
 from .errors import VerificationError
@@ -117,6 +120,34 @@ def verify(
     names the failed check; messages never contain a secret. A caller's own mistake (an empty
     secret, a body that is not bytes) raises ``TypeError`` or ``ValueError`` instead.
     """
+    return verify_request(
+        body, headers, secret, previous=previous, tolerance=tolerance, now=now, scheme=scheme
+    ).delivery_id
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """What :func:`verify_request` checked: the delivery id, the scheme whose signature
+    matched (``"standard"`` or ``"fluxora"``) and the request's headers as read for the
+    check (names lowercased, first occurrence, a non-text value as None)."""
+
+    delivery_id: str
+    scheme: str
+    headers: Mapping[str, str | None]
+
+
+def verify_request(
+    body: bytes,
+    headers: Mapping[str, str],
+    secret: str | bytes,
+    *,
+    previous: str | bytes | None = None,
+    tolerance: int = DEFAULT_TOLERANCE_SECONDS,
+    now: float | None = None,
+    scheme: str = "auto",
+) -> Verified:
+    """:func:`verify`, returning what it read besides the delivery id (the inbox needs the
+    unsigned ``x-fluxora-event`` and ``x-fluxora-attempt`` of the same request)."""
     keys = _keys(secret, previous)
     if not isinstance(body, bytes | bytearray | memoryview):
         raise TypeError("body must be the raw request body as bytes")
@@ -127,8 +158,8 @@ def verify(
     found = _lowercase_headers(headers)
     current = time.time() if now is None else now
     if scheme == "standard" or (scheme == "auto" and "webhook-signature" in found):
-        return _verify_standard(body, found, keys, tolerance, current)
-    return _verify_fluxora(body, found, keys, tolerance, current)
+        return Verified(_verify_standard(body, found, keys, tolerance, current), "standard", found)
+    return Verified(_verify_fluxora(body, found, keys, tolerance, current), "fluxora", found)
 
 
 def _keys(secret: str | bytes, previous: str | bytes | None) -> list[bytes]:

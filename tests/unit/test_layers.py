@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "errors", "queries", "logs", "gate"),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics"),
     ("settings", "connector", "retry", "deadletters", "retention"),
-    ("delivery", "redis_gate"),
+    ("delivery", "redis_gate", "inbox"),
     ("dispatcher", "ops"),
     ("service", "demo"),
     ("embedded",),

@@ -16,4 +16,4 @@ imports ``cli``.
 from __future__ import annotations
 
 # In the order --help lists them.
-COMMANDS = ("migrate", "run", "dlq", "status", "prune", "demo", "bench")
+COMMANDS = ("migrate", "run", "dlq", "status", "prune", "inbox", "demo", "bench")

@@ -1,0 +1,360 @@
+"""The consumer's side of exactly-once: a transactional inbox (SPEC 17).
+
+Delivery is at least once: after a timeout, a crash or a lost response the same event
+arrives again, with the same delivery id. :func:`receive` verifies a request and records its
+delivery id in ``webhook_inbox`` **inside the consumer's own transaction**; the consumer's
+writes in that transaction then happen once per delivery id, however often it arrives::
+
+    with conn.transaction():
+        event = inbox.receive(conn, body=body, headers=headers, secret=SECRET)
+        if event is not None:  # None: already received (and applied) before
+            conn.execute("UPDATE balances SET amount = amount + %s", (event.payload["amount"],))
+    # async: event = await inbox.receive(aconn, ...)
+
+If the transaction rolls back (the handler failed, the process died before the commit), the
+delivery id goes with it and the next attempt applies the event. If it commits and the
+response is lost, the next attempt finds the id and gets None: answer 2xx so the sender stops.
+
+Framework glue: :mod:`fluxora_webhooks.inbox.aiohttp` and :mod:`fluxora_webhooks.inbox.asgi`
+(Starlette/FastAPI, the ``asgi`` extra). The table: :func:`install`; keeping it small:
+:func:`prune` (``fluxora-webhooks inbox install | prune``). See ``docs/consumers.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, overload
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from ..errors import SchemaError, VerificationError
+from ..queries import query
+from ..signing import DEFAULT_TOLERANCE_SECONDS, Verified, verify_request
+
+__all__ = [
+    "DEFAULT_PRUNE_BATCH",
+    "Headers",
+    "InboxEvent",
+    "InboxPruneResult",
+    "install",
+    "prune",
+    "receive",
+]
+
+#: Request headers: any mapping (a dict, aiohttp's multidict, Django's ``request.headers``)
+#: or a sequence of raw ``(name, value)`` pairs (an ASGI scope's ``headers``).
+Headers: TypeAlias = Mapping[str, str] | Sequence[tuple[bytes | str, bytes | str]]
+
+# Fixed, like the migration lock: "fluxora-webhooks inbox".
+INBOX_LOCK_KEY = 0x666C7578696E62
+DEFAULT_PRUNE_BATCH = 5000
+MAX_PRUNE_BATCH = 100_000
+# Far above any id a sender uses, far below what a btree entry can hold.
+MAX_DELIVERY_ID_CHARS = 255
+_ATTEMPT = re.compile(r"[0-9]{1,9}", re.ASCII)
+MISSING_TABLE = (
+    "the webhook_inbox table does not exist in this database: run "
+    "`fluxora-webhooks inbox install` (or fluxora_webhooks.inbox.install(conn)) first"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InboxEvent:
+    """A verified delivery, received for the first time.
+
+    ``delivery_id`` is signed by the Standard Webhooks scheme (not by the x-fluxora one);
+    ``payload`` is the parsed body, which both schemes sign. ``event_type`` and ``attempt``
+    come from the unsigned ``x-fluxora-event`` and ``x-fluxora-attempt`` headers (None when
+    absent or unreadable): use them for routing and logs, keep decisions on the payload.
+    """
+
+    delivery_id: str
+    event_type: str | None
+    attempt: int | None
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class InboxPruneResult:
+    """What one :func:`prune` run deleted (or, for a dry run, would delete)."""
+
+    cutoff: dt.datetime
+    deleted: int
+    batches: int
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cutoff": self.cutoff.isoformat(),
+            "deleted": self.deleted,
+            "batches": self.batches,
+            "dry_run": self.dry_run,
+        }
+
+
+# -- install ------------------------------------------------------------------------------
+
+
+@overload
+def install(conn: psycopg.Connection[Any]) -> bool: ...
+
+
+@overload
+def install(conn: psycopg.AsyncConnection[Any]) -> Awaitable[bool]: ...
+
+
+def install(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> bool | Awaitable[bool]:
+    """Create ``webhook_inbox`` (and its index) if missing; True if the table was created.
+
+    Idempotent and safe to run from several places at once (an advisory lock serialises
+    the installs). On a connection with a transaction open, it takes part in it.
+    """
+    if isinstance(conn, psycopg.AsyncConnection):
+        return _install_async(conn)
+    with conn.transaction():
+        conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
+        row = conn.execute(query("inbox_exists")).fetchone()
+        conn.execute(query("inbox_install"))
+    return not (row and row[0])
+
+
+async def _install_async(conn: psycopg.AsyncConnection[Any]) -> bool:
+    async with conn.transaction():
+        await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
+        row = await (await conn.execute(query("inbox_exists"))).fetchone()
+        await conn.execute(query("inbox_install"))
+    return not (row and row[0])
+
+
+# -- receive ------------------------------------------------------------------------------
+
+
+@overload
+def receive(
+    conn: psycopg.Connection[Any],
+    *,
+    body: bytes,
+    headers: Headers,
+    secret: str | bytes,
+    previous_secret: str | bytes | None = None,
+    tolerance_s: int = DEFAULT_TOLERANCE_SECONDS,
+    scheme: str = "auto",
+    now: float | None = None,
+) -> InboxEvent | None: ...
+
+
+@overload
+def receive(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    body: bytes,
+    headers: Headers,
+    secret: str | bytes,
+    previous_secret: str | bytes | None = None,
+    tolerance_s: int = DEFAULT_TOLERANCE_SECONDS,
+    scheme: str = "auto",
+    now: float | None = None,
+) -> Awaitable[InboxEvent | None]: ...
+
+
+def receive(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    *,
+    body: bytes,
+    headers: Headers,
+    secret: str | bytes,
+    previous_secret: str | bytes | None = None,
+    tolerance_s: int = DEFAULT_TOLERANCE_SECONDS,
+    scheme: str = "auto",
+    now: float | None = None,
+) -> InboxEvent | Awaitable[InboxEvent | None] | None:
+    """Verify a received webhook and record its delivery id in the caller's transaction.
+
+    Returns the event the first time its delivery id is received, and None for every
+    later copy. Verification is :func:`fluxora_webhooks.verify`'s (either scheme,
+    constant time, ``tolerance_s`` seconds of clock difference, ``secret`` or
+    ``previous_secret``; ``scheme="standard"`` to require the scheme that signs the
+    delivery id) and fails with the same :class:`VerificationError`. Two more reasons are
+    the inbox's own: ``bad_payload`` (the signed body is not JSON) and ``bad_delivery_id``
+    (an id the table cannot store: NUL, invalid UTF-8, over 255 characters). A failure
+    records nothing.
+
+    ``conn`` must have a transaction open (``with conn.transaction():``, or a connection
+    that is not in autocommit mode): the point is that the id commits or rolls back with
+    the consumer's own writes. An autocommit connection outside a transaction block raises
+    ``ValueError`` before anything is read or written.
+
+    While another transaction holds the same delivery id uncommitted (the same event
+    delivered twice at once), this call waits for it: its commit makes this call return
+    None, its rollback lets this one record the id and return the event. Under REPEATABLE
+    READ or SERIALIZABLE, PostgreSQL reports that case as a serialization failure instead:
+    roll back and answer 5xx, and the next attempt is a plain repeat.
+
+    With an ``AsyncConnection``, await it. A missing table raises :class:`SchemaError`.
+    """
+    _require_transaction(conn)
+    event = _verified_event(
+        body,
+        headers,
+        secret,
+        previous=previous_secret,
+        tolerance=tolerance_s,
+        now=now,
+        scheme=scheme,
+    )
+    params = {
+        "delivery_id": event.delivery_id,
+        "event_type": event.event_type,
+        "attempt": event.attempt,
+    }
+    if isinstance(conn, psycopg.AsyncConnection):
+        return _receive_async(conn, event, params)
+    try:
+        row = conn.execute(query("inbox_receive"), params).fetchone()
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaError(MISSING_TABLE) from exc
+    return event if row is not None else None
+
+
+async def _receive_async(
+    conn: psycopg.AsyncConnection[Any], event: InboxEvent, params: dict[str, Any]
+) -> InboxEvent | None:
+    try:
+        row = await (await conn.execute(query("inbox_receive"), params)).fetchone()
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaError(MISSING_TABLE) from exc
+    return event if row is not None else None
+
+
+def _require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        raise TypeError("conn must be a psycopg Connection or AsyncConnection")
+    # Autocommit outside a transaction block would commit the id on its own, before the
+    # consumer's writes: a crash in between would lose the event for good.
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        raise ValueError(
+            "receive() needs an open transaction: call it inside `with conn.transaction():` "
+            "(or on a connection that is not in autocommit mode), next to your own writes"
+        )
+
+
+def _header_mapping(headers: Headers) -> Mapping[str, Any]:
+    """The headers as a mapping :func:`fluxora_webhooks.verify` reads: raw ``(name,
+    value)`` pairs become a dict (the first occurrence of a name wins, as for a multidict);
+    a mapping, or anything else, is passed through unchanged."""
+    if isinstance(headers, list | tuple):
+        pairs: dict[Any, Any] = {}
+        for item in headers:
+            if isinstance(item, tuple | list) and len(item) == 2:
+                pairs.setdefault(item[0], item[1])
+        return pairs
+    return headers  # type: ignore[return-value]  # a mapping, or garbage for verify to refuse
+
+
+def _verified_event(
+    body: bytes,
+    headers: Headers,
+    secret: str | bytes,
+    *,
+    previous: str | bytes | None,
+    tolerance: int,
+    now: float | None,
+    scheme: str,
+) -> InboxEvent:
+    verified = verify_request(
+        body,
+        _header_mapping(headers),
+        secret,
+        previous=previous,
+        tolerance=tolerance,
+        now=now,
+        scheme=scheme,
+    )
+    _check_delivery_id(verified.delivery_id)
+    try:
+        payload = json.loads(bytes(body))
+    except (ValueError, RecursionError):  # not JSON, or beyond what json will parse
+        raise VerificationError("bad_payload", "the signed body is not JSON") from None
+    return InboxEvent(verified.delivery_id, _event_type(verified), _attempt(verified), payload)
+
+
+def _check_delivery_id(delivery_id: str) -> None:
+    try:
+        delivery_id.encode("utf-8")  # strict: a lone surrogate is not storable text
+    except UnicodeEncodeError:
+        ok = False
+    else:
+        ok = "\x00" not in delivery_id and len(delivery_id) <= MAX_DELIVERY_ID_CHARS
+    if not ok:
+        raise VerificationError(
+            "bad_delivery_id",
+            f"the delivery id is not text the inbox can store (NUL, invalid UTF-8 or over "
+            f"{MAX_DELIVERY_ID_CHARS} characters)",
+        )
+
+
+def _event_type(verified: Verified) -> str | None:
+    value = (verified.headers.get("x-fluxora-event") or "").strip()
+    # Not printable includes control characters and lone surrogates (undecodable bytes).
+    return value if value and value.isprintable() else None
+
+
+def _attempt(verified: Verified) -> int | None:
+    value = (verified.headers.get("x-fluxora-attempt") or "").strip()
+    if not _ATTEMPT.fullmatch(value) or int(value) < 1:
+        return None
+    return int(value)
+
+
+# -- prune --------------------------------------------------------------------------------
+
+
+async def prune(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    older_than_ms: int,
+    batch_size: int = DEFAULT_PRUNE_BATCH,
+    dry_run: bool = False,
+) -> InboxPruneResult:
+    """Delete the delivery ids received more than ``older_than_ms`` ago, ``batch_size``
+    rows per transaction (``conn`` must be in autocommit mode), oldest first.
+
+    An id pruned while its event can still arrive again is an id the inbox forgets: keep
+    them longer than the sender's whole retry window (about a day and a half with the
+    default schedule) plus any time in which dead letters may be replayed.
+    """
+    if older_than_ms < 0:
+        raise ValueError("older_than_ms must not be negative")
+    if not 1 <= batch_size <= MAX_PRUNE_BATCH:
+        raise ValueError(f"batch_size must be between 1 and {MAX_PRUNE_BATCH}")
+    if not conn.autocommit:
+        raise ValueError("prune needs a connection in autocommit mode (one transaction a batch)")
+    # One cutoff for the whole run, from the database's clock: the run ends even while
+    # new ids keep ageing past the period.
+    cur = await conn.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
+    row = await cur.fetchone()
+    assert row is not None
+    cutoff: dt.datetime = row[0]
+    try:
+        if dry_run:
+            cur = await conn.execute(query("inbox_prune_count"), {"cutoff": cutoff})
+            counted = await cur.fetchone()
+            return InboxPruneResult(cutoff, int(counted[0]) if counted else 0, 0, dry_run=True)
+        deleted = batches = 0
+        while True:
+            cur = await conn.execute(query("inbox_prune"), {"cutoff": cutoff, "batch": batch_size})
+            done = await cur.fetchone()
+            count = int(done[0]) if done else 0
+            deleted += count
+            batches += 1
+            if count < batch_size:
+                return InboxPruneResult(cutoff, deleted, batches)
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaError(MISSING_TABLE) from exc

@@ -1,0 +1,132 @@
+"""What the framework glue shares: one delivery, from raw request to (status, JSON body).
+
+The answers are chosen for the sender's retry rules (SPEC 4): 2xx stops the retries (the
+event is applied, now or before), 401 and 400 dead-letter at once (a retry would fail the
+same way), 5xx asks for a retry (the transaction rolled back: nothing happened).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from ..errors import SchemaError, VerificationError
+from ..logs import scrub
+from ..signing import DEFAULT_TOLERANCE_SECONDS
+from . import Headers, InboxEvent, _verified_event, receive
+
+log = logging.getLogger("fluxora_webhooks.inbox")
+
+#: Where the glue takes its connection from: a psycopg async pool, or any callable that
+#: returns an async context manager yielding an ``AsyncConnection`` (``pool.connection``,
+#: or your own).
+ConnectionSource: TypeAlias = (
+    AsyncConnectionPool[Any]
+    | Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]
+)
+# The reasons that a signed request can carry: refusing it for good is right (400).
+_MALFORMED = frozenset({"bad_payload", "bad_delivery_id"})
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """How the glue verifies: the arguments of :func:`fluxora_webhooks.inbox.receive`."""
+
+    secret: str | bytes
+    previous_secret: str | bytes | None = None
+    tolerance_s: int = DEFAULT_TOLERANCE_SECONDS
+    scheme: str = "auto"
+
+    def __post_init__(self) -> None:
+        # A mistake in the set-up (empty secret, bad scheme) fails when the app is built,
+        # not on every request: the arguments are checked before any header is read.
+        # No headers: VerificationError, as expected, once the arguments were accepted.
+        with contextlib.suppress(VerificationError):
+            self.check(b"", {})
+
+    def check(self, body: bytes, headers: Headers) -> InboxEvent:
+        """Verify and parse without a database (what receive checks before it records)."""
+        return _verified_event(
+            body,
+            headers,
+            self.secret,
+            previous=self.previous_secret,
+            tolerance=self.tolerance_s,
+            now=None,
+            scheme=self.scheme,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    body: dict[str, str]
+
+
+def connector(
+    source: ConnectionSource,
+) -> Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]:
+    if isinstance(source, AsyncConnectionPool):
+        return source.connection
+    if not callable(source):
+        raise TypeError("connection must be an AsyncConnectionPool or a callable")
+    return source
+
+
+async def deliver(
+    connect: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+    verification: Verification,
+    apply: Callable[[InboxEvent, psycopg.AsyncConnection[Any]], Awaitable[object]],
+    *,
+    body: bytes,
+    headers: Headers,
+) -> Answer:
+    """Verify, then in one transaction: receive, apply (first time only), commit."""
+    try:
+        # First without a connection: forged traffic never takes one from the pool.
+        checked = verification.check(body, headers)
+    except VerificationError as exc:
+        return _refused(exc)
+    delivery_id = checked.delivery_id
+    try:
+        async with connect() as conn, conn.transaction():
+            event = await receive(
+                conn,
+                body=body,
+                headers=headers,
+                secret=verification.secret,
+                previous_secret=verification.previous_secret,
+                tolerance_s=verification.tolerance_s,
+                scheme=verification.scheme,
+            )
+            if event is not None:
+                await apply(event, conn)
+    except VerificationError as exc:  # the clock moved past the tolerance in between
+        return _refused(exc)
+    except SchemaError as exc:
+        log.error("webhook %s not received: %s", delivery_id, exc)
+        return Answer(500, {"error": "inbox_not_installed"})
+    except (psycopg.OperationalError, PoolTimeout) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.warning(
+            "webhook %s not received: database unavailable (%s)", delivery_id, scrub(first_line)
+        )
+        return Answer(503, {"error": "database_unavailable"})
+    except Exception:
+        log.exception("handling webhook %s failed; rolled back, the sender will retry", delivery_id)
+        return Answer(500, {"error": "handler_failed"})
+    status = "processed" if event is not None else "duplicate"
+    return Answer(200, {"status": status, "delivery_id": delivery_id})
+
+
+def _refused(exc: VerificationError) -> Answer:
+    log.info("webhook refused: %s (%s)", exc.reason, exc)
+    error = "bad_request" if exc.reason in _MALFORMED else "verification_failed"
+    return Answer(400 if exc.reason in _MALFORMED else 401, {"error": error, "reason": exc.reason})

@@ -1,0 +1,48 @@
+-- The consumer's inbox (SPEC 17), in the consumer's own database: one row per delivery id
+-- received. Not part of the outbox migrations: the consumer's database has no outbox.
+
+-- name: inbox_lock
+-- Concurrent installs: CREATE ... IF NOT EXISTS alone can still collide on the catalog.
+SELECT pg_advisory_xact_lock(%(key)s);
+
+-- name: inbox_exists
+SELECT to_regclass('webhook_inbox') IS NOT NULL;
+
+-- name: inbox_install
+-- Idempotent, and safe to run again after an upgrade: whatever is missing is added.
+CREATE TABLE IF NOT EXISTS webhook_inbox (
+    delivery_id  text PRIMARY KEY,
+    event_type   text,
+    attempt      integer,
+    received_at  timestamptz NOT NULL DEFAULT now()
+);
+-- Prune deletes the oldest ids first, in bounded batches. A timestamp that only grows
+-- appends to the right edge of this index: cheap next to the primary key.
+CREATE INDEX IF NOT EXISTS webhook_inbox_received_at_idx ON webhook_inbox (received_at);
+
+-- name: inbox_receive
+-- In the caller's transaction. A concurrent transaction that inserted the same id and has
+-- not finished makes this one wait: its commit turns this into a conflict (no row
+-- returned), its rollback lets this insert go through.
+INSERT INTO webhook_inbox (delivery_id, event_type, attempt)
+VALUES (%(delivery_id)s, %(event_type)s, %(attempt)s)
+ON CONFLICT (delivery_id) DO NOTHING
+RETURNING received_at;
+
+-- name: inbox_prune
+-- One bounded batch, oldest first. SKIP LOCKED: never waits on a row someone else holds.
+WITH gone AS (
+    DELETE FROM webhook_inbox
+    WHERE delivery_id IN (
+        SELECT delivery_id FROM webhook_inbox
+        WHERE received_at < %(cutoff)s
+        ORDER BY received_at
+        LIMIT %(batch)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: inbox_prune_count
+SELECT count(*) FROM webhook_inbox WHERE received_at < %(cutoff)s;

@@ -1,0 +1,234 @@
+"""The framework glue over real HTTP on loopback: aiohttp, Starlette and FastAPI (served by
+uvicorn), each on a real psycopg pool. One scenario for all three: processed, duplicate,
+refused (without taking a connection), malformed, handler failure (rolled back, then
+retried), database unavailable, inbox not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import psycopg
+import pytest
+import uvicorn
+from aiohttp import web
+from fastapi import FastAPI
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from fluxora_webhooks.inbox import InboxEvent
+from fluxora_webhooks.inbox.aiohttp import inbox_handler
+from fluxora_webhooks.inbox.asgi import inbox_endpoint
+from tests.support.dispatch import SECRET
+from tests.support.inbox import Delivery, delivery
+
+pytestmark = pytest.mark.integration
+
+FRAMEWORKS = ["aiohttp", "starlette", "fastapi"]
+Connect = Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]
+
+
+@dataclass
+class Consumer:
+    """The app's state: a handler that credits a balance, and can be told to fail."""
+
+    fail_next: bool = False
+    handled: list[str] = field(default_factory=list)
+    connections: int = 0
+
+    async def credit(self, event: InboxEvent, conn: psycopg.AsyncConnection[Any], _: Any) -> None:
+        self.handled.append(event.delivery_id)
+        await conn.execute(
+            "UPDATE balance SET amount = amount + %s WHERE id = 1", (event.payload["amount"],)
+        )
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the handler failed after its write")
+
+    def counting(self, connect: Connect) -> Connect:
+        @contextlib.asynccontextmanager
+        async def counted() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+            self.connections += 1
+            async with connect() as conn:
+                yield conn
+
+        return counted
+
+
+@contextlib.asynccontextmanager
+async def serve(framework: str, connect: Connect, consumer: Consumer) -> AsyncIterator[str]:
+    """The consumer app on a free loopback port; yields its URL."""
+    if framework == "aiohttp":
+        app = web.Application()
+        app.router.add_post("/hook", inbox_handler(connect, consumer.credit, secret=SECRET))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            yield f"http://127.0.0.1:{port}/hook"
+        finally:
+            await runner.cleanup()
+        return
+    endpoint = inbox_endpoint(connect, consumer.credit, secret=SECRET)
+    asgi: Any
+    if framework == "starlette":
+        asgi = Starlette(routes=[Route("/hook", endpoint, methods=["POST"])])
+    else:
+        asgi = FastAPI()
+        asgi.add_api_route("/hook", endpoint, methods=["POST"])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        asgi, log_level="warning", lifespan="off", http="h11", ws="none", access_log=False
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), task.exception()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/hook"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest.fixture
+async def pool(inbox_database_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    async with await psycopg.AsyncConnection.connect(inbox_database_url, autocommit=True) as c:
+        await c.execute("CREATE TABLE balance (id int PRIMARY KEY, amount bigint NOT NULL)")
+        await c.execute("INSERT INTO balance VALUES (1, 0)")
+    p: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        inbox_database_url, min_size=1, max_size=4, open=False
+    )
+    await p.open(wait=True)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def post(http: aiohttp.ClientSession, url: str, d: Delivery) -> tuple[int, Any]:
+    async with http.post(url, data=d.body, headers=d.headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def state(url: str) -> tuple[int, list[str]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+        balance = await (await c.execute("SELECT amount FROM balance")).fetchone()
+        ids = await (await c.execute("SELECT delivery_id FROM webhook_inbox")).fetchall()
+    assert balance is not None
+    return int(balance[0]), sorted(r[0] for r in ids)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+async def test_the_glue_applies_once_and_answers_for_the_senders_retry_rules(
+    framework: str,
+    pool: AsyncConnectionPool[Any],
+    inbox_database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="fluxora_webhooks.inbox")
+    consumer = Consumer()
+    first, second = delivery({"amount": 5}), delivery({"amount": 100})
+    async with (
+        serve(framework, consumer.counting(pool.connection), consumer) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        assert await post(http, url, first) == (
+            200,
+            {"status": "processed", "delivery_id": first.delivery_id},
+        )
+        assert await post(http, url, first) == (
+            200,
+            {"status": "duplicate", "delivery_id": first.delivery_id},
+        )
+        assert consumer.connections == 2
+
+        forged = delivery({"amount": 10**6}, secret=b"not-the-consumers-secret-at-all-0")
+        status, body = await post(http, url, forged)
+        assert (status, body) == (
+            401,
+            {"error": "verification_failed", "reason": "no_matching_signature"},
+        )
+        stale = delivery({"amount": 1}, timestamp=1_000_000_000)
+        assert (await post(http, url, stale))[1]["reason"] == "timestamp_too_old"
+        assert (await post(http, url, delivery(body=b"[1,")))[1] == {
+            "error": "bad_request",
+            "reason": "bad_payload",
+        }
+        assert consumer.connections == 2  # the refused and the malformed took none
+        huge = delivery(body=b'{"pad": "' + b"x" * (2 << 20) + b'"}')
+        async with http.post(url, data=io.BytesIO(huge.body), headers=huge.headers) as resp:
+            assert resp.status == 413  # over 1 MiB: refused before it is all read
+
+        consumer.fail_next = True
+        assert await post(http, url, second) == (500, {"error": "handler_failed"})
+        assert await state(inbox_database_url) == (5, [first.delivery_id])  # rolled back
+        assert (await post(http, url, second))[1]["status"] == "processed"  # the retry
+
+    assert await state(inbox_database_url) == (105, sorted([first.delivery_id, second.delivery_id]))
+    assert consumer.handled == [first.delivery_id, second.delivery_id, second.delivery_id]
+    logged = caplog.text
+    assert "webhook refused: no_matching_signature" in logged
+    assert f"handling webhook {second.delivery_id} failed" in logged
+    assert SECRET.decode() not in logged
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+async def test_an_unavailable_database_is_503_and_a_missing_inbox_500(
+    framework: str, empty_database_url: str
+) -> None:
+    @contextlib.asynccontextmanager
+    async def unreachable() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        async with await psycopg.AsyncConnection.connect(
+            "host=127.0.0.1 port=1 dbname=nowhere connect_timeout=2"
+        ) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def uninstalled() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        async with await psycopg.AsyncConnection.connect(empty_database_url) as conn:
+            yield conn
+
+    consumer = Consumer()
+    async with aiohttp.ClientSession() as http:
+        async with serve(framework, unreachable, consumer) as url:
+            assert await post(http, url, delivery()) == (503, {"error": "database_unavailable"})
+        async with serve(framework, uninstalled, consumer) as url:
+            assert await post(http, url, delivery()) == (500, {"error": "inbox_not_installed"})
+    assert consumer.handled == []
+
+
+async def test_a_pool_itself_is_accepted_as_the_connection_source(
+    pool: AsyncConnectionPool[Any], inbox_database_url: str
+) -> None:
+    consumer = Consumer()
+    app = web.Application()
+    app.router.add_post("/hook", inbox_handler(pool, consumer.credit, secret=SECRET))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/hook"
+    try:
+        async with aiohttp.ClientSession() as http:
+            d = delivery({"amount": 3})
+            assert (await post(http, url, d))[0] == 200
+    finally:
+        await runner.cleanup()
+    assert await state(inbox_database_url) == (3, [d.delivery_id])
+    with pytest.raises(TypeError):
+        inbox_handler(object(), consumer.credit, secret=SECRET)  # type: ignore[arg-type]
