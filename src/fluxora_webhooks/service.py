@@ -248,12 +248,11 @@ class Service:
     async def _refresh_breaker_state(self) -> None:
         if not (self.redis_url and self.settings.circuit_breaker_threshold > 0):
             return
-        from redis.asyncio import Redis
-
         from .breaker import read_breaker_state
+        from .redis_connect import client_for
 
         if self._breaker_redis is None:
-            self._breaker_redis = Redis.from_url(
+            self._breaker_redis = client_for(
                 self.redis_url, socket_connect_timeout=0.25, socket_timeout=0.5
             )
         try:

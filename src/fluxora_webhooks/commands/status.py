@@ -156,12 +156,11 @@ async def read_consumer(
     for Redis: an unreachable Redis is part of the answer)."""
     import asyncio
 
-    from redis.asyncio import Redis
-
     from ..breaker import read_breaker_state
     from ..endpoints import redacted
     from ..logs import scrub
     from ..ratelimit import rate_limit_key
+    from ..redis_connect import client_for
 
     consumer: dict[str, Any] = {
         "endpoint": redacted(webhook_url),
@@ -172,7 +171,7 @@ async def read_consumer(
     if not redis_url:
         consumer["redis"]["error"] = "REDIS_URL is not set"
         return consumer
-    client = Redis.from_url(
+    client = client_for(
         redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
     )
     try:
