@@ -79,6 +79,11 @@ def cmd_run(args: argparse.Namespace, env: dict[str, str]) -> int:
     settings = Settings.from_env(env)
     logs.configure(settings.log_format)
     database_url, redis_url = _engines(env, redis=True)
+    if settings.workers > 1:
+        from .supervisor import Supervisor
+
+        supervisor = Supervisor(settings, database_url=database_url, redis_url=redis_url, env=env)
+        return run_async(_run_service(supervisor))
     service = Service(settings, database_url=database_url, redis_url=redis_url)
     return run_async(_run_service(service))
 

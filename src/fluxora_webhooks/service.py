@@ -24,6 +24,7 @@ from . import logs, metrics
 from .dispatcher import Dispatcher
 from .errors import SchemaError
 from .gate import DeliveryGate, OpenGate
+from .host import raise_open_files_limit
 from .migrations import check_schema
 from .queries import query
 from .settings import Settings
@@ -65,6 +66,9 @@ class Service:
         # Background work (see _start_background); intervals are attributes for tests.
         self.gauge_interval_s = GAUGE_REFRESH_S
         self.retention_interval_s = RETENTION_INTERVAL_S
+        # The backlog and breaker readings and retention: one worker of a supervisor runs
+        # them for all (see supervisor.py); the others set this to False.
+        self.run_background = True
         self._breaker_redis: Any = None
 
     async def check(self) -> None:
@@ -79,6 +83,7 @@ class Service:
         batch finishes, bounded by the request timeout plus a grace period; a second signal
         (or the bound) abandons it (its rows are rolled back and delivered later)."""
         self._register_sensitive()
+        raise_open_files_limit()
         self._stop_requested = asyncio.Event()
         self._forced = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -97,7 +102,7 @@ class Service:
                 return
             if self.settings.metrics_port:
                 await self._start_http()
-            background = self._start_background()
+            background = self._start_background() if self.run_background else None
             task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
             log.info(
                 "dispatching (batch %d, %d claim loops, poll %d ms)",
