@@ -261,7 +261,9 @@ class Dispatcher:
             except Exception:
                 metrics.CLAIM_ERRORS.inc()
                 log.exception("claim loop %d: unexpected error; retrying", index)
-            await asyncio.sleep(backoff * (1 + random.random()))
+            # Jittered, and capped after the jitter: once a standby is promoted, every loop
+            # must be claiming again within seconds however long the outage was.
+            await asyncio.sleep(min(backoff * (1 + random.random()), _BACKOFF_MAX_S))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     def _sleep_s(self, next_due_ms: int | None) -> float:

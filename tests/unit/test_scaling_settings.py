@@ -79,3 +79,28 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == expected
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:pw@db1:5432,db2:5433/app?target_session_attrs=read-write",
+        "postgresql://app@db1,db2,db3/app?target_session_attrs=primary&connect_timeout=5",
+        "host=db1,db2 port=5432,5433 dbname=app target_session_attrs=read-write",
+    ],
+)
+def test_multi_host_database_urls_are_accepted(url: str) -> None:
+    assert Settings.from_env({**GOOD, "DATABASE_URL": url}).database_url == url
+
+
+def test_a_multi_host_url_is_scrubbed_like_any_other() -> None:
+    from fluxora_webhooks import logs
+
+    url = "postgresql://app:pw-not-shown-7@db1:5432,db2:5433/app?target_session_attrs=read-write"
+    logs.add_sensitive_url(url)
+    try:
+        text = logs.scrub(f"cannot reach {url}; password=pw-not-shown-7")
+    finally:
+        logs.clear_sensitive()
+    assert "pw-not-shown-7" not in text
+    assert "postgresql://db1:5432,db2:5433" in text
