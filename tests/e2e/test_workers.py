@@ -182,3 +182,16 @@ def _orphans(supervisor: DispatcherProcess) -> list[int]:
         if "fluxora_webhooks.worker" in cmdline and str(supervisor.pid) in cmdline:
             found.append(proc.pid)
     return found
+
+
+async def test_the_supervisor_refuses_an_unmigrated_database_before_starting_workers(
+    empty_database_url: str,
+) -> None:
+    env = dispatcher_env(
+        empty_database_url, "redis://127.0.0.1:1/0", "http://127.0.0.1:9/x", "p:",
+        WEBHOOK_WORKERS="2",
+    )  # fmt: skip
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 3, out
+    assert "run `fluxora-webhooks migrate`" in out
+    assert "worker 0 started" not in out and "Traceback" not in out
