@@ -13,7 +13,8 @@ Who writes what:
 - the service, in the background (``service.py``): the backlog gauges (outbox pending and
   due, oldest due age, dead letters waiting), read every few seconds from the partial
   indexes with capped counts, the breaker state read from Redis, and the retention
-  counters.
+  counters;
+- the supervisor (``supervisor.py``): workers wanted and dispatching, worker restarts.
 
 Every label value that can occur is created at import, so each series exists (at 0) from
 the first scrape and ``rate()``/``increase()`` see the first event.
@@ -27,6 +28,8 @@ the readings that one worker takes for all (backlog, breaker state) are shown as
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -194,6 +197,31 @@ RETENTION_RUNS = Counter(
 )
 
 
+# -- the supervisor (WEBHOOK_WORKERS above 1) -----------------------------------------
+
+WORKERS = Gauge(
+    "fluxora_webhook_workers",
+    "Dispatcher processes of this run, by state: wanted (WEBHOOK_WORKERS) and dispatching "
+    "(running their claim loops). A single-process run is one of each.",
+    ["state"],
+    registry=REGISTRY,
+)
+WORKER_RESTARTS = Counter(
+    "fluxora_webhook_worker_restarts",
+    "Worker processes that died and were replaced, by cause: exit (ended with a status) "
+    "or signal (killed by one).",
+    ["cause"],
+    registry=REGISTRY,
+)
+WORKER_STATES = ("wanted", "dispatching")
+RESTART_CAUSES = ("exit", "signal")
+# A worker under the supervisor writes its values to files the supervisor merges
+# (prometheus-client's multiprocess mode, chosen by this variable at import). The
+# supervisor's own series must have no sample in a worker, or they would come back from
+# every worker's files beside the supervisor's.
+_IN_WORKER = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
 def set_breaker_state(state: str | None) -> None:
     """Set the one-hot breaker state gauge; ``None`` clears it (state unknown)."""
     for name in BREAKER_STATES:
@@ -218,6 +246,11 @@ def _initialise() -> None:
         RETENTION_DELETED.labels(table=table)
     for result in RETENTION_RESULTS:
         RETENTION_RUNS.labels(result=result)
+    if not _IN_WORKER:
+        for state in WORKER_STATES:
+            WORKERS.labels(state=state).set(1)
+        for cause in RESTART_CAUSES:
+            WORKER_RESTARTS.labels(cause=cause)
 
 
 _initialise()

@@ -39,13 +39,11 @@ from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
-    Gauge,
     generate_latest,
     multiprocess,
 )
 
-from . import logs
+from . import logs, metrics
 from .errors import ConfigError, SchemaError
 from .migrations import check_schema
 from .queries import query
@@ -135,20 +133,11 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._signals = 0
         self._readers: set[asyncio.Task[None]] = set()
-        # Our own series live in the exposition registry only: created in a worker they
-        # would come back from every worker's files.
+        # What /metrics shows: the workers' files, and the supervisor's own two series
+        # (no worker has a sample of them: see metrics.py).
         self._registry = CollectorRegistry()
-        self._ready_gauge = Gauge(
-            "fluxora_webhook_workers",
-            "Worker processes of this supervisor, by state (wanted; dispatching).",
-            ["state"],
-            registry=self._registry,
-        )
-        self._restarts = Counter(
-            "fluxora_webhook_worker_restarts",
-            "Worker processes that died and were replaced.",
-            registry=self._registry,
-        )
+        self._registry.register(metrics.WORKERS)
+        self._registry.register(metrics.WORKER_RESTARTS)
 
     async def run(self, *, install_signals: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -165,8 +154,8 @@ class Supervisor:
                 return
             self.metrics_dir = tempfile.mkdtemp(prefix="fluxora-metrics-")
             _merge_worker_files(self._registry, self.metrics_dir)
-            self._ready_gauge.labels(state="wanted").set(self.settings.workers)
-            self._ready_gauge.labels(state="dispatching").set(0)
+            metrics.WORKERS.labels(state="wanted").set(self.settings.workers)
+            metrics.WORKERS.labels(state="dispatching").set(0)
             if self.settings.metrics_port:
                 await self._start_http()
             log.info(
@@ -222,7 +211,7 @@ class Supervisor:
                 return
             if time.monotonic() - worker.started >= HEALTHY_AFTER_S:
                 backoff = RESTART_MIN_S
-            self._restarts.inc()
+            metrics.WORKER_RESTARTS.labels(cause="signal" if code < 0 else "exit").inc()
             log.error(
                 "worker %d (pid %d) %s; starting another in %.0fs",
                 index,
@@ -295,7 +284,7 @@ class Supervisor:
 
     def _count_ready(self) -> None:
         ready = sum(1 for w in self.workers.values() if w.ready)
-        self._ready_gauge.labels(state="dispatching").set(ready)
+        metrics.WORKERS.labels(state="dispatching").set(ready)
 
     def _signal_workers(self, sig: signal.Signals) -> None:
         for worker in list(self.workers.values()):
