@@ -201,24 +201,33 @@ class Supervisor:
         """One worker slot: start it, and start it again after it died."""
         backoff = RESTART_MIN_S
         while not self._stopping.is_set():
-            worker = await self._spawn(index)
-            if self._stopping.is_set():  # stopped while it was being started
-                with contextlib.suppress(ProcessLookupError):
-                    worker.proc.send_signal(signal.SIGTERM)
-            code = await worker.proc.wait()
-            self._forget(worker)
-            if self._stopping.is_set():
-                return
-            if time.monotonic() - worker.started >= HEALTHY_AFTER_S:
-                backoff = RESTART_MIN_S
-            metrics.WORKER_RESTARTS.labels(cause="signal" if code < 0 else "exit").inc()
-            log.error(
-                "worker %d (pid %d) %s; starting another in %.0fs",
-                index,
-                worker.proc.pid,
-                _describe_exit(code),
-                backoff,
-            )
+            try:
+                worker = await self._spawn(index)
+            except OSError as exc:  # out of processes or descriptors: try again later
+                log.error(
+                    "worker %d could not be started (%s); trying again in %.0fs",
+                    index,
+                    exc.strerror or type(exc).__name__,
+                    backoff,
+                )
+            else:
+                if self._stopping.is_set():  # stopped while it was being started
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.send_signal(signal.SIGTERM)
+                code = await worker.proc.wait()
+                self._forget(worker)
+                if self._stopping.is_set():
+                    return
+                if time.monotonic() - worker.started >= HEALTHY_AFTER_S:
+                    backoff = RESTART_MIN_S
+                metrics.WORKER_RESTARTS.labels(cause="signal" if code < 0 else "exit").inc()
+                log.error(
+                    "worker %d (pid %d) %s; starting another in %.0fs",
+                    index,
+                    worker.proc.pid,
+                    _describe_exit(code),
+                    backoff,
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), backoff)
             backoff = min(backoff * 2, RESTART_MAX_S)
