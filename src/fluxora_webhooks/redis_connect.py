@@ -72,7 +72,13 @@ class ClusterAwareRedis(Redis):
             if self.is_cluster is None:
                 try:
                     await self._on_this_node("CLUSTER INFO")
-                except ResponseError:
+                except ResponseError as exc:
+                    if "cluster mode" in str(exc):  # the URL's SELECT, refused by a cluster
+                        raise ConfigError(
+                            "REDIS_URL",
+                            "names a Redis Cluster node, and a cluster has only database 0 "
+                            "(end the URL with /0 or no database)",
+                        ) from None
                     self._single_node = True
                 else:
                     self._cluster = self._make_cluster()

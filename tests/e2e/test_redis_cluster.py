@@ -19,6 +19,7 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from fluxora_webhooks.breaker import breaker_key, read_breaker_state
+from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.ratelimit import rate_limit_key
 from fluxora_webhooks.redis_connect import client_for
@@ -149,6 +150,15 @@ async def test_noscript_ask_and_moved(cluster: RedisCluster, cluster_client: Clu
         await gate_client.aclose()
     assert await cluster_client.zcard(key) == 3  # every attempt the gate saw was recorded
     assert cluster.client(target).exists(key)
+
+
+async def test_a_cluster_url_with_another_database_is_a_configuration_error(
+    cluster: RedisCluster,
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        await _gate(cluster.url().replace("/0", "/3"), "p:")
+    assert caught.value.variable == "REDIS_URL"
+    assert "only database 0" in str(caught.value)
 
 
 def _other_node(cluster: RedisCluster, key: str) -> int:
