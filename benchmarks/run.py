@@ -388,6 +388,9 @@ class Bench:
                 "WEBHOOK_METRICS_PORT": str(metrics_port),
                 "FLUXORA_REDIS_PREFIX": self.prefix,
                 "FLUXORA_HOME": str(self.tmp / "home"),
+                # "N processes" means N single-process runs (--set WEBHOOK_WORKERS=... to
+                # measure the supervisor).
+                "WEBHOOK_WORKERS": "1",
             }
         )
         env.update(self.overrides)

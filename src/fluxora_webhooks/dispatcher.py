@@ -270,7 +270,11 @@ class Dispatcher:
             except Exception:
                 metrics.CLAIM_ERRORS.inc()
                 log.exception("claim loop %d: unexpected error; retrying", index)
-            await self._unless_stopping(asyncio.sleep(backoff * (1 + random.random())))
+            # Jittered, and capped after the jitter: once a standby is promoted, every loop
+            # must be claiming again within seconds however long the outage was.
+            await self._unless_stopping(
+                asyncio.sleep(min(backoff * (1 + random.random()), _BACKOFF_MAX_S))
+            )
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _unless_stopping(self, step: Awaitable[T]) -> T | None:

@@ -13,13 +13,23 @@ Who writes what:
 - the service, in the background (``service.py``): the backlog gauges (outbox pending and
   due, oldest due age, dead letters waiting), read every few seconds from the partial
   indexes with capped counts, the breaker state read from Redis, and the retention
-  counters.
+  counters;
+- the supervisor (``supervisor.py``): workers wanted and dispatching, worker restarts.
 
 Every label value that can occur is created at import, so each series exists (at 0) from
 the first scrape and ``rate()``/``increase()`` see the first event.
+
+Under the supervisor (``WEBHOOK_WORKERS`` above 1, :mod:`.supervisor`) each worker process
+writes its values to files that the supervisor's ``/metrics`` merges
+(prometheus-client's multiprocess mode): counters and histograms are summed over every
+worker, those that died included; in-flight requests are summed over the live workers;
+the readings that one worker takes for all (backlog, breaker state) are shown as last set
+(``mostrecent``). In one process the modes change nothing.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -51,6 +61,7 @@ BUILD_INFO = Gauge(
     "fluxora_webhook_build_info",
     "Always 1; the version of fluxora-webhooks in a label.",
     ["version"],
+    multiprocess_mode="max",
     registry=REGISTRY,
 )
 
@@ -77,6 +88,7 @@ ATTEMPTS_PER_DELIVERY = Histogram(
 IN_FLIGHT = Gauge(
     "fluxora_webhook_in_flight_requests",
     "HTTP attempts currently in flight in this process.",
+    multiprocess_mode="livesum",
     registry=REGISTRY,
 )
 DEAD_LETTERS = Counter(
@@ -122,31 +134,37 @@ OUTBOX_PENDING = Gauge(
     "fluxora_webhook_outbox_pending",
     "Unprocessed outbox rows (due now or later). Counted exactly up to a cap; above it, "
     "PostgreSQL's estimate (see fluxora_webhook_outbox_pending_estimated).",
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 OUTBOX_DUE = Gauge(
     "fluxora_webhook_outbox_due",
     "Unprocessed outbox rows due now. Counted up to a cap (a lower bound above it).",
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 OUTBOX_PENDING_ESTIMATED = Gauge(
     "fluxora_webhook_outbox_pending_estimated",
     "1 when the backlog exceeded the counting cap and the pending/due gauges are estimates.",
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 OUTBOX_OLDEST_DUE_AGE = Gauge(
     "fluxora_webhook_outbox_oldest_due_age_seconds",
     "Age of the oldest due, unprocessed outbox row (0 when none is due).",
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 DEAD_LETTER_ROWS = Gauge(
     "fluxora_webhook_dead_letter_rows",
     "Dead letters waiting (not replayed or purged). Counted up to a cap.",
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 BACKLOG_REFRESHED = Gauge(
     "fluxora_webhook_backlog_refreshed_timestamp_seconds",
     "Unix time of the last successful reading of the backlog gauges.",
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 BACKLOG_REFRESH_ERRORS = Counter(
@@ -159,6 +177,7 @@ BREAKER_STATE = Gauge(
     "The consumer's shared circuit breaker state as last read from Redis: 1 for the "
     "current state, 0 for the others (all 0 when the breaker is off or never read).",
     ["state"],
+    multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
 
@@ -178,6 +197,31 @@ RETENTION_RUNS = Counter(
 )
 
 
+# -- the supervisor (WEBHOOK_WORKERS above 1) -----------------------------------------
+
+WORKERS = Gauge(
+    "fluxora_webhook_workers",
+    "Dispatcher processes of this run, by state: wanted (WEBHOOK_WORKERS) and dispatching "
+    "(running their claim loops). A single-process run is one of each.",
+    ["state"],
+    registry=REGISTRY,
+)
+WORKER_RESTARTS = Counter(
+    "fluxora_webhook_worker_restarts",
+    "Worker processes that died and were replaced, by cause: exit (ended with a status) "
+    "or signal (killed by one).",
+    ["cause"],
+    registry=REGISTRY,
+)
+WORKER_STATES = ("wanted", "dispatching")
+RESTART_CAUSES = ("exit", "signal")
+# A worker under the supervisor writes its values to files the supervisor merges
+# (prometheus-client's multiprocess mode, chosen by this variable at import). The
+# supervisor's own series must have no sample in a worker, or they would come back from
+# every worker's files beside the supervisor's.
+_IN_WORKER = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
 def set_breaker_state(state: str | None) -> None:
     """Set the one-hot breaker state gauge; ``None`` clears it (state unknown)."""
     for name in BREAKER_STATES:
@@ -194,11 +238,19 @@ def _initialise() -> None:
         REDIS_FAIL_OPEN.labels(component=component)
     for from_state, to_state in BREAKER_TRANSITION_PAIRS:
         BREAKER_TRANSITIONS.labels(from_state=from_state, to_state=to_state)
-    set_breaker_state(None)
+    for name in BREAKER_STATES:
+        # Created, not set: a set value carries its time, and a worker that (re)starts must
+        # not outdate the reading another worker took (multiprocess_mode="mostrecent").
+        BREAKER_STATE.labels(state=name)
     for table in RETENTION_TABLES:
         RETENTION_DELETED.labels(table=table)
     for result in RETENTION_RESULTS:
         RETENTION_RUNS.labels(result=result)
+    if not _IN_WORKER:
+        for state in WORKER_STATES:
+            WORKERS.labels(state=state).set(1)
+        for cause in RESTART_CAUSES:
+            WORKER_RESTARTS.labels(cause=cause)
 
 
 _initialise()

@@ -14,13 +14,13 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
-from redis.asyncio import Redis
 
 from . import metrics
 from .logs import scrub
 from .migrations import check_schema
 from .outbox import Outcome
 from .queries import query
+from .redis_connect import client_for
 from .redis_gate import RATE_WINDOW_MS, rate_limit_key, read_breaker_state
 from .urlpolicy import redacted
 
@@ -163,7 +163,7 @@ async def read_consumer(
     if not redis_url:
         consumer["redis"]["error"] = "REDIS_URL is not set"
         return consumer
-    client = Redis.from_url(
+    client = client_for(
         redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
     )
     try:

@@ -55,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import metrics
 from .gate import ALLOW, Admission, AdmitCode
+from .redis_connect import client_for, detect_cluster
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -322,15 +323,17 @@ async def connect_gate(
     The client has short connect and read timeouts, health checks idle connections, and
     retries a command once, at once, only when the connection broke (a stale pooled
     connection after a Redis restart). A Redis that is down at start is not an error:
-    the gate starts failing open and picks Redis up when it comes.
+    the gate starts failing open and picks Redis up when it comes. A URL that names a node
+    of a Redis Cluster gets redis-py's cluster client (:mod:`.redis_connect`).
     """
-    client = Redis.from_url(
+    client = client_for(
         redis_url,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=SOCKET_TIMEOUT_S,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
+    await detect_cluster(client, timeout_ms / 1000)  # a Redis Cluster node: see redis_connect
     gate = RedisGate(
         client,
         retry_rps=retry_rps,

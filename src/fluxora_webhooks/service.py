@@ -24,6 +24,7 @@ from . import logs, metrics
 from .dispatcher import Dispatcher
 from .errors import SchemaError
 from .gate import DeliveryGate, OpenGate
+from .host import raise_open_files_limit
 from .migrations import check_schema
 from .ops import BACKLOG_COUNT_CAP, read_backlog, set_backlog_gauges
 from .redis_gate import gate_for
@@ -58,6 +59,9 @@ class Service:
         # Background work (see _start_background); intervals are attributes for tests.
         self.gauge_interval_s = GAUGE_REFRESH_S
         self.retention_interval_s = RETENTION_INTERVAL_S
+        # The backlog and breaker readings and retention: one worker of a supervisor runs
+        # them for all (see supervisor.py); the others set this to False.
+        self.run_background = True
         self._breaker_redis: Any = None
 
     async def check(self) -> None:
@@ -72,6 +76,7 @@ class Service:
         batch finishes, bounded by the request timeout plus a grace period; a second signal
         (or the bound) abandons it (its rows are rolled back and delivered later)."""
         self._register_sensitive()
+        raise_open_files_limit()
         self._stop_requested = asyncio.Event()
         self._forced = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -92,7 +97,7 @@ class Service:
                 return
             if self.settings.metrics_port:
                 await self._start_http()
-            background = self._start_background()
+            background = self._start_background() if self.run_background else None
             task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
             log.info(
                 "dispatching (batch %d, %d claim loops, poll %d ms)",
@@ -243,12 +248,11 @@ class Service:
     async def _refresh_breaker_state(self) -> None:
         if not (self.redis_url and self.settings.circuit_breaker_threshold > 0):
             return
-        from redis.asyncio import Redis
-
+        from .redis_connect import client_for
         from .redis_gate import read_breaker_state
 
         if self._breaker_redis is None:
-            self._breaker_redis = Redis.from_url(
+            self._breaker_redis = client_for(
                 self.redis_url, socket_connect_timeout=0.25, socket_timeout=0.5
             )
         try:

@@ -17,11 +17,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .errors import ConfigError, EndpointError
+from .host import default_workers
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_SCHEDULE = "5s,5m,30m,2h,5h,10h,10h"
 MIN_SECRET_BYTES = 24
+MAX_WORKERS = 64
 
 _DURATION = re.compile(r"^\s*([0-9]+)\s*(ms|s|m|h|d)\s*$")
 _DIGITS = re.compile(r"[0-9]+")
@@ -169,6 +171,9 @@ class Settings:
     retention_ms: int | None = None
     log_format: str = "text"
     home: Path = Path(".fluxora")
+    # Dispatcher processes of `run` (SPEC section 16). Settings built in code describe one
+    # process; from_env defaults to the usable CPUs.
+    workers: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = True) -> Settings:
@@ -219,6 +224,7 @@ class Settings:
             retention_ms=retention,
             log_format=log_format,
             home=engines.home,
+            workers=_int(env, "WEBHOOK_WORKERS", default_workers(), low=1, high=MAX_WORKERS),
             **numbers,
         )
 

@@ -33,6 +33,8 @@ def dispatcher_env(
         "WEBHOOK_METRICS_PORT": "0",
         "WEBHOOK_POLL_INTERVAL_MS": "500",
         "FLUXORA_REDIS_PREFIX": prefix,
+        # One process, no supervisor: "the dispatcher" is the process a test kills.
+        "WEBHOOK_WORKERS": "1",
     }
     return command_env(**{**settings, **extra})
 

@@ -12,12 +12,13 @@ import fluxora_webhooks
 # Lowest first. A module may import modules of earlier layers only; within a package
 # (embedded/, demo/, commands/) its parts may import each other's lower parts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "errors", "queries", "logs", "gate"),
-    ("urlpolicy", "signing", "migrations", "outbox", "metrics"),
+    ("_version", "errors", "queries", "logs", "gate", "host"),
+    ("urlpolicy", "signing", "migrations", "outbox", "metrics", "redis_connect"),
     ("settings", "connector", "retry", "deadletters", "retention"),
     ("delivery", "redis_gate", "inbox"),
     ("dispatcher", "ops"),
     ("service", "demo"),
+    ("worker", "supervisor"),
     ("embedded",),
     ("commands",),
     ("cli",),

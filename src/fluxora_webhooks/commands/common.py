@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-from collections.abc import Coroutine, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from ..errors import ConfigError
+from ..host import run_async as run_async  # the commands' one way to run a coroutine
 from ..settings import EngineSettings
 
 EXIT_OK = 0
@@ -17,15 +16,6 @@ EXIT_SCHEMA = 3
 
 # An extra the core install does not have: the zero-config engines.
 EMBEDDED_EXTRA = "fluxora-webhooks[embedded]"
-
-
-def run_async(main: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        return asyncio.run(main)
-    return int(uvloop.run(main))
 
 
 def engines(env: Mapping[str, str], *, redis: bool) -> tuple[str, str | None]:

@@ -31,6 +31,18 @@ def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> 
     settings = Settings.from_env(env)
     logs.configure(settings.log_format)
     database_url, redis_url = engines(env, redis=True)
+    if settings.workers > 1:
+        from ..supervisor import Supervisor
+
+        supervisor = Supervisor(
+            settings, database_url=database_url, redis_url=redis_url, env=dict(env)
+        )
+
+        async def supervise() -> int:
+            await supervisor.run()
+            return 0
+
+        return run_async(supervise())
     service = Service(settings, database_url=database_url, redis_url=redis_url, clock=clock)
 
     async def main() -> int:

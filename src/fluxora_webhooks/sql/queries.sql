@@ -201,3 +201,14 @@ SELECT count(*) FROM webhook_outbox WHERE processed AND processed_at < %(cutoff)
 -- name: prune_dead_letters_count
 SELECT count(*) FROM webhook_dead_letter
 WHERE state IN ('replayed', 'purged') AND COALESCE(state_changed_at, dead_at) < %(cutoff)s;
+
+-- name: connection_budget
+-- What the server allows and what is in use now: `run` checks that its workers' connections
+-- fit. Other roles' backends show no backend_type (NULL) but do show their database, so
+-- they are counted; reserved_connections exists from PostgreSQL 16 on.
+SELECT current_setting('max_connections')::int AS max_connections,
+       current_setting('superuser_reserved_connections')::int
+         + COALESCE(current_setting('reserved_connections', true)::int, 0) AS reserved,
+       (SELECT count(*) FROM pg_stat_activity
+        WHERE datid IS NOT NULL
+          AND (backend_type IS NULL OR backend_type = 'client backend'))::int AS in_use;

@@ -1,0 +1,60 @@
+"""What the machine gives a process: the CPUs it may run on, and its open-files limit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# WEBHOOK_WORKERS defaults to the usable CPUs, at most this many (SPEC section 16): past
+# that, one machine's dispatchers mostly compete for the database's connections and locks.
+MAX_DEFAULT_WORKERS = 16
+# Asked for when the hard limit is "unlimited", which no kernel grants as a soft limit.
+_UNLIMITED_NOFILE = 1 << 20
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: what a container or taskset
+    allows), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    return max(1, min(usable_cpus(), MAX_DEFAULT_WORKERS))
+
+
+def raise_open_files_limit() -> int | None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (SPEC section 11: many endpoints, each
+    with its connections, must not run out of descriptors). Returns the soft limit now in
+    force, or None where there are no such limits."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _UNLIMITED_NOFILE if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:  # a platform cap below the hard limit
+            log.warning("open files limit stays at %d (%s)", soft, type(exc).__name__)
+            return soft
+        log.debug("open files limit raised from %d to %d", soft, wanted)
+        return wanted
+    return soft
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run a command's coroutine to completion, on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        return asyncio.run(main)
+    return int(uvloop.run(main))

@@ -1,0 +1,390 @@
+"""``fluxora-webhooks run`` with ``WEBHOOK_WORKERS`` above 1: one supervisor, N dispatchers.
+
+The supervisor dispatches nothing itself. At start-up it checks the schema and that the
+workers' database connections fit in what the server has free, then starts the workers
+(:mod:`.worker`: fresh interpreters, each in a session of its own, so a terminal's Ctrl-C
+reaches the supervisor only and each worker sees one signal), and serves the one
+``/metrics``, ``/healthz`` and ``/readyz`` for all of them:
+
+- ``/metrics`` merges the workers' files (prometheus-client's multiprocess mode, in a
+  fresh folder per run) and adds the supervisor's own series: workers dispatching and
+  worker restarts;
+- ``/readyz`` is ready while the database answers with the expected schema and every
+  worker dispatches.
+
+A worker that dies is replaced after a back-off (1 s, doubling up to 30 s, back to 1 s once
+a worker has lived a minute), logged and counted. SIGTERM/SIGINT go to every worker, which
+drains as a single-process ``run`` does; the supervisor waits for them (bounded by the
+request timeout plus the drain grace, and a margin), kills any left and exits 0. A second
+signal is forwarded as well: the workers then stop at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+)
+
+from . import logs, metrics
+from .errors import ConfigError, SchemaError
+from .migrations import check_schema
+from .queries import query
+from .service import DRAIN_GRACE_S
+from .settings import Settings
+
+log = logging.getLogger("fluxora_webhooks.supervisor")
+
+RESTART_MIN_S = 1.0
+RESTART_MAX_S = 30.0
+HEALTHY_AFTER_S = 60.0
+# Beyond the workers' own drain bound, before the supervisor kills a worker that hangs.
+KILL_MARGIN_S = 5.0
+# A worker's connections beyond its claim loops: the pool's spare and the LISTEN one.
+WORKER_EXTRA_CONNECTIONS = 2
+# Worker 0's backlog reading and retention, and the supervisor's readiness check.
+SHARED_CONNECTIONS = 3
+
+
+def connections_needed(workers: int, claim_loops: int) -> int:
+    """The database connections of ``workers`` workers at most."""
+    return workers * (claim_loops + WORKER_EXTRA_CONNECTIONS) + SHARED_CONNECTIONS
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """What the server allows now (``connection_budget`` in ``sql/queries.sql``)."""
+
+    max_connections: int
+    reserved: int  # superuser_reserved_connections (+ reserved_connections, PostgreSQL 16+)
+    in_use: int
+
+    @property
+    def free(self) -> int:
+        return self.max_connections - self.reserved - self.in_use
+
+
+def check_budget(settings: Settings, budget: ConnectionBudget) -> None:
+    """Refuse (naming what to change) when the workers would not fit."""
+    need = connections_needed(settings.workers, settings.claim_loops)
+    if need <= budget.free:
+        return
+    raise ConfigError(
+        "WEBHOOK_WORKERS",
+        f"{settings.workers} workers x ({settings.claim_loops} claim loops "
+        f"+ {WORKER_EXTRA_CONNECTIONS}) + {SHARED_CONNECTIONS} = {need} database connections, "
+        f"but the server has {budget.free} free (max_connections {budget.max_connections}"
+        f" - {budget.reserved} reserved - {budget.in_use} in use): lower WEBHOOK_WORKERS or "
+        "WEBHOOK_CLAIM_LOOPS, or raise max_connections on the server",
+    )
+
+
+async def read_budget(conn: psycopg.AsyncConnection[Any]) -> ConnectionBudget:
+    row = await (await conn.execute(query("connection_budget"))).fetchone()
+    assert row is not None
+    # This connection closes before the workers start: it is not theirs to count.
+    return ConnectionBudget(int(row[0]), int(row[1]), max(0, int(row[2]) - 1))
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: asyncio.subprocess.Process
+    started: float = field(default_factory=time.monotonic)
+    ready: bool = False
+
+
+class Supervisor:
+    """Runs ``settings.workers`` worker processes until SIGTERM/SIGINT (or :meth:`stop`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        database_url: str,
+        redis_url: str | None,
+        env: dict[str, str],
+    ) -> None:
+        self.settings = settings
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.env = env
+        self.metrics_port: int | None = None
+        self.workers: dict[int, _Worker] = {}
+        self.metrics_dir = ""
+        self._web: web.AppRunner | None = None
+        self._stopping = asyncio.Event()
+        self._signals = 0
+        self._readers: set[asyncio.Task[None]] = set()
+        # What /metrics shows: the workers' files, and the supervisor's own two series
+        # (no worker has a sample of them: see metrics.py).
+        self._registry = CollectorRegistry()
+        self._registry.register(metrics.WORKERS)
+        self._registry.register(metrics.WORKER_RESTARTS)
+
+    async def run(self, *, install_signals: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
+        for url in (self.settings.webhook_url, self.database_url, self.redis_url):
+            logs.add_sensitive_url(url)
+        slots: list[asyncio.Task[None]] = []
+        try:
+            await self._check_database()
+            if self._stopping.is_set():
+                return
+            self.metrics_dir = tempfile.mkdtemp(prefix="fluxora-metrics-")
+            _merge_worker_files(self._registry, self.metrics_dir)
+            metrics.WORKERS.labels(state="wanted").set(self.settings.workers)
+            metrics.WORKERS.labels(state="dispatching").set(0)
+            if self.settings.metrics_port:
+                await self._start_http()
+            log.info(
+                "supervising %d workers (batch %d, %d claim loops each)",
+                self.settings.workers,
+                self.settings.batch_size,
+                self.settings.claim_loops,
+            )
+            slots = [
+                asyncio.create_task(self._keep_running(i), name=f"fluxora-worker-{i}")
+                for i in range(self.settings.workers)
+            ]
+            await self._stopping.wait()
+        finally:
+            await self._drain(slots)
+            if self._web is not None:
+                await self._web.cleanup()
+            if self.metrics_dir:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            if install_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+        log.info("stopped")
+
+    def stop(self) -> None:
+        """First call: the workers drain. Later calls: they stop at once."""
+        self._signals += 1
+        if self._signals == 1:
+            log.info("stopping: the workers finish their in-flight batches")
+            self._stopping.set()
+        self._signal_workers(signal.SIGTERM)
+
+    async def _check_database(self) -> None:
+        async with await psycopg.AsyncConnection.connect(
+            self.database_url, autocommit=True, connect_timeout=10
+        ) as conn:
+            await check_schema(conn)
+            check_budget(self.settings, await read_budget(conn))
+
+    # -- workers ---------------------------------------------------------------------
+
+    async def _keep_running(self, index: int) -> None:
+        """One worker slot: start it, and start it again after it died."""
+        backoff = RESTART_MIN_S
+        while not self._stopping.is_set():
+            try:
+                worker = await self._spawn(index)
+            except OSError as exc:  # out of processes or descriptors: try again later
+                log.error(
+                    "worker %d could not be started (%s); trying again in %.0fs",
+                    index,
+                    exc.strerror or type(exc).__name__,
+                    backoff,
+                )
+            else:
+                if self._stopping.is_set():  # stopped while it was being started
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.send_signal(signal.SIGTERM)
+                code = await worker.proc.wait()
+                self._forget(worker)
+                if self._stopping.is_set():
+                    return
+                if time.monotonic() - worker.started >= HEALTHY_AFTER_S:
+                    backoff = RESTART_MIN_S
+                metrics.WORKER_RESTARTS.labels(cause="signal" if code < 0 else "exit").inc()
+                log.error(
+                    "worker %d (pid %d) %s; starting another in %.0fs",
+                    index,
+                    worker.proc.pid,
+                    _describe_exit(code),
+                    backoff,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), backoff)
+            backoff = min(backoff * 2, RESTART_MAX_S)
+
+    async def _spawn(self, index: int) -> _Worker:
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fluxora_webhooks.worker",
+                "--index", str(index), "--ready-fd", str(write_fd),
+                "--supervisor", str(os.getpid()),
+                env=self._worker_env(), stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=(write_fd,), start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        worker = _Worker(index, proc)
+        self.workers[index] = worker
+        log.info("worker %d started (pid %d)", index, proc.pid)
+        reader = asyncio.create_task(
+            self._await_ready(worker, read_fd), name=f"fluxora-ready-{index}"
+        )
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+        return worker
+
+    def _worker_env(self) -> dict[str, str]:
+        env = dict(self.env)
+        env.pop("REDIS_URL", None)
+        env.update(
+            DATABASE_URL=self.database_url,
+            WEBHOOK_WORKERS="1",
+            PROMETHEUS_MULTIPROC_DIR=self.metrics_dir,
+        )
+        if self.redis_url:
+            env["REDIS_URL"] = self.redis_url
+        return env
+
+    async def _await_ready(self, worker: _Worker, read_fd: int) -> None:
+        """The worker writes one line when it dispatches; end of file when it exits."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        pipe = os.fdopen(read_fd, "rb", buffering=0)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+        try:
+            if (await reader.readline()).strip() == b"ready" and worker.proc.returncode is None:
+                worker.ready = True
+                self._count_ready()
+        finally:
+            transport.close()
+
+    def _forget(self, worker: _Worker) -> None:
+        if self.workers.get(worker.index) is worker:
+            del self.workers[worker.index]
+        # Its in-flight gauge must not be summed any more (multiprocess_mode="livesum").
+        _mark_dead(worker.proc.pid, self.metrics_dir)
+        self._count_ready()
+
+    def _count_ready(self) -> None:
+        ready = sum(1 for w in self.workers.values() if w.ready)
+        metrics.WORKERS.labels(state="dispatching").set(ready)
+
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        for worker in list(self.workers.values()):
+            if worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(sig)
+
+    async def _drain(self, slots: list[asyncio.Task[None]]) -> None:
+        """Wait for every worker to drain (the signal was sent by stop); kill the ones that
+        outlive the bound. Their in-flight batches roll back and are delivered later."""
+        if not self._stopping.is_set():  # an error or a cancellation, not a signal
+            self._stopping.set()
+            self._signal_workers(signal.SIGTERM)
+        if not slots:
+            return
+        bound = self.settings.timeout_ms / 1000 + DRAIN_GRACE_S + KILL_MARGIN_S
+        _, late = await asyncio.wait(slots, timeout=bound)
+        if late:
+            log.error("%d worker(s) still running after %.0fs: killing them", len(late), bound)
+            self._signal_workers(signal.SIGKILL)
+            await asyncio.wait(late, timeout=10)
+        for task in slots:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.error("worker slot failed", exc_info=task.exception())
+
+    # -- HTTP endpoint ---------------------------------------------------------------
+
+    async def _start_http(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._web = web.AppRunner(app, access_log=None)
+        await self._web.setup()
+        site = web.TCPSite(self._web, self.settings.metrics_host, self.settings.metrics_port)
+        await site.start()
+        server: Any = site._server
+        self.metrics_port = server.sockets[0].getsockname()[1]
+        log.info(
+            "metrics and health on http://%s:%d", self.settings.metrics_host, self.metrics_port
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, self._registry)  # reads N files
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _worker_counts(self) -> dict[str, int]:
+        ready = sum(1 for w in self.workers.values() if w.ready)
+        return {"wanted": self.settings.workers, "dispatching": ready}
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "workers": self._worker_counts()})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(3):
+                async with await psycopg.AsyncConnection.connect(
+                    self.database_url, autocommit=True, connect_timeout=3
+                ) as conn:
+                    await check_schema(conn)
+        except SchemaError as exc:
+            return _not_ready(str(exc))
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            return _not_ready(f"database unreachable ({type(exc).__name__})")
+        if self._stopping.is_set():
+            return _not_ready("stopping")
+        counts = self._worker_counts()
+        if counts["dispatching"] < counts["wanted"]:
+            return _not_ready(f"{counts['dispatching']} of {counts['wanted']} workers dispatching")
+        return web.json_response({"status": "ready", "workers": counts})
+
+
+# prometheus-client's multiprocess helpers are untyped; these name their types.
+def _merge_worker_files(registry: CollectorRegistry, path: str) -> None:
+    collector: Callable[..., object] = multiprocess.MultiProcessCollector
+    collector(registry, path=path)
+
+
+def _mark_dead(pid: int, path: str) -> None:
+    mark: Callable[[int, str], None] = multiprocess.mark_process_dead
+    mark(pid, path)
+
+
+def _not_ready(reason: str) -> web.Response:
+    return web.json_response({"status": "not ready", "reason": reason}, status=503)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"

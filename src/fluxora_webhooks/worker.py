@@ -1,0 +1,104 @@
+"""One dispatcher process under the supervisor: ``python -m fluxora_webhooks.worker``.
+
+Started by :mod:`.supervisor` only, in a fresh interpreter whose environment already holds
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client picks its multiprocess mode when it is first
+imported, before any metric exists) and the resolved ``DATABASE_URL``/``REDIS_URL``. It
+runs the same :class:`~fluxora_webhooks.service.Service` as a single-process ``run``, with
+no HTTP endpoint of its own; worker 0 also runs the background readings and retention for
+all. It tells the supervisor through ``--ready-fd`` when it dispatches, drains on
+SIGTERM/SIGINT like ``run``, and drains as well when the supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from . import logs
+from .errors import ConfigError, FluxoraError, SchemaError
+from .host import run_async
+from .service import Service
+from .settings import Settings
+
+EXIT_CONFIG, EXIT_SCHEMA = 2, 3
+PARENT_CHECK_S = 1.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fluxora_webhooks.worker")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--ready-fd", type=int, required=True)
+    parser.add_argument("--supervisor", type=int, required=True, help="the supervisor's pid")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        print("fluxora-webhooks worker: started by `fluxora-webhooks run` only", file=sys.stderr)
+        return EXIT_CONFIG
+    env = dict(os.environ)
+    try:
+        settings = Settings.from_env(env)
+        logs.configure(settings.log_format)
+        service = Service(
+            # The supervisor serves the one HTTP endpoint.
+            dataclasses.replace(settings, metrics_port=0, workers=1),
+            database_url=env["DATABASE_URL"],
+            redis_url=env.get("REDIS_URL") or None,
+        )
+        service.run_background = args.index == 0
+        return run_async(_serve(service, args.ready_fd, args.supervisor))
+    except ConfigError as exc:
+        print(f"fluxora-webhooks worker: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except SchemaError as exc:
+        print(f"fluxora-webhooks worker: {exc}", file=sys.stderr)
+        return EXIT_SCHEMA
+    except FluxoraError as exc:
+        print(f"fluxora-webhooks worker: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(service: Service, ready_fd: int, supervisor: int) -> int:
+    watchers = [
+        asyncio.create_task(_report_ready(service, ready_fd)),
+        asyncio.create_task(_watch_supervisor(service, supervisor)),
+    ]
+    try:
+        await service.run()
+    finally:
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+    return 0
+
+
+async def _report_ready(service: Service, fd: int) -> None:
+    """One line on the supervisor's pipe once the claim loops run."""
+    try:
+        while service.dispatcher is None:  # noqa: ASYNC110 - created inside Service.run
+            await asyncio.sleep(0.02)
+        await service.dispatcher.ready.wait()
+        with contextlib.suppress(OSError):  # the supervisor is gone: the watcher handles it
+            os.write(fd, b"ready\n")
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def _watch_supervisor(service: Service, supervisor: int) -> None:
+    """A supervisor killed with SIGKILL cannot forward SIGTERM: drain when it is gone (this
+    process is then re-parented), so no worker outlives it."""
+    while os.getppid() == supervisor:  # noqa: ASYNC110 - nothing signals a parent's death
+        await asyncio.sleep(PARENT_CHECK_S)
+    service.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

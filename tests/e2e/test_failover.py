@@ -1,0 +1,172 @@
+"""PostgreSQL failover (SPEC section 16): with a multi-host ``DATABASE_URL`` and
+``target_session_attrs=read-write``, dispatchers follow a promoted synchronous standby
+within 10 s, and every event whose commit was acknowledged is delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from aiohttp import web
+
+from fluxora_webhooks.migrations import migrate
+from tests.support.chaos import stop_processes, tracebacks
+from tests.support.dispatch import wait_until
+from tests.support.procs import dispatcher_env, start_dispatcher
+from tests.support.receiver import Received, Receiver
+from tests.support.replication import ReplicatedPostgres, make_synchronous
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+# Long enough that every back-off of the dispatchers (claim loops, pool, LISTEN) reaches its
+# cap before the standby is promoted: the bound must hold after any outage.
+OUTAGE_S = 8.0
+CONTINUE_WITHIN_S = 10.0
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ReplicatedPostgres, ReplicatedPostgres]]:
+    primary, standby = ReplicatedPostgres(), ReplicatedPostgres()
+    try:
+        primary.init()
+        primary.start()
+        with psycopg.connect(primary.url(), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE fluxora")
+        asyncio.run(_migrate(primary.url("fluxora")))
+        standby.clone_from(primary)
+        standby.start()
+        make_synchronous(primary)
+        yield primary, standby
+    finally:
+        primary.cleanup()
+        standby.cleanup()
+
+
+class Producer:
+    """Commits one event at a time, as an application would, following the failover with the
+    same multi-host URL; remembers which commits were acknowledged and when."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.acknowledged: dict[int, float] = {}
+        self.failed = 0
+        self.stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        n = 0
+        conn: psycopg.AsyncConnection[object] | None = None
+        while not self.stopped.is_set():
+            n += 1
+            try:
+                if conn is None or conn.closed:
+                    conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+                await conn.execute(
+                    "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+                    " VALUES (%s, 'stream.updated', jsonb_build_object('n', %s::int))",
+                    (f"s-{n}", n),
+                )
+                self.acknowledged[n] = time.time()
+            except psycopg.OperationalError:
+                self.failed += 1  # not acknowledged: it may or may not have committed
+                if conn is not None:
+                    await conn.close()
+                conn = None
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.01)
+        if conn is not None:
+            await conn.close()
+
+
+async def test_dispatchers_follow_a_promoted_synchronous_standby_losing_nothing_acknowledged(
+    pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
+    redis_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    primary, standby = pair
+    url = (
+        f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/fluxora"
+        "?target_session_attrs=read-write&connect_timeout=5"
+    )
+
+    async def respond(r: Received) -> web.Response:
+        await asyncio.sleep(0.02)  # batches are in flight when the primary dies
+        return web.Response(status=200)
+
+    receiver.respond = respond
+    env = dispatcher_env(
+        url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_BATCH_SIZE="5", WEBHOOK_CLAIM_LOOPS="2", WEBHOOK_POLL_INTERVAL_MS="1000",
+    )  # fmt: skip
+    procs = [await start_dispatcher(env, tmp_path / f"dispatcher-{i}.log") for i in range(2)]
+    producer = Producer(url)
+    producing = asyncio.create_task(producer.run())
+    try:
+        await receiver.wait_for(100, timeout=30)
+        primary.stop("immediate")  # a crash: no shutdown checkpoint, clients cut off
+        await asyncio.sleep(OUTAGE_S)
+        standby.promote()
+        promoted = time.time()
+        await asyncio.sleep(3)  # the producer keeps writing, now to the new primary
+        producer.stopped.set()
+        await producing
+
+        async def all_acknowledged_received() -> bool:
+            return set(producer.acknowledged) <= _numbers(receiver)
+
+        await wait_until(all_acknowledged_received, timeout=30, what="every acknowledged event")
+        await wait_until(lambda: _drained(url), timeout=30, what="nothing pending")
+        codes = await stop_processes(procs)
+    finally:
+        producer.stopped.set()
+        with contextlib.suppress(Exception):
+            await producing
+        await stop_processes(procs)
+
+    logs = [p.log() for p in procs]
+    assert codes == [0, 0], logs
+    assert all(tracebacks(log) == 0 for log in logs), logs
+    assert producer.failed > 0, "the producer never saw the outage"
+    after = [n for n, at in producer.acknowledged.items() if at > promoted]
+    assert after, "nothing was committed on the new primary"
+    # Dispatchers continued on the new primary within the bound.
+    first = min(r.at for r in receiver.received if r.at > promoted)
+    assert first - promoted < CONTINUE_WITHIN_S, first - promoted
+    # Nothing acknowledged is lost; nothing is left pending on the new primary.
+    assert set(producer.acknowledged) <= _numbers(receiver)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        row = await (
+            await conn.execute(
+                "SELECT count(*) FILTER (WHERE NOT processed),"
+                " count(*) FILTER (WHERE outcome = 'delivered'), pg_is_in_recovery()"
+                " FROM webhook_outbox"
+            )
+        ).fetchone()
+    assert row is not None
+    pending, delivered, in_recovery = row
+    assert (pending, in_recovery) == (0, False)
+    assert delivered >= len(producer.acknowledged)
+
+
+def _numbers(receiver: Receiver) -> set[int]:
+    return {int(json.loads(r.body)["n"]) for r in receiver.received}
+
+
+async def _drained(url: str) -> bool:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        row = await (
+            await conn.execute("SELECT count(*) FROM webhook_outbox WHERE NOT processed")
+        ).fetchone()
+    return row is not None and row[0] == 0
+
+
+async def _migrate(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await migrate(conn)

@@ -1,0 +1,272 @@
+"""A ``REDIS_URL`` naming one node of a real Redis Cluster (SPEC section 16).
+
+The gate's scripts run on the node that owns their keys, also after a slot migration
+(MOVED) and a flushed script cache (NOSCRIPT), and fail open (counted) while their slot
+migrates; two dispatcher processes share the retry limit with no fail-open, and the
+service and ``status`` read the breaker from the right node; a node that goes down makes
+the gate fail open, counted, while deliveries go on."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from redis.asyncio.cluster import RedisCluster as ClusterClient
+
+from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.metrics import REGISTRY
+from fluxora_webhooks.redis_connect import client_for
+from fluxora_webhooks.redis_gate import (
+    RedisGate,
+    breaker_key,
+    connect_gate,
+    rate_limit_key,
+    read_breaker_state,
+)
+from tests.e2e.test_protection import SKEW_S
+from tests.support.chaos import stop_processes, tracebacks
+from tests.support.dispatch import enqueue_many, pending, scalar, wait_until
+from tests.support.procs import command_env, dispatcher_env, run_command, start_dispatcher
+from tests.support.receiver import Receiver
+from tests.support.redis_cluster import RedisCluster
+from tests.support.redis_server import free_port
+from tests.support.scrape import scrape, total
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def fail_opens() -> float:
+    return sum(
+        REGISTRY.get_sample_value("fluxora_webhook_redis_fail_open_total", {"component": c}) or 0.0
+        for c in ("gate", "ratelimit", "breaker")
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    nodes = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        nodes.start()
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest_asyncio.fixture
+async def cluster_client(cluster: RedisCluster) -> AsyncIterator[ClusterClient]:
+    client = ClusterClient.from_url(cluster.url())
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def _gate(url: str, prefix: str, **options: int) -> RedisGate:
+    # No back-off after a failure: each call below must really try Redis.
+    return await connect_gate(
+        url,
+        retry_rps=options.get("retry_rps", 3),
+        breaker_threshold=options.get("breaker_threshold", 2),
+        breaker_reset_ms=60_000,
+        probe_ttl_ms=5_000,
+        prefix=prefix,
+        timeout_ms=5_000,
+        failure_backoff_ms=0,
+    )
+
+
+def consumer_urls(n: int) -> list[str]:
+    return [f"https://consumer-{i}.example/hooks/{secrets.token_hex(4)}" for i in range(n)]
+
+
+async def test_the_gate_runs_on_the_node_that_owns_each_consumers_keys(
+    cluster: RedisCluster, cluster_client: ClusterClient
+) -> None:
+    prefix = f"t{secrets.token_hex(4)}:"
+    urls = consumer_urls(24)
+    owners = {cluster.owner(rate_limit_key(u, prefix)) for u in urls}
+    assert len(owners) == 3  # the keys really are spread over the three masters
+    before = fail_opens()
+    gate = await _gate(cluster.url(), prefix)
+    try:
+        for url in urls:
+            # A retry each time: the fourth within the window is refused by the shared limit.
+            decided = [(await gate.admit(url, [2]))[0] for _ in range(4)]
+            assert [d.allowed for d in decided] == [True, True, True, False], url
+            await gate.report(url, [(decided[0], False), (decided[1], False)])
+    finally:
+        await gate.close()
+    assert fail_opens() == before
+    for url in urls:
+        assert await cluster_client.zcard(rate_limit_key(url, prefix)) == 3
+        # Two failures reached the threshold: the breaker opened, on the owning node.
+        assert await cluster_client.hget(breaker_key(url, prefix), "state") == b"open"
+
+
+async def test_noscript_ask_and_moved(cluster: RedisCluster, cluster_client: ClusterClient) -> None:
+    prefix = f"t{secrets.token_hex(4)}:"
+    url = consumer_urls(1)[0]
+    key = rate_limit_key(url, prefix)
+    gate = await _gate(cluster.url(), prefix, retry_rps=1000, breaker_threshold=0)
+    gate_client = client_for(cluster.url(), socket_timeout=2)
+    before = fail_opens()
+    try:
+        assert (await gate.admit(url, [1]))[0].allowed
+
+        # NOSCRIPT: every node forgot the scripts (a restart, SCRIPT FLUSH).
+        for port in cluster.ports:
+            cluster.client(port).script_flush()
+        assert (await gate.admit(url, [1]))[0].allowed
+        assert fail_opens() == before
+
+        # The slot is being migrated and its keys already moved: a single-key read follows
+        # the ASK redirection; a multi-key script cannot run anywhere until the migration
+        # ends (Redis answers TRYAGAIN), so the gate fails open, counted, within its bound.
+        await cluster_client.hset(breaker_key(url, prefix), mapping={"failures": 1})
+        source = cluster.owner(key)
+        target = next(p for p in cluster.ports if p != source)
+        slot = int(cluster.client(source).execute_command("CLUSTER KEYSLOT", key))
+        src, dst = cluster.client(source), cluster.client(target)
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(source))
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(target))
+        for name in src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            src.migrate("127.0.0.1", target, name, 0, 5000)
+        state = await read_breaker_state(gate_client, url, prefix)
+        assert state.failures == 1
+        assert (await gate.admit(url, [2]))[0].allowed
+        assert fail_opens() == before + 1
+
+        # MOVED: the migration ended; the gate's client still maps the slot to the source.
+        for port in cluster.ports:
+            cluster.client(port).execute_command(
+                "CLUSTER SETSLOT", slot, "NODE", cluster.node_id(target)
+            )
+        assert cluster.owner(key) == target
+        assert (await gate.admit(url, [1]))[0].allowed
+        assert fail_opens() == before + 1
+    finally:
+        await gate.close()
+        await gate_client.aclose()
+    assert await cluster_client.zcard(key) == 3  # every attempt the gate saw was recorded
+    assert cluster.client(target).exists(key)
+
+
+async def test_a_cluster_url_with_another_database_is_a_configuration_error(
+    cluster: RedisCluster,
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        await _gate(cluster.url().replace("/0", "/3"), "p:")
+    assert caught.value.variable == "REDIS_URL"
+    assert "only database 0" in str(caught.value)
+
+
+def _other_node(cluster: RedisCluster, key: str) -> int:
+    """A node that does not own ``key``: a client that ignored MOVED would fail open."""
+    owner = cluster.owner(key)
+    return next(p for p in cluster.ports if p != owner)
+
+
+async def test_two_dispatchers_share_the_retry_limit_through_the_cluster(
+    cluster: RedisCluster,
+    database_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    rps, events = 5, 12
+    receiver.respond = lambda r: web.Response(status=503 if r.attempt <= 2 else 200)
+    redis_url = cluster.url(_other_node(cluster, rate_limit_key(receiver.url, redis_prefix)))
+    ports = [free_port(), free_port()]
+    settings = {
+        "WEBHOOK_RETRY_RPS": str(rps), "WEBHOOK_RETRY_SCHEDULE": "50ms",
+        "WEBHOOK_MAX_ATTEMPTS": "3", "WEBHOOK_BATCH_SIZE": "5", "WEBHOOK_CLAIM_LOOPS": "2",
+        "WEBHOOK_POLL_INTERVAL_MS": "100",
+        # On, and never reached: the service reads the breaker's state from the cluster.
+        "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD": "1000",
+    }  # fmt: skip
+    await enqueue_many(database_url, events)
+    procs = []
+    try:
+        for i, port in enumerate(ports):
+            env = dispatcher_env(
+                database_url, redis_url, receiver.url, redis_prefix,
+                WEBHOOK_METRICS_PORT=str(port), **settings,
+            )  # fmt: skip
+            procs.append(await start_dispatcher(env, tmp_path / f"dispatcher-{i}.log"))
+        await wait_until(lambda: _drained(database_url), timeout=60, what="all delivered")
+        scraped = [await scrape(port) for port in ports]
+        code, out = await run_command(
+            "status", "--json",
+            env=command_env(
+                DATABASE_URL=database_url, REDIS_URL=redis_url, WEBHOOK_URL=receiver.url,
+                FLUXORA_REDIS_PREFIX=redis_prefix, WEBHOOK_CIRCUIT_BREAKER_THRESHOLD="1000",
+            ),
+        )  # fmt: skip
+    finally:
+        codes = await stop_processes(procs)
+    logs = [p.log() for p in procs]
+    assert codes == [0, 0], logs
+
+    retries = sorted(r.at for r in receiver.received if r.attempt > 1)
+    assert len(retries) == 2 * events
+    # Never more than WEBHOOK_RETRY_RPS retries in one second, across both processes.
+    for i in range(len(retries) - rps):
+        assert retries[i + rps] - retries[i] >= 1 - SKEW_S, retries[i : i + rps + 1]
+    assert await scalar(database_url, "SELECT sum(deferrals) FROM webhook_outbox") > 0
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter") == 0
+    for samples in scraped:
+        assert total(samples, "fluxora_webhook_redis_fail_open_total") == 0
+        assert total(samples, "fluxora_webhook_deliveries_total", outcome="deferred") >= 0
+        state = "fluxora_webhook_circuit_breaker_state"
+        assert total(samples, state, state="closed") == 1, "breaker state not read"
+    assert sum(total(s, "fluxora_webhook_rate_limit_deferrals_total") for s in scraped) > 0
+    assert code == 0, out
+    consumer = json.loads(out)["consumer"]
+    assert consumer["redis"]["reachable"] is True, consumer
+    assert consumer["breaker"]["state"] == "closed"
+    assert all("Redis unavailable" not in log for log in logs), logs
+
+
+async def test_a_node_down_fails_open_counted_while_deliveries_go_on(
+    cluster: RedisCluster,
+    database_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """Last in this module: it stops one of the cluster's nodes."""
+    owner = cluster.owner(rate_limit_key(receiver.url, redis_prefix))
+    port = free_port()
+    env = dispatcher_env(
+        database_url, cluster.url(_other_node(cluster, rate_limit_key(receiver.url, redis_prefix))),
+        receiver.url, redis_prefix, WEBHOOK_METRICS_PORT=str(port),
+        WEBHOOK_BATCH_SIZE="5", WEBHOOK_CLAIM_LOOPS="2", WEBHOOK_POLL_INTERVAL_MS="100",
+        WEBHOOK_CIRCUIT_BREAKER_THRESHOLD="5",
+    )  # fmt: skip
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await enqueue_many(database_url, 20)
+        await receiver.wait_for(20, timeout=30)
+        assert total(await scrape(port), "fluxora_webhook_redis_fail_open_total") == 0
+
+        cluster.stop_node(owner)  # the node that holds this consumer's keys
+        await enqueue_many(database_url, 50)
+        await receiver.wait_for(70, timeout=30)
+        await wait_until(lambda: _drained(database_url), what="drained with a node down")
+        assert total(await scrape(port), "fluxora_webhook_redis_fail_open_total") > 0
+    finally:
+        (code,) = await stop_processes([proc])
+    assert code == 0, proc.log()
+    assert "Redis unavailable" in proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+    assert len({r.delivery_id for r in receiver.received}) == 70
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter") == 0
+
+
+async def _drained(database_url: str) -> bool:
+    return await pending(database_url) == 0

@@ -1,0 +1,198 @@
+"""``WEBHOOK_WORKERS`` (SPEC section 16): one ``run`` supervises several dispatcher
+processes, replaces one that dies, serves one ``/metrics`` for all of them, and drains them
+all on SIGTERM; it refuses to start when their connections would not fit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+from aiohttp import web
+
+from tests.support.chaos import stop_processes, tracebacks
+from tests.support.dispatch import delivered, enqueue_many, pending, wait_until
+from tests.support.procs import DispatcherProcess, dispatcher_env, run_command, start_dispatcher
+from tests.support.receiver import Received, Receiver
+from tests.support.redis_server import free_port
+from tests.support.scrape import scrape, total
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+async def _get(port: int, path: str) -> int:
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"http://127.0.0.1:{port}{path}", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp,
+        ):
+            return resp.status
+    except aiohttp.ClientError:
+        return 0
+
+
+def _workers(supervisor: DispatcherProcess) -> set[int]:
+    """The pids of the supervisor's live worker processes."""
+    children = psutil.Process(supervisor.pid).children()
+    return {c.pid for c in children if c.status() != psutil.STATUS_ZOMBIE}
+
+
+def _sent_to(pid: int, receiver: Receiver) -> bool:
+    """Whether the process holds a (keep-alive) connection to the consumer: it sent to it."""
+    return any(
+        c.raddr and c.raddr.port == receiver.port
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+    )
+
+
+async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothing(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    delay = {"s": 0.02}
+
+    async def respond(r: Received) -> web.Response:
+        await asyncio.sleep(delay["s"])
+        return web.Response(status=200)
+
+    receiver.respond = respond
+    port = free_port()
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_WORKERS="2", WEBHOOK_METRICS_PORT=str(port), WEBHOOK_BATCH_SIZE="5",
+        WEBHOOK_CLAIM_LOOPS="2", WEBHOOK_POLL_INTERVAL_MS="200", WEBHOOK_TIMEOUT_MS="5000",
+    )  # fmt: skip
+    supervisor = await start_dispatcher(env, tmp_path / "supervisor.log")
+    try:
+
+        async def ready() -> bool:
+            return await _get(port, "/readyz") == 200
+
+        await wait_until(ready, timeout=30, what="both workers dispatching")
+        first = _workers(supervisor)
+        assert len(first) == 2, supervisor.log()
+
+        # Both workers deliver; one /metrics sums them.
+        await enqueue_many(database_url, 200)
+        await wait_until(lambda: _delivered_is(database_url, 200), timeout=30, what="200")
+        assert all(_sent_to(pid, receiver) for pid in first), "a worker sent nothing"
+        samples = await scrape(port)
+        assert total(samples, "fluxora_webhook_deliveries_total", outcome="delivered") == 200
+        assert total(samples, "fluxora_webhook_workers", state="dispatching") == 2
+
+        # One worker killed (idle, so nothing of it is in flight): another takes its place.
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+
+        async def replaced() -> bool:
+            now = _workers(supervisor)
+            return len(now) == 2 and victim not in now and await ready()
+
+        await wait_until(replaced, timeout=30, what="a replacement worker")
+        second = _workers(supervisor)
+        assert second & first == first - {victim}
+        assert f"(pid {victim}) was killed by SIGKILL" in supervisor.log()
+        await enqueue_many(database_url, 100)
+        await wait_until(lambda: _delivered_is(database_url, 300), timeout=30, what="300")
+        samples = await scrape(port)
+        # The dead worker's counts are kept: the sum is still every delivery.
+        assert total(samples, "fluxora_webhook_deliveries_total", outcome="delivered") == 300
+        assert total(samples, "fluxora_webhook_worker_restarts_total", cause="signal") == 1
+        assert total(samples, "fluxora_webhook_worker_restarts_total") == 1
+        assert total(samples, "fluxora_webhook_in_flight_requests") == 0
+        # One worker reads the backlog for all: the gauge is that reading, not a sum.
+        assert total(samples, "fluxora_webhook_outbox_pending") == 0
+
+        # SIGTERM while both workers have batches in flight: both drain, exit 0.
+        delay["s"] = 1.0
+        before = len(receiver.received)
+        await enqueue_many(database_url, 40)
+        in_flight = 2 * 2 * 5  # workers x claim loops x batch
+        await receiver.wait_for(before + in_flight, timeout=10)
+        assert await delivered(database_url) == 300, "the batches were not all in flight"
+        supervisor.terminate()
+        code = await supervisor.wait(5 + 5 + 10)
+    finally:
+        await stop_processes([supervisor])
+    log = supervisor.log()
+    assert code == 0, log
+    assert tracebacks(log) == 0, log
+    assert not any(psutil.pid_exists(pid) for pid in second), "a worker outlived the supervisor"
+    # Every request the consumer got is recorded; the rest waits; nothing was sent after.
+    assert await delivered(database_url) == 300 + in_flight
+    assert await pending(database_url) == 40 - in_flight
+    assert len(receiver.received) == before + in_flight
+    assert len({r.delivery_id for r in receiver.received}) == 300 + in_flight
+
+
+async def test_workers_drain_by_themselves_when_the_supervisor_is_killed(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    env = dispatcher_env(database_url, redis_url, receiver.url, redis_prefix, WEBHOOK_WORKERS="2")
+    supervisor = await start_dispatcher(env, tmp_path / "supervisor.log")
+    try:
+        await wait_until(
+            lambda: _logged(supervisor, "dispatching (", 2), timeout=30, what="two workers"
+        )
+        workers = _workers(supervisor)
+        supervisor.kill()
+        await supervisor.wait(10)
+
+        async def gone() -> bool:
+            return not any(psutil.pid_exists(p) for p in workers)
+
+        await wait_until(gone, timeout=15, what="the workers to exit")
+    finally:
+        for pid in _orphans(supervisor):
+            os.kill(pid, signal.SIGKILL)
+    assert supervisor.log().count("stopped") == 2, supervisor.log()
+
+
+async def test_workers_that_would_not_fit_in_max_connections_are_refused(
+    database_url: str,
+) -> None:
+    env = dispatcher_env(
+        database_url, "redis://127.0.0.1:1/0", "http://127.0.0.1:9/x", "p:",
+        WEBHOOK_WORKERS="64", WEBHOOK_CLAIM_LOOPS="64",
+    )  # fmt: skip
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 2, out
+    assert "configuration error: WEBHOOK_WORKERS: 64 workers x (64 claim loops + 2)" in out
+    assert "max_connections" in out and "WEBHOOK_CLAIM_LOOPS" in out
+    assert "Traceback" not in out
+
+
+async def _delivered_is(database_url: str, n: int) -> bool:
+    return await delivered(database_url) == n
+
+
+async def _logged(proc: DispatcherProcess, text: str, times: int) -> bool:
+    return proc.log().count(text) >= times
+
+
+def _orphans(supervisor: DispatcherProcess) -> list[int]:
+    """Workers of ``supervisor`` still alive after it died (none, when the test passes)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "fluxora_webhooks.worker" in cmdline and str(supervisor.pid) in cmdline:
+            found.append(proc.pid)
+    return found
+
+
+async def test_the_supervisor_refuses_an_unmigrated_database_before_starting_workers(
+    empty_database_url: str,
+) -> None:
+    env = dispatcher_env(
+        empty_database_url, "redis://127.0.0.1:1/0", "http://127.0.0.1:9/x", "p:",
+        WEBHOOK_WORKERS="2",
+    )  # fmt: skip
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 3, out
+    assert "run `fluxora-webhooks migrate`" in out
+    assert "worker 0 started" not in out and "Traceback" not in out

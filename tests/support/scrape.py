@@ -1,0 +1,30 @@
+"""Reading a service's ``/metrics`` from outside, as Prometheus does."""
+
+from __future__ import annotations
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(port: int, path: str = "/metrics") -> Samples:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"http://127.0.0.1:{port}{path}", timeout=aiohttp.ClientTimeout(total=10)
+        ) as resp,
+    ):
+        assert resp.status == 200, resp.status
+        text = await resp.text()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` whose labels include ``labels``."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
