@@ -1,4 +1,8 @@
-"""Dead letters: list, show, replay (same delivery id) and purge."""
+"""Dead letters: list, show, replay (same delivery id) and purge.
+
+The functions with a connection (``*_on``) are the admin layer the API calls; those taking
+a database URL open one for the command line.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,61 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from .outbox import promote_heads
 from .queries import query
 
 
-async def list_dead(
-    database_url: str, *, limit: int = 100, include_all: bool = False
+async def list_on(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    limit: int = 100,
+    include_all: bool = False,
+    endpoint_id: str | None = None,
+    tenant: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Dead letters, newest first (only those still dead unless ``include_all``)."""
+    """Dead letters, newest first (only those still dead unless ``include_all``), of one
+    endpoint or tenant when given."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(
+        query("dlq_list"),
+        {"all": include_all, "limit": limit, "endpoint_id": endpoint_id, "tenant": tenant},
+    )
+    return list(await cur.fetchall())
+
+
+async def replay_or_purge_on(
+    conn: psycopg.AsyncConnection[Any],
+    action: str,
+    keys: Sequence[str],
+    *,
+    include_all: bool = False,
+) -> tuple[list[str], list[str]]:
+    """``action`` is replay (back into the outbox, due now, same delivery id) or purge
+    (kept as 'purged' until ``prune`` removes it), in one transaction. Returns (delivery ids
+    done, the keys that matched no waiting dead letter)."""
+    async with conn.transaction():
+        cur = await conn.execute(query(f"dlq_{action}"), {"keys": list(keys), "all": include_all})
+        rows = await cur.fetchall()
+        if action == "replay":
+            await promote_heads(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])
+    found = [(str(r[0]), str(r[1])) for r in rows]
+    matched = {k for pair in found for k in pair}
+    return [d for d, _ in found], [k for k in keys if k not in matched]
+
+
+async def list_dead(
+    database_url: str,
+    *,
+    limit: int = 100,
+    include_all: bool = False,
+    endpoint_id: str | None = None,
+    tenant: str | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`list_on` on a connection of its own."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query("dlq_list"), {"all": include_all, "limit": limit})
-        return list(await cur.fetchall())
+        return await list_on(
+            conn, limit=limit, include_all=include_all, endpoint_id=endpoint_id, tenant=tenant
+        )
 
 
 async def show(database_url: str, key: str) -> list[dict[str, Any]]:
@@ -32,14 +80,9 @@ async def show(database_url: str, key: str) -> list[dict[str, Any]]:
 async def replay_or_purge(
     database_url: str, action: str, keys: Sequence[str], *, include_all: bool = False
 ) -> tuple[list[str], list[str]]:
-    """``action`` is replay (back into the outbox, due now, same delivery id) or purge
-    (kept as 'purged' until ``prune`` removes it). Returns (delivery ids done, the keys
-    that matched no waiting dead letter)."""
-    async with await psycopg.AsyncConnection.connect(database_url) as conn, conn.transaction():
-        cur = await conn.execute(query(f"dlq_{action}"), {"keys": list(keys), "all": include_all})
-        found = [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
-    matched = {k for pair in found for k in pair}
-    return [d for d, _ in found], [k for k in keys if k not in matched]
+    """:func:`replay_or_purge_on` on a connection of its own."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        return await replay_or_purge_on(conn, action, keys, include_all=include_all)
 
 
 async def replay(database_url: str, keys: Sequence[str], *, include_all: bool = False) -> list[str]:

@@ -1,112 +1,67 @@
-"""The dispatcher: claim loops, wake-ups and drain.
+"""The dispatcher: claim loops, wake-ups, the endpoint cache, sending, and drain.
 
-Each claim loop holds one connection and runs batches::
+Each claim loop holds one connection and runs :class:`~fluxora_webhooks.batch.Batch` after
+batch (see that module for one claim transaction). A full batch is followed at once by the
+next claim; otherwise the loop sleeps until a NOTIFY, the next known due time, or the poll
+interval, whichever is first. One listener connection hears both the outbox (a commit with
+rows due now) and the endpoint registry (a change: that endpoint is reloaded).
 
-    BEGIN
-      claim_due (FOR UPDATE SKIP LOCKED)        -- rows stay locked while we send
-      gate.admit (one Redis round trip)         -- rate limit + circuit breaker
-      POST every admitted row concurrently      -- aiohttp, keep-alive
-      gate.report
-      complete (one statement for the batch)    -- processed / retry row / dead letter / deferral
-    COMMIT
-
-A crash anywhere before COMMIT releases the locks and leaves the rows for another loop:
-at-least-once. A full batch is followed at once by the next claim; otherwise the loop
-sleeps until a NOTIFY, the next known due time, or the poll interval, whichever is first.
+Isolation (SPEC 11): each endpoint may hold at most ``WEBHOOK_ENDPOINT_CONCURRENCY``
+requests of this process at once, and the requests that outlived their batch together at
+most half of ``WEBHOOK_MAX_CONNECTIONS``; a row past either limit is deferred (no attempt
+consumed) instead of waiting, so no batch waits for another endpoint's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
 import psycopg
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
-from . import metrics
+from . import endpoints, metrics
+from .batch import Batch, Send, breaker_signal
 from .delivery import AttemptResult, attempt
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
-from .outbox import (
-    NOTIFY_CHANNEL,
-    Claimed,
-    Completion,
-    Outcome,
-    claim_due,
-    complete,
-    next_due_in_ms,
-    relock_claimed,
-)
+from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
+from .recording import DB_ERRORS, Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer
+from .targets import Target, Targets
 from .urlpolicy import validate_url
+from .waker import Waker
+
+__all__ = ["Dispatcher", "Waker", "make_session"]
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
-_DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 _BACKOFF_MAX_S = 5.0
 _LOCK_TIMEOUT_MS = 10_000
 _STATEMENT_TIMEOUT_MS = 60_000
 _POOL_RECONNECT_S = 5.0
+# The whole registry is read again this often (a fallback for a missed NOTIFY, and the end
+# of a rotated secret's overlap).
+REGISTRY_RELOAD_S = 30.0
+# Ordered streams whose next head was never chosen (a failure after the outcome was
+# recorded) are looked for this often.
+SWEEP_S = 30.0
 
 T = TypeVar("T")
 
 
-class Waker:
-    """Hands each wake-up (a NOTIFY, or a full batch) to one idle claim loop.
-
-    Wake-ups that arrive while no loop is idle are kept (up to ``cap``) so none is lost.
-    """
-
-    def __init__(self, cap: int) -> None:
-        self._cap = cap
-        self._pending = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    def wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self._pending = min(self._pending + 1, self._cap)
-
-    def wake_all(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-        self._pending = self._cap
-
-    async def wait(self, timeout: float) -> None:
-        if self._pending:
-            self._pending -= 1
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
-            pass
-        finally:
-            if not waiter.done():
-                waiter.cancel()
-            # A waiter that timed out leaves the queue now, not at the next wake-up: an
-            # idle dispatcher would otherwise pile up one per poll.
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
-
-
 class Dispatcher:
-    """Delivers due outbox rows to one consumer URL until :meth:`stop` is called."""
+    """Delivers due outbox rows to every endpoint until :meth:`stop` is called: the table's
+    endpoints, and the built-in ``default`` (``settings.webhook_url``) and ``operator``
+    (``settings.operator_url``) when configured."""
 
     def __init__(
         self,
@@ -118,33 +73,42 @@ class Dispatcher:
         policy: RetryPolicy | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        env: dict[str, tuple[str, Signer]] = {}
         # Settings built in code skip from_env: the URL policy and the secret are checked
         # here too, so a library user cannot send unsigned or to a refused URL.
-        try:
-            validate_url(settings.webhook_url)
-        except EndpointError as exc:
-            raise ConfigError("webhook_url", str(exc)) from None
-        if not settings.secret:
-            raise ConfigError("secret", "must not be empty")
+        for name, url, secret, previous in (
+            (endpoints.DEFAULT_ID, settings.webhook_url, settings.secret, settings.secret_previous),
+            (endpoints.OPERATOR_ID, settings.operator_url, settings.operator_secret, None),
+        ):
+            if not url:
+                continue
+            try:
+                validate_url(url)
+            except EndpointError as exc:
+                raise ConfigError(f"{name} url", str(exc)) from None
+            if not secret:
+                raise ConfigError(f"{name} secret", "must not be empty")
+            env[name] = (url, Signer(secret, previous))
         self.settings = settings
         self.conninfo = conninfo
         self.url = settings.webhook_url
         self.gate: DeliveryGate = gate or OpenGate()
         self.policy = policy or RetryPolicy(settings.max_attempts, settings.retry_schedule_ms)
-        self._signer = Signer(settings.secret, settings.secret_previous)
+        self.targets = Targets(env)
+        self.recorder = Recorder(self)
+        self.completer = Completer(self)
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
-        self._own_session = session is None
+        self._own_sessions = session is None
         self._session = session
+        self._registered_session: aiohttp.ClientSession | None = session
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_ms / 1000)
-        # At most max_connections requests at once in this process. A request waits for a
-        # slot here, before its timeout starts: waiting for a connection is not the
-        # consumer's failure and must not consume an attempt or trip the breaker.
-        self._slots = asyncio.Semaphore(settings.max_connections)
+        self._in_flight = 0
         self._stopping = asyncio.Event()
         self._waker = Waker(cap=settings.claim_loops)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._warned: set[str] = set()
         self.ready = asyncio.Event()
         self.batches = 0
         self._outcome = {outcome: metrics.DELIVERIES.labels(outcome) for outcome in Outcome}
@@ -161,12 +125,12 @@ class Dispatcher:
         return self._stopping.is_set()
 
     async def run(self) -> None:
-        """Run the claim loops and the NOTIFY listener until stopped."""
+        """Run the claim loops, the listener and the completer until stopped."""
         loops = self.settings.claim_loops
         self._pool = AsyncConnectionPool(
             self.conninfo,
             min_size=loops,
-            max_size=loops + 1,
+            max_size=loops + 2,
             kwargs={"autocommit": True},
             configure=self._configure_connection,
             open=False,
@@ -179,23 +143,31 @@ class Dispatcher:
         )
         await self._pool.open(wait=False)
         if self._session is None:
-            self._session = make_session(self.settings)
+            self._session = make_session(self.settings, trusted=True)
+        background = [
+            asyncio.create_task(self._listen(), name="fluxora-listen"),
+            asyncio.create_task(self.completer.run(), name="fluxora-completer"),
+            asyncio.create_task(self._housekeeping(), name="fluxora-registry"),
+        ]
         tasks = [
             asyncio.create_task(self._claim_loop(i), name=f"fluxora-claim-{i}")
             for i in range(loops)
         ]
-        listener = asyncio.create_task(self._listen(), name="fluxora-listen")
         self.ready.set()
         try:
             await asyncio.gather(*tasks)
+            # Requests that outlived their batch: recorded before we go, within the bound
+            # of one request (their rows are leased, so nothing is lost if we cannot).
+            await self.completer.drain(self.settings.timeout_ms / 1000 + 1)
         finally:
-            listener.cancel()
-            for task in tasks:
+            for task in (*background, *tasks):
                 task.cancel()
-            await asyncio.gather(listener, *tasks, return_exceptions=True)
+            await asyncio.gather(*background, *tasks, return_exceptions=True)
             await self._pool.close()
-            if self._own_session and self._session is not None:
-                await self._session.close()
+            if self._own_sessions:
+                for session in {self._session, self._registered_session} - {None}:
+                    assert session is not None
+                    await session.close()
 
     async def _configure_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Session limits of a claim connection. Its transaction idles while the batch's
@@ -210,20 +182,73 @@ class Dispatcher:
             (str(idle_ms), str(_LOCK_TIMEOUT_MS), str(_STATEMENT_TIMEOUT_MS)),
         )
 
+    async def with_connection(
+        self, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]
+    ) -> T:
+        """Run ``work`` on a pool connection."""
+        assert self._pool is not None
+        async with self._pool.connection(timeout=_POOL_RECONNECT_S) as conn:
+            return await work(conn)
+
+    # -- the registry ----------------------------------------------------------------
+
+    async def _housekeeping(self) -> None:
+        """The registry: the built-in endpoints recorded as configured, then read whole at
+        start and every REGISTRY_RELOAD_S; stuck ordered streams swept every SWEEP_S."""
+        synced = False
+        last_sweep = time.monotonic()
+        while True:
+            try:
+                if not synced:
+                    await self.with_connection(self._sync_builtins)
+                    synced = True
+                await self.with_connection(self.targets.load_all)
+                if time.monotonic() - last_sweep >= SWEEP_S:
+                    last_sweep = time.monotonic()
+                    if await self.with_connection(_sweep_streams):
+                        self._waker.wake_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("registry not read (%s); next try soon", type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            await asyncio.sleep(REGISTRY_RELOAD_S if self.targets.loaded else 1.0)
+
+    async def _sync_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, self.settings.webhook_url or None)
+        await endpoints.sync_builtin(
+            conn, endpoints.OPERATOR_ID, self.settings.operator_url or None
+        )
+
+    async def _reload(self, endpoint_id: str) -> None:
+        try:
+            await self.with_connection(lambda conn: self.targets.reload(conn, endpoint_id))
+        except Exception as exc:  # the periodic reload catches up
+            log.debug("endpoint %s not reloaded (%s)", endpoint_id, type(exc).__name__)
+        self._waker.wake_all()  # an endpoint enabled again has due rows now
+
     # -- wake-ups --------------------------------------------------------------------
 
     async def _listen(self) -> None:
         backoff = 0.1
+        reloads: set[asyncio.Task[None]] = set()
         while not self.stopping:
             try:
                 async with await psycopg.AsyncConnection.connect(
                     self.conninfo, autocommit=True
                 ) as conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    await conn.execute(f"LISTEN {ENDPOINTS_CHANNEL}")
                     backoff = 0.1
                     self._waker.wake_all()  # anything committed while we were not listening
-                    async for _ in conn.notifies():
-                        self._waker.wake()
+                    async for notify in conn.notifies():
+                        if notify.channel == ENDPOINTS_CHANNEL:
+                            task = asyncio.create_task(self._reload(notify.payload))
+                            reloads.add(task)
+                            task.add_done_callback(reloads.discard)
+                        else:
+                            self._waker.wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -257,7 +282,7 @@ class Dispatcher:
                     await self._pool.putconn(conn)
             except asyncio.CancelledError:
                 raise
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 metrics.CLAIM_ERRORS.inc()
                 if self.stopping:
                     return
@@ -289,7 +314,7 @@ class Dispatcher:
         if work.done():
             return work.result()
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *_DB_ERRORS):
+        with contextlib.suppress(asyncio.CancelledError, *DB_ERRORS):
             late = await work
             if isinstance(late, psycopg.AsyncConnection) and self._pool is not None:
                 await self._pool.putconn(late)  # obtained just as the stop came
@@ -305,82 +330,121 @@ class Dispatcher:
         return max(wait, 1) / 1000
 
     async def _run_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
-        """One claim transaction. Returns (rows claimed, ms until the next future due row)."""
-        completions: list[Completion] = []
+        """One claim transaction (:class:`Batch`). Returns (rows claimed, ms until the next
+        future due row)."""
+        if not self.targets.loaded:
+            await self.targets.load_all(conn)
+        batch = Batch(self)
         try:
-            async with conn.transaction():
-                rows = await claim_due(conn, self.settings.batch_size)
-                if rows:
-                    completions = await self._attempt_batch(rows)
-                    completions = await self._record(conn, completions)
-                claimed = len(rows)
-                next_due = await next_due_in_ms(conn) if claimed < self.settings.batch_size else 0
-        except _DB_ERRORS:
+            return await batch.run(conn)
+        except DB_ERRORS:
+            self.after_rollback(batch)
             raise
         except psycopg.Error as exc:
-            if not completions:
+            if not batch.completions and not batch.sends:
+                self.after_rollback(batch)
                 raise  # nothing was sent: the claim itself failed
             log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
-            claimed, next_due = len(completions), 0
-            completions = await self._complete_row_by_row(conn, completions)
-        self._count_outcomes(completions)
-        self.batches += 1
-        return claimed, next_due
+            batch.completions = await self.recorder.record_again(conn, batch)
+            self.after_commit(batch)
+            return batch.claimed, 0
+        except BaseException:
+            self.after_rollback(batch)
+            raise
 
-    async def _attempt_batch(self, rows: Sequence[Claimed]) -> list[Completion]:
-        admissions = await self._admit(rows)
-        sends = [self._send(row) for row, adm in zip(rows, admissions, strict=True) if adm.allowed]
-        results = iter(await asyncio.gather(*sends))
-        completions: list[Completion] = []
-        reports: list[tuple[Admission, bool | None]] = []
-        for row, adm in zip(rows, admissions, strict=True):
-            if not adm.allowed:
-                completions.append(
-                    Completion(row.id, Outcome.DEFERRED, delay_ms=max(adm.delay_ms, 1))
-                )
-                continue
-            result = next(results)
-            reports.append((adm, _breaker_signal(result)))
-            completions.append(self._decide(row, result))
-        if reports:
-            try:
-                await self.gate.report(self.url, reports)
-            except Exception:  # the gate fails open; a broken one must not undo the batch
-                log.exception("delivery gate report failed; ignored")
-        return completions
+    # -- what a batch asks of its dispatcher -----------------------------------------
 
-    async def _admit(self, rows: Sequence[Claimed]) -> list[Admission]:
-        try:
+    def capacity_wait_s(self, target: Target) -> float | None:
+        """None when ``target`` may take one more request of this process now; else how
+        long to defer the row (its endpoint's next request to end, at the latest)."""
+        load = target.load
+        if load.in_flight >= self.settings.endpoint_concurrency:
+            return max(load.next_free_in_s(), 0.05)
+        if self._in_flight >= self.settings.max_connections:
+            return 0.05
+        if load.slow and self.completer.outstanding >= max(1, self.settings.max_connections // 2):
+            # The requests that outlived their batch never take the whole process's share.
+            return max(load.next_free_in_s(), 0.5)
+        return None
+
+    async def admit(self, candidates: Sequence[tuple[Claimed, Target]]) -> list[Admission]:
+        """The gate's decisions for these rows, one Redis call per URL (concurrently)."""
+        if not candidates:
+            return []
+        groups: dict[str, list[int]] = {}
+        for i, (_, target) in enumerate(candidates):
+            groups.setdefault(target.url, []).append(i)
+        out: list[Admission] = [ALLOW] * len(candidates)
+
+        async def one(url: str, indexes: list[int]) -> None:
+            target = candidates[indexes[0]][1]
             # The gate treats attempt numbers above 1 as retries; a replay counts as one.
-            attempts = [max(row.attempt, 2) if row.is_retry else 1 for row in rows]
-            admissions = await self.gate.admit(self.url, attempts)
-        except Exception:
-            log.exception("delivery gate failed; admitting the batch (fail open)")
-            metrics.REDIS_FAIL_OPEN.labels("gate").inc()
-            return [ALLOW] * len(rows)
-        if len(admissions) != len(rows):
-            log.error("delivery gate answered %d decisions for %d rows", len(admissions), len(rows))
-            return [ALLOW] * len(rows)
-        return admissions
+            attempts = [
+                max(candidates[i][0].attempt, 2) if candidates[i][0].is_retry else 1
+                for i in indexes
+            ]
+            try:
+                decided = await self.gate.admit(url, attempts, limit=target.rate_limit)
+            except Exception:
+                log.exception("delivery gate failed; admitting the batch (fail open)")
+                metrics.REDIS_FAIL_OPEN.labels("gate").inc()
+                return
+            if len(decided) != len(indexes):
+                log.error(
+                    "delivery gate answered %d decisions for %d rows", len(decided), len(indexes)
+                )
+                return
+            for i, admission in zip(indexes, decided, strict=True):
+                out[i] = admission
 
-    async def _send(self, row: Claimed) -> AttemptResult:
-        async with self._slots:
-            return await self._send_now(row)
+        await asyncio.gather(*(one(url, indexes) for url, indexes in groups.items()))
+        return out
 
-    async def _send_now(self, row: Claimed) -> AttemptResult:
-        assert self._session is not None
+    async def send(self, send: Send) -> AttemptResult:
+        """POST one row to its endpoint (its slot was reserved by the batch). A request that
+        the batch detached is handed to the completer once the lease is committed."""
+        row, target = send.row, send.target
+        load = target.load
+        deadline = time.monotonic() + self.settings.timeout_ms / 1000
+        load.deadlines.append(deadline)
+        self._in_flight += 1
         metrics.IN_FLIGHT.inc()
         try:
-            headers = self._signer.headers(
+            result = await self._attempt(row, target)
+        finally:
+            metrics.IN_FLIGHT.dec()
+            self._in_flight -= 1
+            load.in_flight -= 1
+            with contextlib.suppress(ValueError):
+                load.deadlines.remove(deadline)
+        if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * 0.25:
+            load.slow_until = 0.0  # answering fast again
+        elif result.error == "timeout":
+            load.mark_slow()
+        metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
+        if send.lease is not None:
+            await send.committed.wait()
+            if send.lease_written:
+                self.completer.submit(send, result)
+            else:
+                self.completer.settled()  # its batch rolled back: it is claimed again
+        return result
+
+    async def _attempt(self, row: Claimed, target: Target) -> AttemptResult:
+        try:
+            headers = target.signer.headers(
                 delivery_id=row.delivery_id,
                 event_type=row.event_type,
                 attempt=row.attempt,
                 body=row.body,
                 timestamp=row.timestamp,
             )
-            result = await attempt(
-                self._session,
-                self.url,
+            if target.headers:
+                headers = {**target.headers, **headers}
+            session = self._session_for(target)
+            return await attempt(
+                session,
+                target.url,
                 row.body,
                 headers,
                 timeout=self._timeout,
@@ -389,25 +453,76 @@ class Dispatcher:
             )
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
-            result = AttemptResult(
+            return AttemptResult(
                 Kind.PERMANENT,
                 error=f"internal error: {type(exc).__name__}",
                 reason="internal_error",
             )
-        finally:
-            metrics.IN_FLIGHT.dec()
-        metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
-        return result
 
-    def _decide(self, row: Claimed, result: AttemptResult) -> Completion:
-        decision = self.policy.decide(
-            row.attempt, result.kind, reason=result.reason, retry_after_ms=result.retry_after_ms
-        )
+    def _session_for(self, target: Target) -> aiohttp.ClientSession:
+        """The built-in endpoints' URLs are the operator's own (an explicit loopback URL is
+        allowed); registered endpoints go through the strict address policy."""
+        if target.builtin:
+            assert self._session is not None
+            return self._session
+        if self._registered_session is None:
+            self._registered_session = make_session(self.settings, trusted=False)
+        return self._registered_session
+
+    async def report(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
+        """Tell the gate how the admitted attempts went, per URL."""
+
+        async def one(url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
+            try:
+                await self.gate.report(url, results)
+            except Exception:  # the gate fails open; a broken one must not undo the batch
+                log.exception("delivery gate report failed; ignored")
+
+        await asyncio.gather(*(one(url, results) for url, results in reports.items()))
+
+    def after_commit(self, batch: Batch) -> None:
+        """The batch's transaction committed (or its rows were recorded one by one)."""
+        self.batches += 1
+        for send in batch.sends:
+            if send.lease is not None:
+                send.lease_written = True
+                send.committed.set()
+        reports: dict[str, list[tuple[Admission, bool | None]]] = {}
+        for send, result, decision in batch.done:
+            reports.setdefault(send.target.url, []).append((send.admission, breaker_signal(result)))
+            self.count(decision.outcome, decision.reason)
+        for completion in batch.completions:
+            if completion.outcome in (Outcome.DEFERRED, Outcome.PARKED, Outcome.ROUTED):
+                self.count(completion.outcome, None)
+        if reports:
+            task = asyncio.ensure_future(self.report(reports))
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        if batch.promoted:
+            self._waker.wake()
+
+    def after_rollback(self, batch: Batch) -> None:
+        """The batch's transaction rolled back: its leases were never written, so its
+        detached requests are not recorded (their rows are claimed and sent again)."""
+        for send in batch.sends:
+            send.committed.set()
+            if send.task is None:
+                send.target.load.in_flight -= 1  # reserved, never sent
+            elif send.lease is None and not send.task.done():
+                send.task.cancel()
+
+    def count(self, outcome: Outcome, reason: str | None) -> None:
+        if outcome is Outcome.DEAD_LETTER:
+            metrics.DEAD_LETTERS.labels(reason or "unknown").inc()
+        self._outcome[outcome].inc()
+
+    def log_decision(
+        self, row: Claimed, target: Target, result: AttemptResult, decision: Decision
+    ) -> None:
         if decision.outcome is not Outcome.RETRY:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         if decision.outcome is Outcome.DELIVERED:
             if log.isEnabledFor(logging.DEBUG):  # the fields are built only when logged
-                log.debug("delivered", extra=_log_fields(row, result))
+                log.debug("delivered", extra=_log_fields(row, target, result))
         elif decision.outcome is Outcome.RETRY:
             log.info(
                 "delivery %s attempt %d failed (%s); retry in %.1fs",
@@ -415,7 +530,7 @@ class Dispatcher:
                 row.attempt,
                 result.error or result.status,
                 decision.delay_ms / 1000,
-                extra=_log_fields(row, result),
+                extra=_log_fields(row, target, result),
             )
         else:
             log.warning(
@@ -424,132 +539,69 @@ class Dispatcher:
                 row.attempt,
                 decision.reason,
                 result.error or result.status,
-                extra=_log_fields(row, result),
+                extra=_log_fields(row, target, result),
             )
-        return _completion(row, result, decision)
 
-    async def _record(
-        self, conn: psycopg.AsyncConnection[Any], completions: list[Completion]
-    ) -> list[Completion]:
-        """Write the batch's outcomes in its claim transaction; returns what was recorded.
+    def note_disabled(self, endpoint_id: str, reason: str) -> None:
+        metrics.ENDPOINTS_DISABLED.labels(reason=reason).inc()
+        log.warning("endpoint %s disabled (%s); its deliveries are parked", endpoint_id, reason)
 
-        A batch where every row was delivered is one UPDATE, written without a savepoint:
-        SAVEPOINT and RELEASE cost two more round trips and a subtransaction, about a fifth
-        of the database's CPU per batch (docs/performance.md); if it fails anyway, the
-        transaction rolls back and _run_batch relocks and records row by row. A batch that
-        inserts retries or dead letters gets a savepoint, so a row the database rejects
-        is recorded on its own while the others keep their locks (no window in which
-        another loop could claim and re-send them)."""
-        if all(c.outcome is Outcome.DELIVERED for c in completions):
-            await complete(conn, completions)
-            return completions
-        try:
-            async with conn.transaction():
-                await complete(conn, completions)
-            return completions
-        except _DB_ERRORS:
-            raise
-        except psycopg.Error as exc:
-            log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
-        recorded = [await self._complete_one(conn, one) for one in completions]
-        return [one for one in recorded if one is not None]
+    def warn_unconfigured(self, endpoint_id: str) -> None:
+        if endpoint_id not in self._warned:
+            self._warned.add(endpoint_id)
+            log.warning(
+                "deliveries to the built-in endpoint %s wait: this dispatcher has no %s",
+                endpoint_id,
+                "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL",
+            )
 
-    async def _complete_row_by_row(
-        self, conn: psycopg.AsyncConnection[Any], completions: Sequence[Completion]
-    ) -> list[Completion]:
-        """After a batch statement failed and its transaction rolled back: lock again the
-        rows that are still ours to record and record each on its own (a savepoint each),
-        so one bad row never undoes the others. A row another loop claimed meanwhile is
-        skipped: that loop sends it again and records its own attempt (at-least-once).
-        Returns what was recorded."""
-        recorded: list[Completion] = []
+
+async def _sweep_streams(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Ordered streams with a waiting delivery and no head: choose their head (one
+    dispatcher at a time, under a try-lock)."""
+    from .outbox import promote_heads
+    from .queries import query
+
+    cur = await conn.execute(query("sweep_lock"))
+    row = await cur.fetchone()
+    if not row or not row[0]:
+        return 0
+    try:
         async with conn.transaction():
-            mine = await relock_claimed(conn, [c.id for c in completions])
-            for one in completions:
-                if one.id in mine:
-                    done = await self._complete_one(conn, one)
-                    if done is not None:
-                        recorded.append(done)
-        return recorded
-
-    def _count_outcomes(self, completions: Sequence[Completion]) -> None:
-        for one in completions:
-            if one.outcome is Outcome.DEAD_LETTER:
-                metrics.DEAD_LETTERS.labels(one.reason or "unknown").inc()
-            self._outcome[one.outcome].inc()
-
-    async def _complete_one(
-        self, conn: psycopg.AsyncConnection[Any], one: Completion
-    ) -> Completion | None:
-        """Record one row's outcome; failing that, dead-letter it; failing that, defer it a
-        minute (never left due at once: that would re-send it in a tight loop). Returns what
-        was recorded (None: nothing could be; the row stays pending)."""
-        fallbacks = (
-            one,
-            Completion(
-                one.id,
-                Outcome.DEAD_LETTER,
-                status_code=one.status_code,
-                error=f"could not record outcome {one.outcome!r}: database rejected the row",
-                reason="internal_error",
-            ),
-            Completion(one.id, Outcome.DEFERRED, delay_ms=60_000),
-        )
-        for recording in fallbacks:
-            try:
-                async with conn.transaction():
-                    await complete(conn, [recording])
-                return recording
-            except _DB_ERRORS:
-                raise
-            except psycopg.Error as exc:
-                log.error(
-                    "row %d: recording %s failed (%s)", one.id, recording.outcome, exc.sqlstate
-                )
-        log.error("row %d: could not be completed at all; it stays pending", one.id)
-        return None
+            cur = await conn.execute(query("stuck_streams"))
+            pairs = [(str(e), str(s)) for e, s in await cur.fetchall()]
+            return await promote_heads(conn, pairs)
+    finally:
+        await conn.execute(query("sweep_unlock"))
 
 
-def _completion(row: Claimed, result: AttemptResult, decision: Decision) -> Completion:
-    return Completion(
-        row.id,
-        decision.outcome,
-        delay_ms=decision.delay_ms,
-        status_code=result.status,
-        error=result.error,
-        response_body=result.body,
-        duration_ms=result.duration_ms,
-        reason=decision.reason,
-    )
-
-
-def _breaker_signal(result: AttemptResult) -> bool | None:
-    if result.kind is Kind.DELIVERED:
-        return True
-    if result.kind is Kind.RETRYABLE:
-        return False
-    return None
-
-
-def _log_fields(row: Claimed, result: AttemptResult) -> dict[str, Any]:
+def _log_fields(row: Claimed, target: Target, result: AttemptResult) -> dict[str, Any]:
     return {
         "delivery_id": row.delivery_id,
         "event_type": row.event_type,
         "attempt": row.attempt,
         "status": result.status,
         "duration_ms": round(result.duration_ms, 2),
+        "endpoint_id": target.id,
     }
 
 
-def make_session(settings: Settings) -> aiohttp.ClientSession:
-    """The HTTP client: keep-alive, bounded connections, the connect-time address policy
-    (resolved addresses are checked and the connection is pinned to them)."""
+def make_session(settings: Settings, *, trusted: bool = True) -> aiohttp.ClientSession:
+    """The HTTP client: keep-alive, the connect-time address policy (resolved addresses are
+    checked and the connection is pinned to them). ``trusted``: the built-in endpoints'
+    session, where the operator's own loopback ``WEBHOOK_URL`` is allowed."""
     from .connector import make_connector
 
+    loopback = trusted and any(
+        _configured_loopback(url) for url in (settings.webhook_url, settings.operator_url) if url
+    )
     connector = make_connector(
-        allow_loopback=_configured_loopback(settings.webhook_url),
+        allow_loopback=loopback,
         allowed_networks=settings.allowed_networks,
-        limit=settings.max_connections,
+        # Our own limits (per endpoint, and WEBHOOK_MAX_CONNECTIONS in all) defer rows
+        # instead of queueing them inside the client, where the wait would eat into the
+        # request's timeout.
+        limit=0,
     )
     return aiohttp.ClientSession(
         connector=connector,

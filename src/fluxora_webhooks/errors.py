@@ -5,6 +5,8 @@ Every error derives from one base, so ``except FluxoraError`` catches them all::
     FluxoraError
     +-- ConfigError            a setting is missing or invalid (names the variable)
     +-- EndpointError          a consumer URL or its resolved address is refused
+    +-- NotFoundError          no such endpoint, delivery or token (for the caller's tenant)
+    +-- ConflictError          the request contradicts the object's state (a built-in endpoint)
     +-- SchemaError            the database schema is missing, older or newer than the code
     +-- EmbeddedEngineError    an embedded PostgreSQL or Redis could not start or stop
     +-- VerificationError      a received webhook failed verification (``reason`` says which check)
@@ -33,6 +35,15 @@ class ConfigError(FluxoraError):
 
 class EndpointError(FluxoraError):
     """A consumer endpoint is refused by the URL or address policy."""
+
+
+class NotFoundError(FluxoraError):
+    """The named object does not exist, or belongs to another tenant (the same answer)."""
+
+
+class ConflictError(FluxoraError):
+    """The change is refused by what the object is: a built-in endpoint cannot be updated,
+    rotated or removed, the operator endpoint cannot be disabled."""
 
 
 class SchemaError(FluxoraError):

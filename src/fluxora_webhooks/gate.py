@@ -43,9 +43,12 @@ ALLOW = Admission(True)
 
 
 class DeliveryGate(Protocol):
-    async def admit(self, url: str, attempts: Sequence[int]) -> list[Admission]:
+    async def admit(
+        self, url: str, attempts: Sequence[int], *, limit: int | None = None
+    ) -> list[Admission]:
         """One decision per pending attempt, in order. ``attempts[i]`` is the attempt number
-        (1 is a first attempt, greater is a retry)."""
+        (1 is a first attempt, greater is a retry); ``limit`` the URL's retry limit (None:
+        the gate's default)."""
         ...
 
     async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
@@ -59,7 +62,9 @@ class DeliveryGate(Protocol):
 class OpenGate:
     """Admits every attempt: no rate limit, no breaker."""
 
-    async def admit(self, url: str, attempts: Sequence[int]) -> list[Admission]:
+    async def admit(
+        self, url: str, attempts: Sequence[int], *, limit: int | None = None
+    ) -> list[Admission]:
         return [ALLOW] * len(attempts)
 
     async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:

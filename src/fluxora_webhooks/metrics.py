@@ -37,15 +37,18 @@ from ._version import __version__
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-OUTCOMES = ("delivered", "retry", "dead_letter", "deferred")
+# Every Outcome (outbox.Outcome): attempts' outcomes, and what a row got without one.
+OUTCOMES = ("delivered", "retry", "dead_letter", "deferred", "parked", "leased", "routed")
 DEAD_LETTER_REASONS = (
     "attempts_exhausted",
     "http_4xx",
     "http_3xx",
     "endpoint_refused",
+    "endpoint_removed",
     "invalid_request",
     "internal_error",
 )
+DISABLED_REASONS = ("manual", "gone", "failing")
 REDIS_COMPONENTS = ("gate", "ratelimit", "breaker")
 BREAKER_STATES = ("closed", "open", "half-open")
 BREAKER_TRANSITION_PAIRS = (
@@ -69,7 +72,9 @@ BUILD_INFO = Gauge(
 
 DELIVERIES = Counter(
     "fluxora_webhook_deliveries",
-    "Delivery attempts by outcome (delivered, retry, dead_letter, deferred).",
+    "Claimed rows by outcome: attempts (delivered, retry, dead_letter) and rows handled "
+    "without one (deferred, parked: endpoint disabled, leased: a request that outlived its "
+    "batch, routed: an event row fanned out with no default endpoint).",
     ["outcome"],
     registry=REGISTRY,
 )
@@ -100,6 +105,19 @@ DEAD_LETTERS = Counter(
 CLAIM_ERRORS = Counter(
     "fluxora_webhook_claim_errors",
     "Claim-loop iterations that failed on a database error (retried with backoff).",
+    registry=REGISTRY,
+)
+
+DETACHED = Counter(
+    "fluxora_webhook_detached_requests",
+    "Requests that outlived their batch (slow endpoints) and were recorded under a lease.",
+    registry=REGISTRY,
+)
+ENDPOINTS_DISABLED = Counter(
+    "fluxora_webhook_endpoints_disabled",
+    "Endpoints disabled by this process, by reason (gone: HTTP 410, failing: failing for "
+    "longer than WEBHOOK_DISABLE_AFTER).",
+    ["reason"],
     registry=REGISTRY,
 )
 
@@ -232,6 +250,8 @@ def _initialise() -> None:
     BUILD_INFO.labels(version=__version__).set(1)
     for outcome in OUTCOMES:
         DELIVERIES.labels(outcome=outcome)
+    for reason in DISABLED_REASONS:
+        ENDPOINTS_DISABLED.labels(reason=reason)
     for reason in DEAD_LETTER_REASONS:
         DEAD_LETTERS.labels(reason=reason)
     for component in REDIS_COMPONENTS:

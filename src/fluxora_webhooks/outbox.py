@@ -1,9 +1,18 @@
-"""The outbox: enqueue (producer side) and the dispatcher's claim and completion queries."""
+"""The outbox: enqueue (producer side) and the dispatcher's claim and completion queries.
+
+Rows are of two kinds. An *event row* is what a producer writes (``endpoint_id`` NULL);
+the dispatcher that claims it routes it in the same transaction (:func:`complete` with
+``route``): one delivery row per matching endpoint of its tenant, and the event row itself
+becomes the delivery of the built-in ``default`` endpoint, or is marked ``routed`` /
+``unrouted`` where there is none. A *delivery row* is one attempt of one delivery (an
+endpoint, a delivery id); a retry is a new delivery row due later, as before.
+"""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, overload
 
@@ -13,22 +22,31 @@ from psycopg.types.json import Jsonb
 from .queries import query
 
 NOTIFY_CHANNEL = "webhook_outbox"
+ENDPOINTS_CHANNEL = "webhook_endpoints"
 
 
 class Outcome(StrEnum):
     """What an attempt (or a decision not to attempt) did to a claimed row.
 
-    The first three are recorded on the row (``webhook_outbox.outcome``); a deferral only
-    moves the row's due time and consumes no attempt.
+    ``delivered``, ``retry`` and ``dead_letter`` are recorded on the row
+    (``webhook_outbox.outcome``), as are ``routed`` / ``unrouted`` for an event row with no
+    default endpoint to deliver it itself. ``deferred``, ``parked`` and ``leased`` consume no
+    attempt: a deferral moves the due time, a parked row waits for its endpoint to be
+    enabled, a leased row's request outlived its batch and is recorded when it ends.
     """
 
     DELIVERED = "delivered"
     RETRY = "retry"
     DEAD_LETTER = "dead_letter"
     DEFERRED = "deferred"
+    PARKED = "parked"
+    LEASED = "leased"
+    ROUTED = "routed"
 
 
-def _check_names(stream_id: str, event_type: str) -> None:
+def _check_names(tenant: str, stream_id: str, event_type: str) -> None:
+    if not isinstance(tenant, str):
+        raise ValueError("tenant must be a string ('' is the default tenant)")
     if not isinstance(stream_id, str) or not stream_id:
         raise ValueError("stream_id must be a non-empty string")
     if not isinstance(event_type, str) or not event_type:
@@ -39,13 +57,23 @@ def _check_names(stream_id: str, event_type: str) -> None:
 
 @overload
 def enqueue(
-    conn: psycopg.Connection[Any], *, stream_id: str, event_type: str, payload: Any
+    conn: psycopg.Connection[Any],
+    *,
+    stream_id: str,
+    event_type: str,
+    payload: Any,
+    tenant: str = "",
 ) -> str: ...
 
 
 @overload
 def enqueue(
-    conn: psycopg.AsyncConnection[Any], *, stream_id: str, event_type: str, payload: Any
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    stream_id: str,
+    event_type: str,
+    payload: Any,
+    tenant: str = "",
 ) -> Awaitable[str]: ...
 
 
@@ -55,23 +83,43 @@ def enqueue(
     stream_id: str,
     event_type: str,
     payload: Any,
+    tenant: str = "",
 ) -> str | Awaitable[str]:
     """Write one event into the outbox on the caller's connection, in the caller's
-    transaction, and return its delivery id.
+    transaction, and return its delivery id (the default endpoint's; every endpoint the
+    event fans out to gets a delivery id of its own when it is routed).
 
     Nothing is sent unless that transaction commits. With an async connection, await it::
 
         with conn.transaction():
             conn.execute("UPDATE streams ...")
             enqueue(conn, stream_id="s1", event_type="stream.updated", payload={...})
+
+    ``tenant`` is the customer the event belongs to ('' is the default tenant): it reaches
+    that tenant's endpoints only.
     """
-    _check_names(stream_id, event_type)
-    params = {"stream_id": stream_id, "event_type": event_type, "payload": Jsonb(payload)}
+    _check_names(tenant, stream_id, event_type)
+    params = {
+        "tenant": tenant,
+        "stream_id": stream_id,
+        "event_type": event_type,
+        "payload": Jsonb(payload),
+        **_trace_context(),
+    }
     if isinstance(conn, psycopg.AsyncConnection):
         return _enqueue_async(conn, params)
     row = conn.execute(query("enqueue"), params).fetchone()
     assert row is not None
     return str(row[0])
+
+
+def _trace_context() -> dict[str, str | None]:
+    """The caller's W3C trace context, when the OpenTelemetry extra is installed and a span
+    is current (see :mod:`fluxora_webhooks.tracing`)."""
+    from .tracing import current_context
+
+    traceparent, tracestate = current_context()
+    return {"traceparent": traceparent, "tracestate": tracestate}
 
 
 async def _enqueue_async(conn: psycopg.AsyncConnection[Any], params: dict[str, Any]) -> str:
@@ -83,7 +131,7 @@ async def _enqueue_async(conn: psycopg.AsyncConnection[Any], params: dict[str, A
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """A claimed outbox row, ready to send."""
+    """A claimed outbox row, ready to route and send."""
 
     id: int
     delivery_id: str
@@ -94,18 +142,32 @@ class Claimed:
     # Unix seconds on the database's clock at the claim: the signed x-fluxora-timestamp
     # and webhook-timestamp (a dispatcher whose clock is off must not sign stale times).
     timestamp: int = 0
+    tenant: str = ""
+    stream_id: str = ""
+    endpoint_id: str | None = None  # None: an event row, to be routed
+    event_id: int | None = None
+    stream_seq: int | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def is_retry(self) -> bool:
         """Gated as a retry: a later attempt, or a replayed dead letter."""
         return self.attempt > 1 or self.replay
 
+    @property
+    def is_event(self) -> bool:
+        return self.endpoint_id is None
+
 
 @dataclass(frozen=True, slots=True)
 class Completion:
     """What to write for one claimed row.
 
-    ``delay_ms`` is the delay (from the database's clock) of the retry row or the deferral.
+    ``delay_ms`` is the delay (from the database's clock) of the retry row, the deferral or
+    the lease. ``endpoint_id`` names the endpoint of an event row delivered (or parked,
+    deferred, leased) as the default endpoint's delivery. ``lease``: for a leased row, the
+    lease to take; for a row recorded after its batch, the lease it must still hold.
     """
 
     id: int
@@ -116,13 +178,43 @@ class Completion:
     response_body: str | None = None
     duration_ms: float | None = None
     reason: str | None = None
+    endpoint_id: str | None = None
+    lease: uuid.UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What :func:`complete` wrote."""
+
+    processed: int = 0
+    held: int = 0  # deferred, parked or leased
+    retries: int = 0
+    dead_letters: int = 0
+    routed: int = 0  # delivery rows fanned out from the event rows
+    # (endpoint, stream) pairs of ordered endpoints whose next head may now be chosen.
+    ordered: list[tuple[str, str]] = field(default_factory=list)
 
 
 async def claim_due(conn: psycopg.AsyncConnection[Any], batch: int) -> list[Claimed]:
     """Lock up to ``batch`` due rows (``FOR UPDATE SKIP LOCKED``) in the open transaction."""
     cur = await conn.execute(query("claim_due"), {"batch": batch})
     return [
-        Claimed(int(r[0]), r[1], r[2], r[3].encode("utf-8"), int(r[4]), bool(r[5]), int(r[6]))
+        Claimed(
+            int(r[0]),
+            r[1],
+            r[2],
+            r[3].encode("utf-8"),
+            int(r[4]),
+            bool(r[5]),
+            int(r[6]),
+            r[7],
+            r[8],
+            r[9],
+            r[10],
+            r[11],
+            r[12],
+            r[13],
+        )
         for r in await cur.fetchall()
     ]
 
@@ -142,25 +234,52 @@ async def relock_claimed(conn: psycopg.AsyncConnection[Any], ids: Sequence[int])
 
 
 async def complete(
-    conn: psycopg.AsyncConnection[Any], completions: Sequence[Completion]
-) -> tuple[int, int, int, int]:
-    """Write every outcome of a batch in one statement.
-
-    Returns (processed, deferred, retries inserted, dead letters inserted).
+    conn: psycopg.AsyncConnection[Any],
+    completions: Sequence[Completion],
+    *,
+    route: Sequence[int] = (),
+    succeeded: Sequence[str] = (),
+    failed: Sequence[str] = (),
+) -> Recorded:
+    """Write every outcome of a batch in one statement, and route its event rows ``route``
+    (whatever their own outcome). ``succeeded`` / ``failed``: the endpoints that had a
+    delivered / a failed attempt, whose failure streak (``failing_since``) ends / starts.
     """
     cur = await conn.execute(
         query("complete_batch"),
         {
             "ids": [c.id for c in completions],
-            "outcomes": [c.outcome for c in completions],
+            "outcomes": [c.outcome.value for c in completions],
             "delays": [c.delay_ms for c in completions],
             "codes": [c.status_code for c in completions],
             "errors": [c.error for c in completions],
             "bodies": [c.response_body for c in completions],
             "durations": [c.duration_ms for c in completions],
             "reasons": [c.reason for c in completions],
+            "endpoints": [c.endpoint_id for c in completions],
+            "leases": [c.lease for c in completions],
+            "route": list(route),
+            "succeeded": list(succeeded),
+            "failed": [e for e in failed if e not in succeeded],
         },
     )
     row = await cur.fetchone()
     assert row is not None
-    return int(row[0]), int(row[1]), int(row[2]), int(row[3])
+    pairs = list(zip(row[5] or [], row[6] or [], strict=True))
+    return Recorded(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4]), pairs)
+
+
+async def promote_heads(
+    conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
+) -> int:
+    """Choose the next head of each ordered (endpoint, stream) that has none, in the open
+    transaction, after its other writes: under a per-pair advisory lock, so a routing and a
+    completion of the same stream never both decide (or both miss) it. Returns how many
+    deliveries became due."""
+    if not pairs:
+        return 0
+    unique = sorted(set(pairs))
+    params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+    await conn.execute(query("promote_lock"), params)
+    cur = await conn.execute(query("promote_heads"), params)
+    return len(await cur.fetchall())

@@ -1,5 +1,5 @@
-"""The named SQL blocks of ``sql/queries.sql`` (the outbox) and ``sql/inbox.sql`` (the
-consumer's inbox), loaded once."""
+"""The named SQL blocks of ``sql/queries.sql`` (the outbox), ``sql/endpoints.sql`` (the
+endpoint registry) and ``sql/inbox.sql`` (the consumer's inbox), loaded once."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def parse_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
-_FILES = ("sql/queries.sql", "sql/inbox.sql")
+_FILES = ("sql/queries.sql", "sql/endpoints.sql", "sql/inbox.sql")
 
 
 @cache

@@ -210,7 +210,11 @@ class RedisGate:
         """False from a failed Redis call until the next successful one."""
         return not self._outage.down
 
-    async def admit(self, url: str, attempts: Sequence[int]) -> list[Admission]:
+    async def admit(
+        self, url: str, attempts: Sequence[int], *, limit: int | None = None
+    ) -> list[Admission]:
+        """``limit``: this URL's retries per window (an endpoint's ``rate_limit``), else
+        ``retry_rps``."""
         if not attempts:
             return []
         token = secrets.token_hex(8)
@@ -221,7 +225,7 @@ class RedisGate:
         ]
         args: list[str | int] = [
             self.window_ms,
-            self.retry_rps,
+            limit or self.retry_rps,
             self.breaker_threshold,
             self.breaker_reset_ms,
             self.probe_ttl_ms,

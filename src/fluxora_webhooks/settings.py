@@ -93,6 +93,31 @@ def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | Non
     return value
 
 
+def _consumer_url(
+    env: Mapping[str, str],
+    name: str,
+    allowed: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+    *,
+    required: bool,
+) -> str:
+    """A built-in endpoint's URL: the operator's own, so a loopback URL is allowed."""
+    from .urlpolicy import check_url_address, validate_url
+
+    raw = env.get(name)
+    if raw is None and not required:
+        return ""
+    url = (raw or "").strip()
+    if not url:
+        what = "the consumer's https URL" if name == "WEBHOOK_URL" else "an https URL"
+        raise ConfigError(name, f"is required to be {what} when set (unset it to serve without it)")
+    try:
+        validate_url(url)
+        check_url_address(url, allowed_networks=allowed)
+    except EndpointError as exc:
+        raise ConfigError(name, str(exc)) from None
+    return url
+
+
 def _networks(
     env: Mapping[str, str], name: str
 ) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -139,8 +164,9 @@ def _is_host(text: str) -> bool:
 class Settings:
     """Validated configuration of a dispatcher. Build it with :meth:`from_env`."""
 
-    webhook_url: str
-    secret: bytes = field(repr=False)
+    # The built-in endpoint `default` (SPEC 10): WEBHOOK_URL and WEBHOOK_SECRET, optional.
+    webhook_url: str = ""
+    secret: bytes = field(default=b"", repr=False)
     secret_previous: bytes | None = field(default=None, repr=False)
     database_url: str | None = field(default=None, repr=False)
     redis_url: str | None = field(default=None, repr=False)
@@ -174,25 +200,44 @@ class Settings:
     # Dispatcher processes of `run` (SPEC section 16). Settings built in code describe one
     # process; from_env defaults to the usable CPUs.
     workers: int = 1
+    # Many endpoints (SPEC 11, 12).
+    endpoint_concurrency: int = 20
+    disable_after_ms: int | None = 5 * 86_400_000  # None: never
+    operator_url: str = ""
+    operator_secret: bytes = field(default=b"", repr=False)
+    # The management API and dashboard (SPEC 15): `run` serves them when WEBHOOK_API_PORT
+    # is set; `fluxora-webhooks api` always, on 8080 by default.
+    api_host: str = "127.0.0.1"
+    api_port: int | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = True) -> Settings:
-        """Parse and validate the environment. Raises :class:`ConfigError`."""
-        from .urlpolicy import check_url_address, validate_url
+    def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = False) -> Settings:
+        """Parse and validate the environment. Raises :class:`ConfigError`.
 
+        ``WEBHOOK_URL`` is optional (the service also serves the endpoints of the table);
+        ``require_endpoint`` makes it required."""
         engines = EngineSettings.from_env(env)
-        url = env.get("WEBHOOK_URL", "").strip()
-        if require_endpoint and not url:
-            raise ConfigError("WEBHOOK_URL", "is required (the consumer's https URL)")
         allowed = _networks(env, "WEBHOOK_ALLOWED_NETWORKS")
-        if url:
-            try:
-                validate_url(url)
-                check_url_address(url, allowed_networks=allowed)
-            except EndpointError as exc:
-                raise ConfigError("WEBHOOK_URL", str(exc)) from None
-        secret = _secret(env, "WEBHOOK_SECRET", required=require_endpoint) or b""
+        url = _consumer_url(env, "WEBHOOK_URL", allowed, required=require_endpoint)
+        secret = _secret(env, "WEBHOOK_SECRET", required=bool(url)) or b""
         previous = _secret(env, "WEBHOOK_SECRET_PREVIOUS", required=False)
+        operator_url = _consumer_url(env, "WEBHOOK_OPERATOR_URL", allowed, required=False)
+        operator_secret = (
+            _secret(env, "WEBHOOK_OPERATOR_SECRET", required=bool(operator_url)) or b""
+        )
+        disable_raw = env.get("WEBHOOK_DISABLE_AFTER", "5d").strip()
+        disable_after = (
+            None if disable_raw == "0" else parse_duration_ms(disable_raw, "WEBHOOK_DISABLE_AFTER")
+        )
+        if disable_after is not None and disable_after < 1000:
+            raise ConfigError("WEBHOOK_DISABLE_AFTER", "must be at least 1s (or 0 for never)")
+        api_port_raw = env.get("WEBHOOK_API_PORT")
+        api_port = (
+            None if api_port_raw is None else _int(env, "WEBHOOK_API_PORT", 8080, low=0, high=65535)
+        )
+        api_host = env.get("WEBHOOK_API_HOST", "127.0.0.1").strip() or "127.0.0.1"
+        if not _is_host(api_host):
+            raise ConfigError("WEBHOOK_API_HOST", f"{api_host!r} is not an address")
         schedule_raw = env.get("WEBHOOK_RETRY_SCHEDULE")
         schedule = parse_schedule(DEFAULT_RETRY_SCHEDULE if schedule_raw is None else schedule_raw)
         retention_raw = env.get("WEBHOOK_RETENTION", "").strip()
@@ -225,6 +270,11 @@ class Settings:
             log_format=log_format,
             home=engines.home,
             workers=_int(env, "WEBHOOK_WORKERS", default_workers(), low=1, high=MAX_WORKERS),
+            disable_after_ms=disable_after,
+            operator_url=operator_url,
+            operator_secret=operator_secret,
+            api_host=api_host,
+            api_port=api_port,
             **numbers,
         )
 
@@ -242,7 +292,8 @@ _INTEGERS: dict[str, tuple[str, int, int | None]] = {
     "max_response_bytes": ("WEBHOOK_MAX_RESPONSE_BYTES", 1, 16 << 20),
     "metrics_port": ("WEBHOOK_METRICS_PORT", 0, 65535),
     "claim_loops": ("WEBHOOK_CLAIM_LOOPS", 1, 64),
-    "max_connections": ("WEBHOOK_MAX_CONNECTIONS", 1, 10_000),
+    "max_connections": ("WEBHOOK_MAX_CONNECTIONS", 1, 100_000),
+    "endpoint_concurrency": ("WEBHOOK_ENDPOINT_CONCURRENCY", 1, 10_000),
 }
 
 

@@ -180,12 +180,18 @@ def _check_client_agrees(url: str, normalised: str) -> None:
     )
 
 
-def check_url_address(url: str, *, allowed_networks: Sequence[IPNetwork] = ()) -> None:
+def check_url_address(
+    url: str, *, allowed_networks: Sequence[IPNetwork] = (), registered: bool = False
+) -> None:
     """At start-up: refuse a URL whose host is an IP literal the address policy refuses.
 
     Host names are checked when they are resolved, at connect time; an IP literal can be
     checked at once, so a URL that could never be delivered to stops start-up instead.
     Call after :func:`validate_url`. Raises :class:`EndpointError`.
+
+    ``registered``: the URL of an endpoint registered through the CLI or the API, not the
+    operator's own configuration. Loopback is then refused like any private range (also
+    the name ``localhost``) unless ``allowed_networks`` allows it.
     """
     try:
         host = urlsplit(url).hostname
@@ -193,17 +199,27 @@ def check_url_address(url: str, *, allowed_networks: Sequence[IPNetwork] = ()) -
         raise EndpointError("the URL cannot be parsed") from None
     if not host:
         raise EndpointError("the URL has no host")
+    if registered and is_loopback_host(host) and not _is_ip(host):
+        host = "127.0.0.1"  # the name localhost reaches loopback: judge it as loopback
     try:
-        address = ipaddress.ip_address(host)
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return  # a host name: checked when resolved
     reason = check_address(
         address,
-        allow_loopback=is_loopback_host(host),
+        allow_loopback=is_loopback_host(host) and not registered,
         allowed_networks=allowed_networks,
     )
     if reason is not None:
         raise EndpointError(f"the URL's host {address} is refused: {reason}")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def redacted(url: str) -> str:

@@ -1,7 +1,8 @@
-"""SIGTERM during a busy batch: every claim loop has a full batch in flight, mixing slow
-successes, requests the consumer never answers (they time out), 503s and 410s. The process
+"""SIGTERM during busy batches: every claim loop has a full batch in flight, mixing slow
+successes, requests the consumer never answers (they time out), 503s and 410s. Requests that
+outlive their batch go on under a lease (SPEC 11) while the loops claim more. The process
 exits 0 within the bound (request timeout + 5 s); every attempt that was in flight is
-recorded with the outcome SPEC section 4 names; nothing else was claimed; and a second
+recorded with the outcome SPEC section 4 names; nothing was recorded unsent; and a second
 dispatcher delivers the rest: nothing is lost."""
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ async def test_sigterm_during_a_busy_batch(
         for hit in first_hits:
             assert hit.kind is not None
             kind, outcome, error = recorded[(hit.delivery_id, hit.attempt)]
-            assert (outcome, error) == FIRST[kind][1:], (kind, outcome, error)
+            # A first attempt as its kind says; a retry made before the signal is answered 200.
+            wanted = FIRST[kind][1:] if hit.attempt == 1 else ("delivered", None)
+            assert (outcome, error) == wanted, (kind, hit.attempt, outcome, error)
         assert len(recorded) == len(first_hits)  # nothing completed unsent, nothing twice
         # Nothing else was claimed: the rest is pending (plus the retries just scheduled).
         retries = sum(1 for v in recorded.values() if v[1] == "retry")

@@ -12,10 +12,13 @@ import fluxora_webhooks
 # Lowest first. A module may import modules of earlier layers only; within a package
 # (embedded/, demo/, commands/) its parts may import each other's lower parts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "errors", "queries", "logs", "gate", "host"),
+    ("_version", "errors", "queries", "logs", "gate", "host", "tracing", "waker"),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics", "redis_connect"),
     ("settings", "connector", "retry", "deadletters", "retention"),
-    ("delivery", "redis_gate", "inbox"),
+    ("delivery", "redis_gate", "inbox", "endpoints"),
+    ("targets",),
+    ("batch",),
+    ("recording",),
     ("dispatcher", "ops"),
     ("service", "demo"),
     ("worker", "supervisor"),
@@ -42,7 +45,12 @@ def _imports(path: Path) -> set[str]:
     if name == "fluxora_webhooks":
         package = []
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+    tree = ast.parse(path.read_text("utf-8"))
+    # Imports for type checking only (`if TYPE_CHECKING:`) do not run: they may point up.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - (node.level - 1)]
             if node.module:

@@ -16,4 +16,15 @@ imports ``cli``.
 from __future__ import annotations
 
 # In the order --help lists them.
-COMMANDS = ("migrate", "run", "dlq", "status", "prune", "inbox", "demo", "bench")
+COMMANDS = (
+    "migrate",
+    "run",
+    "endpoints",
+    "dlq",
+    "recover",
+    "status",
+    "prune",
+    "inbox",
+    "demo",
+    "bench",
+)

@@ -16,6 +16,7 @@ HELP = "list, show, replay or purge dead letters"
 
 LIST_COLUMNS = (
     "delivery_id",
+    "endpoint_id",
     "event_type",
     "stream_id",
     "attempts",
@@ -31,6 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = actions.add_parser("list", help="dead letters, newest first")
     p.add_argument("--limit", type=positive_int, default=100)
     p.add_argument("--all", action="store_true", help="include replayed and purged ones")
+    p.add_argument("--endpoint", metavar="ID", help="only this endpoint's")
+    p.add_argument("--tenant", metavar="T", help="only this tenant's ('' for the default)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = actions.add_parser("show", help="one dead letter in full (payload, last error, response)")
     p.add_argument("id", help="delivery id (or dead-letter row id)")
@@ -49,7 +52,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     async def main() -> int:
         if args.dlq_command == "list":
             found = await deadletters.list_dead(
-                database_url, limit=args.limit, include_all=args.all
+                database_url,
+                limit=args.limit,
+                include_all=args.all,
+                endpoint_id=args.endpoint,
+                tenant=args.tenant,
             )
             print_rows(found, LIST_COLUMNS, args.json)
             return 0

@@ -2,9 +2,11 @@
 -- Parameters use psycopg's %(name)s style.
 
 -- name: claim_due
--- The design document's claim. Served by webhook_outbox_due_idx.
+-- The design document's claim. Served by webhook_outbox_due_idx. Parked and waiting rows
+-- are due at 'infinity', so the claim never sees them.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
-       replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at
+       replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
+       endpoint_id, event_id, stream_seq, traceparent, tracestate
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
@@ -19,59 +21,194 @@ FOR UPDATE SKIP LOCKED;
 -- GREATEST(0, ...): it skips NULLs, turning "nothing pending" into "due now".)
 SELECT (EXTRACT(EPOCH FROM (min(created_at) - clock_timestamp())) * 1000)::bigint
 FROM webhook_outbox
-WHERE processed = false AND created_at > now();
+WHERE processed = false AND created_at > now() AND created_at < 'infinity';
 
 -- name: complete_batch
--- Every outcome of one batch in one statement: mark attempts processed, defer rows,
--- insert retries (same delivery id, next attempt) and dead letters.
--- Times are clock_timestamp(), not now(): now() is the start of the claim transaction,
--- before the HTTP attempts, and a delay (Retry-After above all) counts from their end.
+-- Every outcome of one batch in one statement: route its event rows, mark attempts
+-- processed, hold rows (deferred, parked, leased), insert retries (same delivery id, next
+-- attempt) and dead letters (and tell the operator), and end or start endpoints' failure
+-- streaks. Times are clock_timestamp(), not now(): now() is the start of the claim
+-- transaction, before the HTTP attempts, and a delay (Retry-After above all) counts from
+-- their end. A row recorded after its batch (its request outlived it, under a lease) is
+-- written only while it still holds that lease and is pending.
 WITH r AS (
     SELECT *
     FROM unnest(
         %(ids)s::bigint[], %(outcomes)s::text[], %(delays)s::bigint[], %(codes)s::int[],
-        %(errors)s::text[], %(bodies)s::text[], %(durations)s::float8[], %(reasons)s::text[]
-    ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason)
+        %(errors)s::text[], %(bodies)s::text[], %(durations)s::float8[], %(reasons)s::text[],
+        %(endpoints)s::text[], %(leases)s::uuid[]
+    ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason,
+           endpoint_id, lease)
+),
+-- Fan-out: one delivery row per endpoint of the event's tenant that subscribes to its type
+-- and existed when it was enqueued, with a delivery id of its own. Parked while the
+-- endpoint is disabled; an ordered endpoint's delivery waits for its stream's head.
+ev AS (
+    SELECT id, tenant, stream_id, event_type, payload, enqueued_at, traceparent, tracestate
+    FROM webhook_outbox
+    WHERE id = ANY(%(route)s::bigint[]) AND endpoint_id IS NULL
+),
+routed AS (
+    INSERT INTO webhook_outbox
+        (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
+         stream_seq, hold, created_at, traceparent, tracestate)
+    SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
+           CASE WHEN e.ordered THEN ev.id END,
+           CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
+           CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
+                ELSE now() END,
+           ev.traceparent, ev.tracestate
+    FROM ev
+    JOIN webhook_endpoints e ON e.tenant = ev.tenant
+    WHERE e.id NOT IN ('default', 'operator')
+      AND e.created_at <= ev.enqueued_at
+      AND EXISTS (
+          SELECT 1 FROM unnest(e.event_types) AS p(pattern)
+          WHERE p.pattern = '*' OR p.pattern = ev.event_type
+             OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+    RETURNING event_id
+),
+-- Every ordered endpoint of a routed event's tenant: its stream's head is chosen next
+-- (promote_heads), also where this event reached no ordered endpoint.
+ordered_pairs AS (
+    SELECT DISTINCT e.id AS endpoint_id, ev.stream_id
+    FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant AND e.ordered
 ),
 done AS (
     UPDATE webhook_outbox o
-    SET processed = true, processed_at = clock_timestamp(), outcome = r.outcome,
+    SET processed = true, processed_at = clock_timestamp(),
+        outcome = CASE
+            WHEN r.outcome <> 'routed' THEN r.outcome
+            WHEN EXISTS (SELECT 1 FROM routed x WHERE x.event_id = o.id) THEN 'routed'
+            ELSE 'unrouted' END,
+        endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id),
         status_code = r.status_code, error = r.error, response_body = r.response_body,
-        duration_ms = r.duration_ms
+        duration_ms = r.duration_ms, lease = NULL
     FROM r
-    WHERE o.id = r.id AND r.outcome <> 'deferred'
-    RETURNING o.id
+    WHERE o.id = r.id AND r.outcome IN ('delivered', 'retry', 'dead_letter', 'routed')
+      AND NOT o.processed AND (r.lease IS NULL OR o.lease = r.lease)
+    RETURNING o.id, r.outcome AS wanted, r.delay_ms, r.reason, r.status_code, r.error,
+              r.response_body, o.tenant, o.stream_id, o.event_type, o.payload, o.delivery_id,
+              o.attempt, o.enqueued_at, o.replay, o.endpoint_id, o.event_id, o.stream_seq,
+              o.traceparent, o.tracestate
 ),
-deferred AS (
+held AS (
     UPDATE webhook_outbox o
-    SET created_at = clock_timestamp() + r.delay_ms * interval '1 millisecond',
-        deferrals = o.deferrals + 1
+    SET created_at = CASE
+            WHEN r.outcome = 'parked' THEN 'infinity'::timestamptz
+            ELSE clock_timestamp() + r.delay_ms * interval '1 millisecond' END,
+        hold = CASE WHEN r.outcome = 'parked' THEN 'parked' ELSE o.hold END,
+        deferrals = o.deferrals + (r.outcome = 'deferred')::int,
+        lease = CASE WHEN r.outcome = 'leased' THEN r.lease END,
+        endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id)
     FROM r
-    WHERE o.id = r.id AND r.outcome = 'deferred'
+    WHERE o.id = r.id AND r.outcome IN ('deferred', 'parked', 'leased') AND NOT o.processed
+      AND (r.outcome = 'leased' OR r.lease IS NULL OR o.lease = r.lease)
     RETURNING o.id
 ),
 retried AS (
     INSERT INTO webhook_outbox
-        (stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at, replay)
-    SELECT o.stream_id, o.event_type, o.payload,
-           clock_timestamp() + r.delay_ms * interval '1 millisecond',
-           o.delivery_id, o.attempt + 1, o.enqueued_at, o.replay
-    FROM r JOIN webhook_outbox o ON o.id = r.id
-    WHERE r.outcome = 'retry'
+        (tenant, stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at,
+         replay, endpoint_id, event_id, stream_seq, hold, traceparent, tracestate)
+    SELECT d.tenant, d.stream_id, d.event_type, d.payload,
+           CASE WHEN ep.state = 'disabled' THEN 'infinity'::timestamptz
+                ELSE clock_timestamp() + d.delay_ms * interval '1 millisecond' END,
+           d.delivery_id, d.attempt + 1, d.enqueued_at, d.replay, d.endpoint_id,
+           COALESCE(d.event_id, d.id), d.stream_seq,
+           CASE WHEN ep.state = 'disabled' THEN 'parked' END, d.traceparent, d.tracestate
+    FROM done d LEFT JOIN webhook_endpoints ep ON ep.id = d.endpoint_id
+    WHERE d.wanted = 'retry'
     RETURNING id
 ),
 dead AS (
     INSERT INTO webhook_dead_letter
         (delivery_id, stream_id, event_type, payload, attempts, reason, last_status,
-         last_error, last_response, enqueued_at, dead_at)
-    SELECT o.delivery_id, o.stream_id, o.event_type, o.payload, o.attempt, r.reason,
-           r.status_code, r.error, r.response_body, o.enqueued_at, clock_timestamp()
-    FROM r JOIN webhook_outbox o ON o.id = r.id
-    WHERE r.outcome = 'dead_letter'
+         last_error, last_response, enqueued_at, dead_at, tenant, endpoint_id, event_id,
+         stream_seq, traceparent, tracestate)
+    SELECT d.delivery_id, d.stream_id, d.event_type, d.payload, d.attempt, d.reason,
+           d.status_code, d.error, d.response_body, d.enqueued_at, clock_timestamp(),
+           d.tenant, d.endpoint_id, COALESCE(d.event_id, d.id), d.stream_seq, d.traceparent,
+           d.tracestate
+    FROM done d
+    WHERE d.wanted = 'dead_letter'
+    RETURNING delivery_id, tenant, endpoint_id, event_type, attempts, reason, stream_id,
+              last_status
+),
+-- The operator hears of every dead letter but its own endpoint's (SPEC 12).
+told AS (
+    INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id)
+    SELECT '!operator', x.delivery_id::text, 'delivery.dead_lettered',
+           jsonb_build_object('endpoint_id', x.endpoint_id, 'tenant', x.tenant,
+                              'reason', x.reason, 'delivery_id', x.delivery_id,
+                              'event_type', x.event_type, 'attempts', x.attempts,
+                              'stream_id', x.stream_id, 'last_status', x.last_status),
+           'operator'
+    FROM dead x
+    WHERE x.endpoint_id IS DISTINCT FROM 'operator'
+      AND EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = 'operator')
+    RETURNING 1
+),
+-- Any success ends an endpoint's failure streak; a failure with no streak starts one.
+streak_ended AS (
+    UPDATE webhook_endpoints SET failing_since = NULL
+    WHERE id = ANY(%(succeeded)s::text[]) AND failing_since IS NOT NULL
+    RETURNING id
+),
+streak_started AS (
+    UPDATE webhook_endpoints SET failing_since = clock_timestamp()
+    WHERE id = ANY(%(failed)s::text[]) AND failing_since IS NULL
     RETURNING id
 )
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM deferred),
-       (SELECT count(*) FROM retried), (SELECT count(*) FROM dead);
+SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
+       (SELECT count(*) FROM retried), (SELECT count(*) FROM dead),
+       (SELECT count(*) FROM routed),
+       ARRAY(SELECT endpoint_id FROM ordered_pairs ORDER BY 1, stream_id),
+       ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
+       (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
+       + (SELECT count(*) FROM streak_started);
+
+-- name: promote_lock
+-- Serialises, per (endpoint, stream), choosing an ordered stream's next head: a routing
+-- transaction and a completion must not both decide (or both miss) it. In key order, so
+-- two transactions never wait on each other in a cycle.
+SELECT pg_advisory_xact_lock(k)
+FROM (
+    SELECT DISTINCT hashtextextended(e || chr(31) || s, 0x666c7578) AS k
+    FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)
+    ORDER BY k
+) keys;
+
+-- name: promote_heads
+-- For each (endpoint, stream): when none of its deliveries is active (due, in flight,
+-- leased or waiting to retry) and the endpoint is enabled, the waiting delivery with the
+-- lowest place becomes due now -- unless an event of that stream with a lower id is still
+-- to be routed (its delivery may come first; routing it promotes again).
+UPDATE webhook_outbox o
+SET hold = NULL, created_at = now()
+FROM (
+    SELECT head.id
+    FROM (SELECT DISTINCT e, s FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)) p
+    JOIN webhook_endpoints ep ON ep.id = p.e AND ep.state = 'enabled'
+    CROSS JOIN LATERAL (
+        SELECT w.id, w.hold, w.tenant, w.stream_seq
+        FROM webhook_outbox w
+        WHERE w.endpoint_id = p.e AND w.stream_id = p.s AND NOT w.processed
+          AND w.stream_seq IS NOT NULL
+        ORDER BY w.stream_seq, w.id
+        LIMIT 1
+    ) head
+    WHERE head.hold = 'waiting'
+      AND NOT EXISTS (
+          SELECT 1 FROM webhook_outbox a
+          WHERE a.endpoint_id = p.e AND a.stream_id = p.s AND NOT a.processed
+            AND a.stream_seq IS NOT NULL AND a.hold IS NULL)
+      AND NOT EXISTS (
+          SELECT 1 FROM webhook_outbox u
+          WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = head.tenant
+            AND u.stream_id = p.s AND u.id < head.stream_seq)
+) h
+WHERE o.id = h.id
+RETURNING o.id;
 
 -- name: relock_claimed
 -- complete_batch runs without a savepoint; when it fails, its transaction rolls back and
@@ -83,39 +220,60 @@ WHERE id = ANY(%(ids)s::bigint[]) AND processed = false
 FOR UPDATE SKIP LOCKED;
 
 -- name: enqueue
-INSERT INTO webhook_outbox (stream_id, event_type, payload)
-VALUES (%(stream_id)s, %(event_type)s, %(payload)s)
+INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, traceparent, tracestate)
+VALUES (%(tenant)s, %(stream_id)s, %(event_type)s, %(payload)s, %(traceparent)s, %(tracestate)s)
 RETURNING delivery_id::text;
 
 -- name: dlq_list
+-- %(endpoint_id)s / %(tenant)s filter when not NULL.
 SELECT id, delivery_id::text, stream_id, event_type, attempts, reason, last_status,
-       last_error, enqueued_at, dead_at, state
+       last_error, enqueued_at, dead_at, state, tenant, endpoint_id
 FROM webhook_dead_letter
 WHERE (%(all)s OR state = 'dead')
+  AND (%(endpoint_id)s::text IS NULL OR endpoint_id = %(endpoint_id)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
 ORDER BY dead_at DESC, id DESC
 LIMIT %(limit)s;
 
 -- name: dlq_show
 SELECT id, delivery_id::text, stream_id, event_type, payload::text AS payload, attempts,
        reason, last_status, last_error, last_response, enqueued_at, dead_at, state,
-       state_changed_at
+       state_changed_at, tenant, endpoint_id, event_id
 FROM webhook_dead_letter
 WHERE delivery_id::text = %(key)s OR id::text = %(key)s
 ORDER BY dead_at DESC, id DESC;
 
 -- name: dlq_replay
--- Back into the outbox, due now, same delivery id, attempts counted afresh.
+-- Back into the outbox, due now, same delivery id and endpoint, attempts counted afresh;
+-- parked while its endpoint is disabled, waiting for its stream's head when ordered. A
+-- dead letter with no endpoint (written before endpoints existed, or by plain SQL) is the
+-- default endpoint's. One of an endpoint removed since stays where it is.
 WITH picked AS (
-    UPDATE webhook_dead_letter
+    UPDATE webhook_dead_letter d
     SET state = 'replayed', state_changed_at = now()
-    WHERE state = 'dead' AND (%(all)s OR delivery_id::text = ANY(%(keys)s) OR id::text = ANY(%(keys)s))
-    RETURNING id, delivery_id, stream_id, event_type, payload, enqueued_at
+    WHERE d.state = 'dead'
+      AND (%(all)s OR d.delivery_id::text = ANY(%(keys)s) OR d.id::text = ANY(%(keys)s))
+      AND (COALESCE(d.endpoint_id, 'default') IN ('default', 'operator')
+           OR EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id))
+    RETURNING d.*, COALESCE(d.endpoint_id, 'default') AS target
 ),
 queued AS (
-    INSERT INTO webhook_outbox (stream_id, event_type, payload, delivery_id, enqueued_at, replay)
-    SELECT stream_id, event_type, payload, delivery_id, enqueued_at, true FROM picked
+    INSERT INTO webhook_outbox
+        (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
+         endpoint_id, event_id, stream_seq, hold, created_at, traceparent, tracestate)
+    SELECT p.tenant, p.stream_id, p.event_type, p.payload, p.delivery_id, p.enqueued_at, true,
+           p.target, p.event_id, CASE WHEN e.ordered THEN p.stream_seq END,
+           CASE WHEN e.state = 'disabled' THEN 'parked'
+                WHEN e.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
+           CASE WHEN e.state = 'disabled' OR (e.ordered AND p.stream_seq IS NOT NULL)
+                THEN 'infinity'::timestamptz ELSE now() END,
+           p.traceparent, p.tracestate
+    FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target
+    RETURNING 1
 )
-SELECT delivery_id::text, id::text FROM picked;
+SELECT p.delivery_id::text, p.id::text, p.target, p.stream_id,
+       (COALESCE(e.ordered, false) AND p.stream_seq IS NOT NULL) AS ordered
+FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target;
 
 -- name: dlq_purge
 UPDATE webhook_dead_letter
@@ -138,7 +296,8 @@ SELECT
     (SELECT EXTRACT(EPOCH FROM now() - min(created_at))::float8
      FROM webhook_outbox WHERE NOT processed AND created_at <= now()) AS oldest_due_age_s,
     (SELECT EXTRACT(EPOCH FROM min(created_at) - now())::float8
-     FROM webhook_outbox WHERE NOT processed AND created_at > now()) AS next_due_in_s,
+     FROM webhook_outbox
+     WHERE NOT processed AND created_at > now() AND created_at < 'infinity') AS next_due_in_s,
     (SELECT reltuples::float8 FROM pg_class
      WHERE oid = to_regclass('webhook_outbox_due_idx')) AS pending_estimate,
     (SELECT count(*) FROM (

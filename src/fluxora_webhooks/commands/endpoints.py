@@ -1,0 +1,236 @@
+"""``fluxora-webhooks endpoints``: register, list, show, update, disable, enable, rotate the
+secret of, and remove endpoints (SPEC 10). Each action takes ``--json``; ids and secrets are
+printed once, at creation and rotation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from .common import engines, positive_int, run_async
+
+NAME = "endpoints"
+HELP = "register and manage the endpoints of your tenants"
+DESCRIPTION = (
+    "Endpoints are consumer URLs registered for a tenant, each with its event-type filter, "
+    "its own signing secret and its own state. Changes reach running dispatchers at once."
+)
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name.strip(), value
+
+
+def _events(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _options(p: argparse.ArgumentParser, *, creating: bool) -> None:
+    p.add_argument("--url", required=creating, help="the consumer's https URL")
+    if creating:
+        p.add_argument("--tenant", default="", help="the tenant (default: the default tenant)")
+        p.add_argument("--secret", help="the signing secret (default: a new whsec_ secret)")
+    p.add_argument(
+        "--events",
+        type=_events,
+        metavar="TYPES",
+        help="event types to receive, comma-separated: *, exact names, prefixes like stream.*",
+    )
+    p.add_argument("--description", help="free text shown in lists")
+    p.add_argument(
+        "--header",
+        action="append",
+        type=_header,
+        default=None,
+        metavar="NAME=VALUE",
+        help="a custom header sent with every request (repeat for more)",
+    )
+    p.add_argument("--rate-limit", type=positive_int, metavar="N", help="retries per second")
+    p.add_argument(
+        "--ordered",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="deliver each stream's events one at a time, in order",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="endpoints_action", required=True, metavar="ACTION")
+    _options(actions.add_parser("add", help="register an endpoint"), creating=True)
+    p = actions.add_parser("list", help="endpoints, of one tenant or of all")
+    p.add_argument("--tenant", default=None, help="only this tenant's ('' for the default)")
+    p.add_argument("--json", action="store_true")
+    for action, text in (
+        ("show", "one endpoint"),
+        ("disable", "disable; its deliveries are parked, not lost"),
+        ("enable", "enable; its parked deliveries are sent"),
+    ):
+        p = actions.add_parser(action, help=text)
+        p.add_argument("id")
+        p.add_argument("--json", action="store_true")
+    p = actions.add_parser("update", help="change an endpoint")
+    p.add_argument("id")
+    _options(p, creating=False)
+    p = actions.add_parser("rotate-secret", help="a new secret; the old one signs for a while")
+    p.add_argument("id")
+    p.add_argument("--secret", help="the new secret (default: a new whsec_ secret)")
+    p.add_argument(
+        "--keep-previous",
+        default="24h",
+        metavar="PERIOD",
+        help="how long the old secret keeps signing too (default 24h; 0 to stop at once)",
+    )
+    p.add_argument("--json", action="store_true")
+    p = actions.add_parser("remove", help="remove; its pending deliveries become dead letters")
+    p.add_argument("id")
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import psycopg
+
+    from .. import endpoints
+    from ..settings import Settings, parse_duration_ms
+
+    action = args.endpoints_action
+    allowed = Settings.from_env(env).allowed_networks if action in ("add", "update") else ()
+    keep_ms = 0
+    if action == "rotate-secret":
+        keep = args.keep_previous.strip()
+        keep_ms = 0 if keep == "0" else parse_duration_ms(keep, "--keep-previous")
+    if action == "remove" and not args.yes and not _confirm(args.id):
+        print("not removed", file=sys.stderr)
+        return 1 if sys.stdin.isatty() else 2
+    database_url, _ = engines(env, redis=False)
+
+    async def main() -> int:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            if action == "add":
+                endpoint, secret = await endpoints.create(
+                    conn,
+                    url=args.url,
+                    tenant=args.tenant,
+                    event_types=args.events or ["*"],
+                    secret=args.secret,
+                    description=args.description or "",
+                    headers=dict(args.header or []),
+                    rate_limit=args.rate_limit,
+                    ordered=bool(args.ordered),
+                    allowed_networks=allowed,
+                )
+                _print_created(endpoint.as_json(), secret, args.json)
+            elif action == "list":
+                _print_list(await _all(conn, args.tenant), args.json)
+            elif action in ("show", "disable", "enable"):
+                do = {
+                    "show": endpoints.get,
+                    "disable": endpoints.disable,
+                    "enable": endpoints.enable,
+                }[action]
+                _print_one((await do(conn, args.id)).as_json(), args.json)
+            elif action == "update":
+                changes = endpoints.Changes(
+                    url=args.url,
+                    event_types=args.events,
+                    description=args.description,
+                    headers=None if args.header is None else dict(args.header),
+                    rate_limit=args.rate_limit,
+                    ordered=args.ordered,
+                )
+                updated = await endpoints.update(conn, args.id, changes, allowed_networks=allowed)
+                _print_one(updated.as_json(), args.json)
+            elif action == "rotate-secret":
+                endpoint, secret = await endpoints.rotate_secret(
+                    conn, args.id, secret=args.secret, keep_previous_ms=keep_ms
+                )
+                if args.json:
+                    print(json.dumps({"id": endpoint.id, "secret": secret}))
+                else:
+                    print(f"new secret for {endpoint.id} (shown once): {secret}")
+            else:
+                dead = await endpoints.remove(conn, args.id)
+                if args.json:
+                    print(json.dumps({"id": args.id, "removed": True, "dead_lettered": dead}))
+                else:
+                    print(f"removed {args.id}; {dead} pending delivery(ies) dead-lettered")
+        return 0
+
+    return run_async(main())
+
+
+async def _all(conn: Any, tenant: str | None) -> list[dict[str, Any]]:
+    from .. import endpoints
+
+    out: list[dict[str, Any]] = []
+    after = None
+    while True:
+        page = await endpoints.list_endpoints(conn, tenant=tenant, limit=500, after=after)
+        out.extend(e.as_json() for e in page)
+        if len(page) < 500:
+            return out
+        after = page[-1].id
+
+
+def _confirm(endpoint_id: str) -> bool:
+    if not sys.stdin.isatty():
+        raise ConfigError("--yes", f"removing {endpoint_id} needs --yes when not on a terminal")
+    answer = input(f"remove {endpoint_id} and dead-letter its pending deliveries? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _print_created(endpoint: dict[str, Any], secret: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({**endpoint, "secret": secret}))
+        return
+    print(f"created {endpoint['id']} for tenant {endpoint['tenant']!r}: {endpoint['url']}")
+    print(f"signing secret (shown once): {secret}")
+
+
+def _print_one(endpoint: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(endpoint))
+        return
+    for key, value in endpoint.items():
+        shown = json.dumps(value) if isinstance(value, dict | list) else value
+        print(f"{key:16} {'' if shown is None else shown}")
+
+
+def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(items, indent=2))
+        return
+    if not items:
+        print("no endpoints")
+        return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table()
+    for column in ("id", "tenant", "url", "event_types", "state", "ordered"):
+        table.add_column(column, overflow="fold")
+    for item in items:
+        state = item["state"] + (f" ({item['disabled_reason']})" if item["disabled_reason"] else "")
+        table.add_row(
+            *(
+                Text(str(v))  # stored text is shown as text, never as markup
+                for v in (
+                    item["id"],
+                    item["tenant"] if item["tenant"] is not None else "(operator)",
+                    item["url"],
+                    ",".join(item["event_types"]),
+                    state,
+                    "yes" if item["ordered"] else "",
+                )
+            )
+        )
+    Console(width=200 if not sys.stdout.isatty() else None).print(table)

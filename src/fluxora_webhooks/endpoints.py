@@ -1,0 +1,594 @@
+"""The endpoint registry: endpoints, their subscriptions and secrets, disable and enable,
+rotation, removal and recovery. The one admin layer: the CLI and the API parse and call
+these functions; each takes a psycopg connection and does the work in SQL
+(``sql/endpoints.sql``), tenant scoping included.
+
+An endpoint is a consumer URL registered for one tenant. Two are built in and configured
+from the environment only: ``default`` (``WEBHOOK_URL``, the default tenant, every event
+type) and ``operator`` (``WEBHOOK_OPERATOR_URL``, which receives the operator events and
+belongs to no tenant). Both can be read; ``default`` can be disabled and enabled; neither
+can be updated, rotated or removed through the registry.
+
+Scoping: every function takes ``tenant``. ``None`` acts for every tenant (an admin);
+a string restricts the call to that tenant, so another tenant's endpoint is not found.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from .errors import ConfigError, ConflictError, EndpointError, NotFoundError
+from .queries import query
+from .urlpolicy import IPNetwork, check_url_address, validate_url
+
+DEFAULT_ID = "default"
+OPERATOR_ID = "operator"
+BUILTIN_IDS = frozenset({DEFAULT_ID, OPERATOR_ID})
+# The tenant of the operator's own events and endpoint: a name no real tenant can have.
+OPERATOR_TENANT = "!operator"
+
+DISABLED_REASONS = ("manual", "gone", "failing")
+DEFAULT_KEEP_PREVIOUS_MS = 24 * 3_600_000
+MAX_KEEP_PREVIOUS_MS = 30 * 86_400_000
+MAX_PAGE = 1000
+MAX_RATE_LIMIT = 1_000_000
+MAX_HEADERS = 32
+MAX_DESCRIPTION = 1000
+SECRET_PREFIX = "whsec_"
+SECRET_BYTES = 32
+
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", re.ASCII)
+# An event type (or a prefix before a trailing '*'): printable ASCII without spaces.
+_EVENT_PATTERN = re.compile(r"\*|[!-)+-~]{1,200}\*?", re.ASCII)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}", re.ASCII)
+# Ours, or what HTTP itself must decide: an endpoint's custom headers never override them.
+RESERVED_HEADERS = frozenset(
+    {
+        "content-type",
+        "content-length",
+        "user-agent",
+        "host",
+        "connection",
+        "transfer-encoding",
+        "traceparent",
+        "tracestate",
+    }
+)
+RESERVED_HEADER_PREFIXES = ("x-fluxora-", "webhook-")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One registered endpoint. ``secret`` never appears in :meth:`as_json` or ``repr``."""
+
+    id: str
+    tenant: str
+    url: str
+    event_types: tuple[str, ...]
+    description: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    rate_limit: int | None = None
+    ordered: bool = False
+    state: str = "enabled"
+    disabled_reason: str | None = None
+    disabled_at: datetime | None = None
+    failing_since: datetime | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    secret: str | None = field(default=None, repr=False)
+    secret_previous: str | None = field(default=None, repr=False)
+    previous_until: datetime | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.state == "enabled"
+
+    @property
+    def builtin(self) -> bool:
+        return self.id in BUILTIN_IDS
+
+    def as_json(self) -> dict[str, Any]:
+        """The endpoint as the CLI and the API show it (never its secret)."""
+        return {
+            "id": self.id,
+            "tenant": None if self.tenant == OPERATOR_TENANT else self.tenant,
+            "url": self.url,
+            "event_types": list(self.event_types),
+            "description": self.description,
+            "headers": dict(self.headers),
+            "rate_limit": self.rate_limit,
+            "ordered": self.ordered,
+            "state": self.state,
+            "disabled_reason": self.disabled_reason,
+            "disabled_at": _iso(self.disabled_at),
+            "failing_since": _iso(self.failing_since),
+            "created_at": _iso(self.created_at),
+            "updated_at": _iso(self.updated_at),
+            "builtin": self.builtin,
+        }
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Endpoint:
+        return cls(
+            id=row["id"],
+            tenant=row["tenant"],
+            url=row["url"],
+            event_types=tuple(row["event_types"]),
+            description=row["description"],
+            headers=dict(row["headers"] or {}),
+            rate_limit=row["rate_limit"],
+            ordered=row["ordered"],
+            state=row["state"],
+            disabled_reason=row["disabled_reason"],
+            disabled_at=row["disabled_at"],
+            failing_since=row["failing_since"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            secret=row["secret"],
+            secret_previous=row["secret_previous"],
+            previous_until=row["previous_until"],
+        )
+
+
+@dataclass(frozen=True)
+class Changes:
+    """An update: ``None`` leaves a field as it is (``rate_limit``: set ``clear_rate_limit``
+    to go back to ``WEBHOOK_RETRY_RPS``)."""
+
+    url: str | None = None
+    event_types: Sequence[str] | None = None
+    description: str | None = None
+    headers: Mapping[str, str] | None = None
+    rate_limit: int | None = None
+    clear_rate_limit: bool = False
+    ordered: bool | None = None
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+def check_tenant(tenant: str, name: str = "tenant") -> str:
+    """'' (the default tenant) or a name of letters, digits and ``._:@-``."""
+    if not isinstance(tenant, str) or (tenant and not _TENANT.fullmatch(tenant)):
+        raise ConfigError(
+            name, "must be empty (the default tenant) or 1-128 letters, digits and ._:@-"
+        )
+    return tenant
+
+
+def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str = "url") -> str:
+    """The URL policy of SPEC section 7 for a registered endpoint: https (http to loopback
+    only), no credentials, and no loopback or private address unless ``allowed_networks``
+    (``WEBHOOK_ALLOWED_NETWORKS``) allows it. Host names are checked again when resolved."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(name, "is required (the endpoint's https URL)")
+    try:
+        validate_url(url)
+        check_url_address(url, allowed_networks=allowed_networks, registered=True)
+    except EndpointError as exc:
+        raise ConfigError(name, str(exc)) from None
+    return url
+
+
+def check_event_types(patterns: Sequence[str], name: str = "event_types") -> tuple[str, ...]:
+    """``*``, exact event types, or prefixes ending in ``*`` (``stream.*``)."""
+    if isinstance(patterns, str) or not isinstance(patterns, Sequence):
+        raise ConfigError(name, "must be a list of event types")
+    found = tuple(dict.fromkeys(p.strip() for p in patterns if isinstance(p, str)))
+    if not found or len(found) != len([p for p in patterns if isinstance(p, str) and p.strip()]):
+        raise ConfigError(name, "must list at least one event type (or *)")
+    if len(found) > 100:
+        raise ConfigError(name, "may list at most 100 event types")
+    for pattern in found:
+        if not _EVENT_PATTERN.fullmatch(pattern):
+            raise ConfigError(
+                name,
+                f"{pattern[:40]!r} is not an event type: printable ASCII without spaces, "
+                "or a prefix ending in * such as stream.*",
+            )
+    return found
+
+
+def check_headers(headers: Mapping[str, str], name: str = "headers") -> dict[str, str]:
+    """Custom headers sent with every request; never one of ours or HTTP's own."""
+    if not isinstance(headers, Mapping):
+        raise ConfigError(name, "must map header names to values")
+    if len(headers) > MAX_HEADERS:
+        raise ConfigError(name, f"may hold at most {MAX_HEADERS} headers")
+    out: dict[str, str] = {}
+    for key, value in headers.items():
+        if not isinstance(key, str) or not _HEADER_NAME.fullmatch(key):
+            raise ConfigError(name, f"{str(key)[:40]!r} is not a header name")
+        lower = key.lower()
+        if lower in RESERVED_HEADERS or lower.startswith(RESERVED_HEADER_PREFIXES):
+            raise ConfigError(name, f"{key} is set by fluxora-webhooks and cannot be overridden")
+        if lower in {k.lower() for k in out}:
+            raise ConfigError(name, f"{key} is given twice")
+        if not isinstance(value, str) or len(value) > 4096:
+            raise ConfigError(name, f"the value of {key} must be text of at most 4096 characters")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value) or not value.isascii():
+            raise ConfigError(name, f"the value of {key} must be printable ASCII")
+        out[key] = value
+    return out
+
+
+def check_rate_limit(value: int | None, name: str = "rate_limit") -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RATE_LIMIT:
+        raise ConfigError(name, f"must be a whole number from 1 to {MAX_RATE_LIMIT}")
+    return value
+
+
+def check_description(value: str, name: str = "description") -> str:
+    if not isinstance(value, str) or len(value) > MAX_DESCRIPTION:
+        raise ConfigError(name, f"must be text of at most {MAX_DESCRIPTION} characters")
+    return value
+
+
+def check_secret(value: str, name: str = "secret") -> str:
+    """A signing secret: ``whsec_`` + base64 of 24-64 bytes, or any other text of 24+ bytes
+    (used as written, as ``WEBHOOK_SECRET`` is)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(name, "must not be empty")
+    if value.startswith(SECRET_PREFIX):
+        try:
+            key = base64.b64decode(value[len(SECRET_PREFIX) :], validate=True)
+        except (binascii.Error, ValueError):
+            raise ConfigError(name, "starts with whsec_ but the rest is not valid base64") from None
+        if not 24 <= len(key) <= 64:
+            raise ConfigError(name, "a whsec_ secret must decode to 24-64 bytes")
+    elif len(value.encode()) < 24 or len(value) > 512:
+        raise ConfigError(name, "must be 24 to 512 characters (or whsec_ + base64)")
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in value):
+        raise ConfigError(name, "must be printable text without spaces")
+    return value
+
+
+def new_secret() -> str:
+    """``whsec_`` + base64 of 32 random bytes, as Standard Webhooks recommends."""
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode()
+
+
+def new_id() -> str:
+    return "ep_" + base64.b32encode(secrets.token_bytes(15)).decode().lower()
+
+
+def matches(patterns: Sequence[str], event_type: str) -> bool:
+    """Whether an endpoint subscribed with ``patterns`` receives ``event_type`` (the same
+    rule as the routing SQL)."""
+    for pattern in patterns:
+        if pattern == "*" or pattern == event_type:
+            return True
+        if pattern.endswith("*") and event_type.startswith(pattern[:-1]):
+            return True
+    return False
+
+
+# -- the registry ---------------------------------------------------------------------------
+
+
+def _scope(tenant: str | None) -> dict[str, Any]:
+    return {"scoped": tenant is not None, "tenant": tenant if tenant is not None else ""}
+
+
+async def _one(
+    conn: psycopg.AsyncConnection[Any], name: str, params: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query(name), params)
+    return await cur.fetchone()
+
+
+async def create(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    url: str,
+    tenant: str = "",
+    event_types: Sequence[str] = ("*",),
+    secret: str | None = None,
+    description: str = "",
+    headers: Mapping[str, str] | None = None,
+    rate_limit: int | None = None,
+    ordered: bool = False,
+    allowed_networks: Sequence[IPNetwork] = (),
+) -> tuple[Endpoint, str]:
+    """Register an endpoint; returns it and its secret (generated unless given), which is
+    shown this once."""
+    chosen = check_secret(secret) if secret is not None else new_secret()
+    params = {
+        "id": new_id(),
+        "tenant": check_tenant(tenant),
+        "url": check_url(url, allowed_networks=allowed_networks),
+        "event_types": list(check_event_types(event_types)),
+        "secret": chosen,
+        "description": check_description(description),
+        "headers": Jsonb(check_headers(headers or {})),
+        "rate_limit": check_rate_limit(rate_limit),
+        "ordered": bool(ordered),
+    }
+    row = await _one(conn, "endpoint_insert", params)
+    assert row is not None
+    return Endpoint.from_row(row), chosen
+
+
+async def get(
+    conn: psycopg.AsyncConnection[Any], endpoint_id: str, *, tenant: str | None = None
+) -> Endpoint:
+    """The endpoint, or :class:`NotFoundError` (also for another tenant's)."""
+    row = await _one(conn, "endpoint_get", {"id": endpoint_id, **_scope(tenant)})
+    if row is None or (tenant is not None and row["tenant"] == OPERATOR_TENANT):
+        raise NotFoundError(f"no endpoint {endpoint_id!r}")
+    return Endpoint.from_row(row)
+
+
+async def list_endpoints(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant: str | None = None,
+    limit: int = 100,
+    after: str | None = None,
+) -> list[Endpoint]:
+    """A page of endpoints ordered by id, after the cursor ``after``."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise ConfigError("limit", f"must be from 1 to {MAX_PAGE}")
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("endpoint_list"), {"limit": limit, "after": after, **_scope(tenant)})
+    return [Endpoint.from_row(r) for r in await cur.fetchall()]
+
+
+async def update(
+    conn: psycopg.AsyncConnection[Any],
+    endpoint_id: str,
+    changes: Changes,
+    *,
+    tenant: str | None = None,
+    allowed_networks: Sequence[IPNetwork] = (),
+) -> Endpoint:
+    current = await get(conn, endpoint_id, tenant=tenant)
+    if current.builtin:
+        raise ConflictError(
+            f"{endpoint_id} is configured from the environment; it cannot be updated"
+        )
+    params = {
+        "id": endpoint_id,
+        "url": None
+        if changes.url is None
+        else check_url(changes.url, allowed_networks=allowed_networks),
+        "event_types": None
+        if changes.event_types is None
+        else list(check_event_types(changes.event_types)),
+        "description": None
+        if changes.description is None
+        else check_description(changes.description),
+        "headers": None if changes.headers is None else Jsonb(check_headers(changes.headers)),
+        "set_rate_limit": changes.clear_rate_limit or changes.rate_limit is not None,
+        "rate_limit": None if changes.clear_rate_limit else check_rate_limit(changes.rate_limit),
+        "ordered": changes.ordered,
+        **_scope(tenant),
+    }
+    async with conn.transaction():
+        row = await _one(conn, "endpoint_update", params)
+        if row is None:
+            raise NotFoundError(f"no endpoint {endpoint_id!r}")
+        if current.ordered and changes.ordered is False:
+            await conn.execute(query("endpoint_release_waiting"), {"id": endpoint_id})
+            await conn.execute(query("endpoint_unorder_pending"), {"id": endpoint_id})
+    return Endpoint.from_row(row)
+
+
+async def rotate_secret(
+    conn: psycopg.AsyncConnection[Any],
+    endpoint_id: str,
+    *,
+    secret: str | None = None,
+    keep_previous_ms: int = DEFAULT_KEEP_PREVIOUS_MS,
+    tenant: str | None = None,
+) -> tuple[Endpoint, str]:
+    """A new secret; the old one keeps signing (a second ``webhook-signature``) for
+    ``keep_previous_ms``. Returns the endpoint and the new secret, shown this once."""
+    current = await get(conn, endpoint_id, tenant=tenant)
+    if current.builtin:
+        raise ConflictError(
+            f"{endpoint_id} signs with a secret from the environment; rotate it there"
+            " (WEBHOOK_SECRET_PREVIOUS)"
+        )
+    if not 0 <= keep_previous_ms <= MAX_KEEP_PREVIOUS_MS:
+        raise ConfigError("keep_previous", "must be from 0 to 30 days")
+    chosen = check_secret(secret) if secret is not None else new_secret()
+    row = await _one(
+        conn,
+        "endpoint_rotate",
+        {"id": endpoint_id, "secret": chosen, "keep_ms": keep_previous_ms, **_scope(tenant)},
+    )
+    if row is None:
+        raise NotFoundError(f"no endpoint {endpoint_id!r}")
+    return Endpoint.from_row(row), chosen
+
+
+async def disable(
+    conn: psycopg.AsyncConnection[Any],
+    endpoint_id: str,
+    *,
+    reason: str = "manual",
+    tenant: str | None = None,
+) -> Endpoint:
+    """Disable the endpoint and park its pending deliveries (kept, not attempted); the
+    operator is told (``endpoint.disabled``). Disabling a disabled endpoint changes
+    nothing."""
+    if reason not in DISABLED_REASONS:
+        raise ConfigError("reason", f"must be one of {', '.join(DISABLED_REASONS)}")
+    current = await get(conn, endpoint_id, tenant=tenant)
+    if current.id == OPERATOR_ID:
+        raise ConflictError("the operator endpoint is never disabled")
+    async with conn.transaction():
+        row = await _one(
+            conn, "endpoint_disable", {"id": endpoint_id, "reason": reason, **_scope(tenant)}
+        )
+        if row is None:
+            return await get(conn, endpoint_id, tenant=tenant)  # already disabled
+        await conn.execute(query("endpoint_park"), {"id": endpoint_id})
+        await operator_event(
+            conn, "endpoint.disabled", stream_id=endpoint_id, payload=_state_event(row, reason)
+        )
+    return Endpoint.from_row(row)
+
+
+async def enable(
+    conn: psycopg.AsyncConnection[Any], endpoint_id: str, *, tenant: str | None = None
+) -> Endpoint:
+    """Enable the endpoint: every parked delivery is due again (an ordered stream's in
+    order), its failure streak starts afresh, and the operator is told."""
+    from .outbox import promote_heads
+
+    async with conn.transaction():
+        row = await _one(conn, "endpoint_enable", {"id": endpoint_id, **_scope(tenant)})
+        if row is None:
+            return await get(conn, endpoint_id, tenant=tenant)  # enabled already, or 404
+        cur = await conn.execute(query("endpoint_unpark"), {"id": endpoint_id})
+        streams = [str(r[0]) for r in await cur.fetchall()]
+        await promote_heads(conn, [(endpoint_id, s) for s in streams])
+        await operator_event(
+            conn, "endpoint.enabled", stream_id=endpoint_id, payload=_state_event(row, None)
+        )
+    return Endpoint.from_row(row)
+
+
+async def remove(
+    conn: psycopg.AsyncConnection[Any], endpoint_id: str, *, tenant: str | None = None
+) -> int:
+    """Remove the endpoint. Its pending deliveries become dead letters (reason
+    ``endpoint_removed``) in the same transaction; returns how many."""
+    current = await get(conn, endpoint_id, tenant=tenant)
+    if current.builtin:
+        raise ConflictError(
+            f"{endpoint_id} is configured from the environment; it cannot be removed"
+        )
+    async with conn.transaction():
+        cur = await conn.execute(query("endpoint_remove"), {"id": endpoint_id, **_scope(tenant)})
+        row = await cur.fetchone()
+    assert row is not None
+    if not row[0]:
+        raise NotFoundError(f"no endpoint {endpoint_id!r}")
+    return int(row[1])
+
+
+RECOVER_BATCH = 1000
+
+
+async def moment(conn: psycopg.AsyncConnection[Any], text: str, name: str) -> datetime:
+    """A point in time given as ISO 8601 (UTC unless it says otherwise) or as a duration
+    ago (``2h``, on the database's clock)."""
+    from .settings import parse_duration_ms
+
+    value = (text or "").strip()
+    if not value:
+        raise ConfigError(name, "is empty; give an ISO 8601 time or a duration ago such as 2h")
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            ago_ms = parse_duration_ms(value, name)
+        except ConfigError:
+            raise ConfigError(
+                name, f"{value[:40]!r} is neither an ISO 8601 time nor a duration such as 2h"
+            ) from None
+        cur = await conn.execute("SELECT now() - %s * interval '1 millisecond'", (ago_ms,))
+        row = await cur.fetchone()
+        assert row is not None
+        moment_: datetime = row[0]
+        return moment_
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+async def recover(
+    conn: psycopg.AsyncConnection[Any],
+    endpoint_id: str,
+    *,
+    since: datetime,
+    until: datetime | None = None,
+    tenant: str | None = None,
+    batch: int = RECOVER_BATCH,
+) -> int:
+    """Put every dead letter of the endpoint from ``[since, until)`` (until: now) back into
+    the outbox (same delivery id, attempts counted afresh), ``batch`` per transaction, with
+    no cap on the total. Returns how many."""
+    from .outbox import promote_heads
+
+    await get(conn, endpoint_id, tenant=tenant)
+    if until is None:
+        cur = await conn.execute("SELECT clock_timestamp()")
+        row = await cur.fetchone()
+        assert row is not None
+        until = row[0]
+    assert until is not None
+    if until <= since:
+        raise ConfigError("until", "must be later than since")
+    total = 0
+    while True:
+        async with conn.transaction():
+            cur = await conn.execute(
+                query("recover_dead_letters"),
+                {"endpoint_id": endpoint_id, "since": since, "until": until, "batch": batch},
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            count, streams = int(row[0]), list(row[1] or [])
+            await promote_heads(conn, [(endpoint_id, s) for s in streams])
+        total += count
+        if count < batch:
+            return total
+
+
+async def operator_event(
+    conn: psycopg.AsyncConnection[Any], event_type: str, *, stream_id: str, payload: Any
+) -> str | None:
+    """Enqueue an operator event when the operator endpoint is configured (its delivery
+    id), else nothing (None)."""
+    cur = await conn.execute(
+        query("operator_event"),
+        {"event_type": event_type, "stream_id": stream_id, "payload": Jsonb(payload)},
+    )
+    row = await cur.fetchone()
+    return None if row is None else str(row[0])
+
+
+def _state_event(row: Mapping[str, Any], reason: str | None) -> dict[str, Any]:
+    return {
+        "endpoint_id": row["id"],
+        "tenant": row["tenant"],
+        "reason": reason,
+        "state": row["state"],
+        "at": _iso(row["updated_at"]),
+    }
+
+
+async def sync_builtin(
+    conn: psycopg.AsyncConnection[Any], endpoint_id: str, url: str | None
+) -> None:
+    """Record a built-in endpoint as this service configures it: present with its URL, or
+    absent when its variable is unset (its disabled state survives a restart)."""
+    if endpoint_id not in BUILTIN_IDS:
+        raise ValueError(f"{endpoint_id} is not a built-in endpoint")
+    tenant = OPERATOR_TENANT if endpoint_id == OPERATOR_ID else ""
+    if url:
+        await conn.execute(
+            query("builtin_upsert"), {"id": endpoint_id, "tenant": tenant, "url": url}
+        )
+    else:
+        await conn.execute(query("builtin_delete"), {"id": endpoint_id})

@@ -1,0 +1,269 @@
+"""Recording outcomes: a batch's in its claim transaction, a detached request's later in a
+transaction of its own (the :class:`Completer`), both through one statement
+(:func:`~fluxora_webhooks.outbox.complete`) and the effects that follow it.
+
+One bad row never undoes the others: when the database rejects a batch's statement, the
+rows still ours are recorded one by one (each under a savepoint, falling back to a dead
+letter, then to a deferral).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from .batch import Batch, Effects, Send, apply_effects, breaker_signal, effects_of, outcome_of
+from .delivery import AttemptResult
+from .outbox import Completion, Outcome, Recorded, complete, relock_claimed
+from .retry import Decision
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+
+log = logging.getLogger("fluxora_webhooks.dispatcher")
+
+DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+# Outcomes a batch statement writes without a savepoint (see Recorder.record).
+_PLAIN = frozenset({Outcome.DELIVERED, Outcome.ROUTED})
+
+
+class Recorder:
+    """Writes outcomes for a dispatcher."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.d = dispatcher
+
+    async def record(self, conn: psycopg.AsyncConnection[Any], batch: Batch) -> None:
+        """A batch's outcomes, in its claim transaction.
+
+        A batch where every row was delivered (or only routed) is written without a
+        savepoint: SAVEPOINT and RELEASE cost two more round trips and a subtransaction,
+        about a fifth of the database's CPU per batch (docs/performance.md); if it fails,
+        the transaction rolls back and the batch is recorded again row by row. A batch that
+        inserts retries or dead letters gets a savepoint, so a row the database rejects is
+        recorded on its own while the others keep their locks."""
+        done: list[tuple[Send, AttemptResult, Decision]] = []
+        for send, result in batch.finished():
+            completion, decision = outcome_of(self.d, send, result)
+            batch.completions.append(completion)
+            done.append((send, result, decision))
+        batch.done = done
+        effects = effects_of(done)
+        if all(c.outcome in _PLAIN for c in batch.completions):
+            recorded = await complete(
+                conn, batch.completions, route=batch.route, **_streaks(effects)
+            )
+        else:
+            try:
+                async with conn.transaction():
+                    recorded = await complete(
+                        conn, batch.completions, route=batch.route, **_streaks(effects)
+                    )
+            except DB_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+                batch.completions = await self._one_by_one(conn, batch.completions, batch.route)
+                recorded = Recorded()
+        batch.promoted = await self._effects(conn, recorded, effects)
+
+    async def record_again(
+        self, conn: psycopg.AsyncConnection[Any], batch: Batch
+    ) -> list[Completion]:
+        """After a batch's transaction rolled back on its statement: lock again the rows
+        still ours to record and record each on its own. A row another loop claimed
+        meanwhile is skipped: that loop sends it again (at-least-once)."""
+        async with conn.transaction():
+            mine = await relock_claimed(conn, [c.id for c in batch.completions])
+            kept = [c for c in batch.completions if c.id in mine]
+            return await self._one_by_one(conn, kept, [i for i in batch.route if i in mine])
+
+    def prepare_detached(self, items: Sequence[Detached]) -> Prepared:
+        """Decide the outcomes of requests that outlived their batch (once: the write may
+        be tried again)."""
+        done: list[tuple[Send, AttemptResult, Decision]] = []
+        completions = []
+        for item in items:
+            completion, decision = outcome_of(self.d, item.send, item.result, lease=item.send.lease)
+            completions.append(completion)
+            done.append((item.send, item.result, decision))
+        return Prepared(completions, [d for _, _, d in done], effects_of(done))
+
+    async def record_detached(self, conn: psycopg.AsyncConnection[Any], prepared: Prepared) -> None:
+        """Write them, each under its lease: a row whose lease is gone (its dispatcher was
+        presumed dead and another sent it again) is left to that other attempt."""
+        async with conn.transaction():
+            recorded = await complete(conn, prepared.completions, **_streaks(prepared.effects))
+            await self._effects(conn, recorded, prepared.effects)
+
+    async def _effects(
+        self, conn: psycopg.AsyncConnection[Any], recorded: Recorded, effects: Effects
+    ) -> int:
+        if not (recorded.ordered or effects.ordered or effects.gone or effects.failed):
+            return 0
+        try:
+            async with conn.transaction():
+                return await apply_effects(self.d, conn, recorded, effects)
+        except DB_ERRORS:
+            raise
+        except psycopg.Error as exc:
+            # The outcomes stand; a stream whose next head was not chosen is found by the
+            # periodic sweep, an endpoint not disabled by its next failure.
+            log.error("after recording: %s (%s)", type(exc).__name__, exc.sqlstate)
+            return 0
+
+    async def _one_by_one(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        completions: Sequence[Completion],
+        route: Sequence[int],
+    ) -> list[Completion]:
+        recorded = []
+        for one in completions:
+            done = await self._complete_one(conn, one, [one.id] if one.id in route else [])
+            if done is not None:
+                recorded.append(done)
+        return recorded
+
+    async def _complete_one(
+        self, conn: psycopg.AsyncConnection[Any], one: Completion, route: list[int]
+    ) -> Completion | None:
+        """Record one row's outcome; failing that, dead-letter it; failing that, defer it a
+        minute (never left due at once: that would re-send it in a tight loop). Returns what
+        was recorded (None: nothing could be; the row stays pending)."""
+        fallbacks = (
+            one,
+            Completion(
+                one.id,
+                Outcome.DEAD_LETTER,
+                status_code=one.status_code,
+                error=f"could not record outcome {one.outcome!r}: database rejected the row",
+                reason="internal_error",
+                endpoint_id=one.endpoint_id,
+                lease=one.lease,
+            ),
+            Completion(one.id, Outcome.DEFERRED, delay_ms=60_000, lease=one.lease),
+        )
+        for recording in fallbacks:
+            try:
+                async with conn.transaction():
+                    await complete(conn, [recording], route=route)
+                return recording
+            except DB_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                log.error(
+                    "row %d: recording %s failed (%s)", one.id, recording.outcome, exc.sqlstate
+                )
+        log.error("row %d: could not be completed at all; it stays pending", one.id)
+        return None
+
+
+def _streaks(effects: Effects) -> dict[str, Any]:
+    return {"succeeded": sorted(effects.succeeded), "failed": sorted(effects.failed)}
+
+
+@dataclass
+class Prepared:
+    """Detached attempts' outcomes, decided, to write."""
+
+    completions: list[Completion]
+    decisions: list[Decision]
+    effects: Effects
+
+
+@dataclass
+class Detached:
+    """A request that outlived its batch, done now."""
+
+    send: Send
+    result: AttemptResult
+
+
+class Completer:
+    """Records the requests that outlived their batch, a few at a time, in transactions of
+    its own (a connection of the dispatcher's pool)."""
+
+    # Gather what ends within this long into one transaction.
+    LINGER_S = 0.005
+    MAX_GROUP = 200
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.d = dispatcher
+        self._queue: asyncio.Queue[Detached] = asyncio.Queue()
+        # Detached requests not settled yet: in flight, or waiting to be recorded.
+        self.outstanding = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def detached(self) -> None:
+        """A request was detached from its batch: it is the completer's until settled."""
+        self.outstanding += 1
+        self._idle.clear()
+
+    def submit(self, send: Send, result: AttemptResult) -> None:
+        self._queue.put_nowait(Detached(send, result))
+
+    def settled(self, count: int = 1) -> None:
+        """Recorded, or given up (its row is sent again when its lease ends)."""
+        self.outstanding -= count
+        if self.outstanding <= 0:
+            self._idle.set()
+
+    async def run(self) -> None:
+        """Until cancelled; on the way out, records what is already queued."""
+        while True:
+            first = await self._queue.get()
+            group = [first]
+            await asyncio.sleep(self.LINGER_S)
+            while not self._queue.empty() and len(group) < self.MAX_GROUP:
+                group.append(self._queue.get_nowait())
+            await self._write(group)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) for the detached requests to end and be recorded."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+
+    async def _write(self, group: list[Detached]) -> None:
+        prepared = self.d.recorder.prepare_detached(group)
+        backoff = 0.05
+        deadline = asyncio.get_running_loop().time() + self.d.settings.timeout_ms / 1000
+        while True:
+            try:
+                await self.d.with_connection(
+                    lambda conn: self.d.recorder.record_detached(conn, prepared)
+                )
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    # The leases end soon: those rows are sent again (at-least-once).
+                    log.error(
+                        "could not record %d detached attempt(s) (%s); they will be sent again",
+                        len(group),
+                        type(exc).__name__,
+                    )
+                    self.settled(len(group))
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+        self.settled(len(group))
+        for decision in prepared.decisions:
+            self.d.count(decision.outcome, decision.reason)
+        reports: dict[str, list[tuple[Any, bool | None]]] = {}
+        for item in group:
+            reports.setdefault(item.send.target.url, []).append(
+                (item.send.admission, breaker_signal(item.result))
+            )
+        with contextlib.suppress(Exception):
+            await self.d.report(reports)

@@ -1,0 +1,191 @@
+-- The endpoint registry (SPEC 10, 12, 13): named blocks used by endpoints.py, the one admin
+-- layer behind the CLI and the API. Tenant scoping is in the queries themselves: a block
+-- that takes %(tenant)s compares it only when %(scoped)s is true (an admin sees every
+-- tenant); another tenant's endpoint is then simply not found.
+
+-- name: endpoint_insert
+INSERT INTO webhook_endpoints
+    (id, tenant, url, event_types, secret, description, headers, rate_limit, ordered)
+VALUES (%(id)s, %(tenant)s, %(url)s, %(event_types)s, %(secret)s, %(description)s,
+        %(headers)s, %(rate_limit)s, %(ordered)s)
+RETURNING *;
+
+-- name: endpoint_get
+SELECT * FROM webhook_endpoints
+WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s);
+
+-- name: endpoint_list
+-- A page of endpoints by id; %(after)s is the cursor (the last id of the previous page).
+SELECT * FROM webhook_endpoints
+WHERE (NOT %(scoped)s OR tenant = %(tenant)s)
+  AND (%(after)s::text IS NULL OR id > %(after)s)
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: endpoint_update
+-- COALESCE keeps what the change leaves out; description and headers take '' and {}.
+UPDATE webhook_endpoints
+SET url = COALESCE(%(url)s, url),
+    event_types = COALESCE(%(event_types)s, event_types),
+    description = COALESCE(%(description)s, description),
+    headers = COALESCE(%(headers)s, headers),
+    rate_limit = CASE WHEN %(set_rate_limit)s THEN %(rate_limit)s ELSE rate_limit END,
+    ordered = COALESCE(%(ordered)s, ordered),
+    updated_at = now()
+WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
+RETURNING *;
+
+-- name: endpoint_release_waiting
+-- An endpoint no longer ordered: its waiting deliveries are ordinary pending ones now.
+UPDATE webhook_outbox
+SET hold = NULL, stream_seq = NULL, created_at = now()
+WHERE endpoint_id = %(id)s AND NOT processed AND hold = 'waiting';
+
+-- name: endpoint_unorder_pending
+-- The rest of its pending deliveries (heads, retries) leave their streams too.
+UPDATE webhook_outbox
+SET stream_seq = NULL
+WHERE endpoint_id = %(id)s AND NOT processed AND stream_seq IS NOT NULL;
+
+-- name: endpoint_rotate
+UPDATE webhook_endpoints
+SET secret_previous = secret,
+    previous_until = now() + %(keep_ms)s * interval '1 millisecond',
+    secret = %(secret)s,
+    updated_at = now()
+WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
+RETURNING *;
+
+-- name: endpoint_disable
+UPDATE webhook_endpoints
+SET state = 'disabled', disabled_reason = %(reason)s, disabled_at = now(), updated_at = now()
+WHERE id = %(id)s AND state = 'enabled' AND (NOT %(scoped)s OR tenant = %(tenant)s)
+RETURNING *;
+
+-- name: endpoint_park
+-- A disabled endpoint's pending deliveries are parked: kept, not due, no attempt consumed.
+-- A row a batch holds (SKIP LOCKED) is parked by that batch's completion (its retry row
+-- is inserted parked) or at its next claim; a leased row in flight finishes first.
+UPDATE webhook_outbox
+SET hold = 'parked', created_at = 'infinity'
+WHERE id IN (
+    SELECT id FROM webhook_outbox
+    WHERE endpoint_id = %(id)s AND NOT processed AND lease IS NULL
+      AND hold IS DISTINCT FROM 'parked'
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: endpoint_enable
+UPDATE webhook_endpoints
+SET state = 'enabled', disabled_reason = NULL, disabled_at = NULL, failing_since = NULL,
+    updated_at = now()
+WHERE id = %(id)s AND state = 'disabled' AND (NOT %(scoped)s OR tenant = %(tenant)s)
+RETURNING *;
+
+-- name: endpoint_unpark
+-- Every parked delivery is due again; an ordered stream's deliveries wait for their head,
+-- which promote_heads then chooses. Returns the streams to promote.
+WITH unparked AS (
+    UPDATE webhook_outbox
+    SET hold = CASE WHEN stream_seq IS NULL THEN NULL ELSE 'waiting' END,
+        created_at = CASE WHEN stream_seq IS NULL THEN now() ELSE 'infinity' END
+    WHERE endpoint_id = %(id)s AND NOT processed AND hold = 'parked'
+    RETURNING stream_id, stream_seq
+)
+SELECT DISTINCT stream_id FROM unparked WHERE stream_seq IS NOT NULL;
+
+-- name: endpoint_remove
+-- The endpoint goes, and every pending delivery of it becomes a dead letter (reason
+-- endpoint_removed) in the same transaction: nothing vanishes. A row a batch holds is
+-- waited for (not skipped): it is either recorded by then or dead-lettered here.
+WITH gone AS (
+    DELETE FROM webhook_endpoints
+    WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
+    RETURNING id
+),
+pending AS (
+    UPDATE webhook_outbox o
+    SET processed = true, processed_at = clock_timestamp(), outcome = 'dead_letter',
+        error = 'endpoint removed', lease = NULL
+    FROM gone
+    WHERE o.endpoint_id = gone.id AND NOT o.processed
+    RETURNING o.*
+),
+dead AS (
+    INSERT INTO webhook_dead_letter
+        (delivery_id, stream_id, event_type, payload, attempts, reason, last_status,
+         last_error, enqueued_at, tenant, endpoint_id, event_id, stream_seq, traceparent,
+         tracestate)
+    SELECT delivery_id, stream_id, event_type, payload, attempt - 1, 'endpoint_removed', NULL,
+           'endpoint removed', enqueued_at, tenant, endpoint_id, event_id, stream_seq,
+           traceparent, tracestate
+    FROM pending
+    RETURNING delivery_id, tenant, endpoint_id, event_type, attempts, stream_id
+),
+told AS (
+    INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id)
+    SELECT '!operator', d.delivery_id::text, 'delivery.dead_lettered',
+           jsonb_build_object('endpoint_id', d.endpoint_id, 'tenant', d.tenant,
+                              'reason', 'endpoint_removed', 'delivery_id', d.delivery_id,
+                              'event_type', d.event_type, 'attempts', d.attempts,
+                              'stream_id', d.stream_id),
+           'operator'
+    FROM dead d
+    WHERE EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = 'operator')
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone) AS removed, (SELECT count(*) FROM dead) AS dead_lettered;
+
+-- name: operator_event
+-- An operator event (SPEC 12), when the operator endpoint is configured: a row of the
+-- outbox of its own (no tenant sees it), delivered, retried and dead-lettered like others.
+INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id)
+SELECT '!operator', %(stream_id)s, %(event_type)s, %(payload)s, 'operator'
+WHERE EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = 'operator')
+RETURNING delivery_id::text;
+
+-- name: builtin_upsert
+-- The built-in endpoints (default, operator) as the running service configures them.
+INSERT INTO webhook_endpoints (id, tenant, url)
+VALUES (%(id)s, %(tenant)s, %(url)s)
+ON CONFLICT (id) DO UPDATE SET url = EXCLUDED.url, updated_at = now()
+WHERE webhook_endpoints.url IS DISTINCT FROM EXCLUDED.url
+RETURNING id;
+
+-- name: builtin_delete
+DELETE FROM webhook_endpoints WHERE id = %(id)s;
+
+-- name: recover_dead_letters
+-- One bounded batch of an endpoint's dead letters from the window, back into the outbox:
+-- same delivery id, attempts counted afresh, gated as retries, parked if the endpoint is
+-- disabled, waiting behind its stream's head if it is ordered (promote_heads decides).
+WITH picked AS (
+    UPDATE webhook_dead_letter
+    SET state = 'replayed', state_changed_at = now()
+    WHERE id IN (
+        SELECT id FROM webhook_dead_letter
+        WHERE endpoint_id = %(endpoint_id)s AND state = 'dead'
+          AND dead_at >= %(since)s AND dead_at < %(until)s
+        ORDER BY dead_at, id
+        LIMIT %(batch)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING *
+),
+ep AS (SELECT * FROM webhook_endpoints WHERE id = %(endpoint_id)s),
+queued AS (
+    INSERT INTO webhook_outbox
+        (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
+         endpoint_id, event_id, stream_seq, hold, created_at, traceparent, tracestate)
+    SELECT p.tenant, p.stream_id, p.event_type, p.payload, p.delivery_id, p.enqueued_at, true,
+           p.endpoint_id, p.event_id, CASE WHEN ep.ordered THEN p.stream_seq END,
+           CASE WHEN ep.state = 'disabled' THEN 'parked'
+                WHEN ep.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
+           CASE WHEN ep.state = 'disabled' OR (ep.ordered AND p.stream_seq IS NOT NULL)
+                THEN 'infinity'::timestamptz ELSE now() END,
+           p.traceparent, p.tracestate
+    FROM picked p CROSS JOIN ep
+    RETURNING stream_id, stream_seq
+)
+SELECT (SELECT count(*) FROM picked) AS requeued,
+       ARRAY(SELECT DISTINCT stream_id FROM queued WHERE stream_seq IS NOT NULL) AS streams;

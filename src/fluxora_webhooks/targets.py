@@ -1,0 +1,168 @@
+"""The dispatcher's view of the endpoints: a cache of the registry, reloaded endpoint by
+endpoint when PostgreSQL notifies a change (and wholly every few seconds as a fallback),
+plus the built-in endpoints configured from the environment. The table stays the truth:
+the routing and every state change are decided in SQL; the cache only tells the dispatcher
+where to send, how to sign, and what it may skip (a disabled endpoint's rows are parked).
+
+Each :class:`Target` also carries this process's own bookkeeping for its endpoint: how many
+requests are in flight (at most ``WEBHOOK_ENDPOINT_CONCURRENCY``) and whether the endpoint
+is slow right now (a request outlived a batch), so that one endpoint never holds up the
+others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint
+from .signing import Signer
+
+log = logging.getLogger(__name__)
+
+# An endpoint stays "slow" this long after a request to it outlived its batch (or timed
+# out): its requests are detached from their batch at once meanwhile.
+SLOW_FOR_S = 30.0
+
+
+@dataclass
+class Load:
+    """This process's requests to one endpoint: kept across reloads of the endpoint."""
+
+    in_flight: int = 0
+    slow_until: float = 0.0
+    deadlines: list[float] = field(default_factory=list)
+
+    @property
+    def slow(self) -> bool:
+        return time.monotonic() < self.slow_until
+
+    def mark_slow(self) -> None:
+        self.slow_until = time.monotonic() + SLOW_FOR_S
+
+    def next_free_in_s(self) -> float:
+        """How long until one of its in-flight requests ends at the latest (its timeout)."""
+        if not self.deadlines:
+            return 0.0
+        return max(0.0, min(self.deadlines) - time.monotonic())
+
+
+@dataclass
+class Target:
+    """One endpoint as this dispatcher sends to it."""
+
+    id: str
+    tenant: str
+    url: str
+    signer: Signer
+    builtin: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+    rate_limit: int | None = None
+    ordered: bool = False
+    enabled: bool = True
+    failing_since: float | None = None  # unix seconds (database clock), None: no streak
+    load: Load = field(default_factory=Load)
+
+
+def _signer_for(endpoint: Endpoint) -> Signer:
+    assert endpoint.secret is not None
+    previous = None
+    until = endpoint.previous_until
+    if endpoint.secret_previous and until is not None and until.timestamp() > time.time():
+        previous = endpoint.secret_previous.encode()
+    return Signer(endpoint.secret.encode(), previous)
+
+
+class Targets:
+    """The endpoints a dispatcher sends to, by id. ``env`` holds the built-in endpoints'
+    (url, signer) from the environment; their state comes from the registry when a row
+    exists (it does once a service has started)."""
+
+    def __init__(self, env: Mapping[str, tuple[str, Signer]]) -> None:
+        self._env = dict(env)
+        self._by_id: dict[str, Target] = {}
+        # Tenants that have at least one endpoint of the table (not built-in).
+        self._tenants_with_endpoints: set[str] = set()
+        self.loaded = False
+        for endpoint_id, (url, signer) in self._env.items():
+            self._by_id[endpoint_id] = Target(
+                endpoint_id,
+                OPERATOR_TENANT if endpoint_id == OPERATOR_ID else "",
+                url,
+                signer,
+                builtin=True,
+            )
+
+    @property
+    def has_default(self) -> bool:
+        return DEFAULT_ID in self._env
+
+    def get(self, endpoint_id: str) -> Target | None:
+        return self._by_id.get(endpoint_id)
+
+    def all(self) -> Iterable[Target]:
+        return self._by_id.values()
+
+    async def load_all(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Read the whole registry (at start, and as the periodic fallback)."""
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute("SELECT * FROM webhook_endpoints")
+        rows = await cur.fetchall()
+        seen = {str(r["id"]) for r in rows}
+        for row in rows:
+            self._apply(Endpoint.from_row(row))
+        for endpoint_id in list(self._by_id):
+            if endpoint_id not in seen and endpoint_id not in self._env:
+                del self._by_id[endpoint_id]
+        self._tenants_with_endpoints = {t.tenant for t in self._by_id.values() if not t.builtin}
+        self.loaded = True
+
+    async def reload(self, conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> Target | None:
+        """Read one endpoint again (after its NOTIFY); None when it no longer exists."""
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute("SELECT * FROM webhook_endpoints WHERE id = %s", (endpoint_id,))
+        row = await cur.fetchone()
+        if row is None:
+            if endpoint_id in self._env:
+                builtin = self._by_id[endpoint_id]
+                builtin.enabled, builtin.failing_since = True, None
+                return builtin
+            self._by_id.pop(endpoint_id, None)
+            self._tenants_with_endpoints = {t.tenant for t in self._by_id.values() if not t.builtin}
+            return None
+        target = self._apply(Endpoint.from_row(row))
+        if target is not None and not target.builtin:
+            self._tenants_with_endpoints.add(target.tenant)
+        return target
+
+    def _apply(self, endpoint: Endpoint) -> Target | None:
+        failing = None if endpoint.failing_since is None else endpoint.failing_since.timestamp()
+        if endpoint.id in self._env:
+            target = self._by_id[endpoint.id]
+            target.enabled = endpoint.enabled
+            target.failing_since = failing
+            return target
+        if endpoint.builtin or endpoint.secret is None:
+            return None  # a built-in endpoint this dispatcher is not configured for
+        old = self._by_id.get(endpoint.id)
+        target = Target(
+            endpoint.id,
+            endpoint.tenant,
+            endpoint.url,
+            _signer_for(endpoint),
+            headers=dict(endpoint.headers),
+            rate_limit=endpoint.rate_limit,
+            ordered=endpoint.ordered,
+            enabled=endpoint.enabled,
+            failing_since=failing,
+        )
+        if old is not None:  # this process's bookkeeping outlives a reload
+            target.load = old.load
+        self._by_id[endpoint.id] = target
+        return target
