@@ -123,6 +123,10 @@ class Batch:
                 target = found
             endpoint_id = DEFAULT_ID if row.is_event else None
             if not target.enabled:
+                # The cache may be a moment behind an enable (its NOTIFY is on its way):
+                # the registry decides before a row is parked.
+                target = await self.d.targets.reload(conn, target.id) or target
+            if not target.enabled:
                 self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=endpoint_id))
                 continue
             wait = self.d.capacity_wait_s(target)

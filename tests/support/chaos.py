@@ -73,8 +73,9 @@ class Hit:
     at: float  # time.time() on receipt
     headers: dict[str, str]
     behaviour: Behaviour = Behaviour.OK
-    # The status line the consumer finished writing (None: it never answered).
+    # The status line the consumer finished writing (None: it never answered), and when.
     answered: int | None = None
+    answered_at: float = 0.0
 
 
 Chooser = Callable[[Hit], Behaviour]
@@ -321,6 +322,7 @@ async def _send(
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
     await writer.drain()
     hit.answered = status
+    hit.answered_at = time.time()
 
 
 async def _start_chunked(writer: asyncio.StreamWriter, hit: Hit) -> None:
@@ -610,7 +612,12 @@ async def account(
     """Account for every event of a run (see :class:`Accounting`). ``committed_ns``: the
     payload ``n`` of every event the producer saw committed, cross-checked with the table."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        cur = await conn.execute("SELECT DISTINCT delivery_id::text FROM webhook_outbox")
+        # Every delivery id of a delivery (an event row fanned out with no default endpoint
+        # of its own, 'routed' or 'unrouted', is not one).
+        cur = await conn.execute(
+            "SELECT DISTINCT delivery_id::text FROM webhook_outbox"
+            " WHERE outcome IS NULL OR outcome NOT IN ('routed', 'unrouted')"
+        )
         written = {r[0] for r in await cur.fetchall()}
         cur = await conn.execute(
             "SELECT delivery_id::text, count(*) FROM webhook_outbox"

@@ -58,7 +58,8 @@ RETURNING *;
 
 -- name: endpoint_disable
 UPDATE webhook_endpoints
-SET state = 'disabled', disabled_reason = %(reason)s, disabled_at = now(), updated_at = now()
+SET state = 'disabled', disabled_reason = %(reason)s, disabled_at = clock_timestamp(),
+    updated_at = clock_timestamp()
 WHERE id = %(id)s AND state = 'enabled' AND (NOT %(scoped)s OR tenant = %(tenant)s)
 RETURNING *;
 

@@ -173,7 +173,7 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
 -- two transactions never wait on each other in a cycle.
 SELECT pg_advisory_xact_lock(k)
 FROM (
-    SELECT DISTINCT hashtextextended(e || chr(31) || s, 0x666c7578) AS k
+    SELECT DISTINCT hashtextextended(e || chr(31) || s, 1718973816) AS k
     FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)
     ORDER BY k
 ) keys;
@@ -209,6 +209,25 @@ FROM (
 ) h
 WHERE o.id = h.id
 RETURNING o.id;
+
+-- name: sweep_lock
+-- One dispatcher at a time looks for stuck ordered streams ("fluxora-webhooks sweep").
+SELECT pg_try_advisory_lock(7382390104629133160);
+
+-- name: sweep_unlock
+SELECT pg_advisory_unlock(7382390104629133160);
+
+-- name: stuck_streams
+-- Ordered streams with a waiting delivery and no active one: their next head was never
+-- chosen (a failure after an outcome was recorded). promote_heads chooses it.
+SELECT DISTINCT w.endpoint_id, w.stream_id
+FROM webhook_outbox w
+WHERE NOT w.processed AND w.stream_seq IS NOT NULL AND w.hold = 'waiting'
+  AND NOT EXISTS (
+      SELECT 1 FROM webhook_outbox a
+      WHERE a.endpoint_id = w.endpoint_id AND a.stream_id = w.stream_id AND NOT a.processed
+        AND a.stream_seq IS NOT NULL AND a.hold IS NULL)
+LIMIT 1000;
 
 -- name: relock_claimed
 -- complete_batch runs without a savepoint; when it fails, its transaction rolls back and

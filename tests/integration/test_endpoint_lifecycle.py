@@ -1,0 +1,362 @@
+"""An endpoint's life while a dispatcher runs (SPEC 10, 12, 13): changes reach it without a
+restart; disabling parks deliveries and enabling sends them, nothing lost; 410 Gone and a
+long failure streak disable it; the operator hears of it; removal dead-letters what was
+pending; recovery re-queues dead letters; rotation signs with both secrets for a while."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from standardwebhooks import Webhook
+
+from fluxora_webhooks import endpoints, enqueue, verify
+from fluxora_webhooks.errors import ConfigError, ConflictError, NotFoundError, VerificationError
+from fluxora_webhooks.settings import Settings
+from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+OPERATOR_SECRET = b"operator-secret-that-is-long-enough-4242"
+
+
+@pytest_asyncio.fixture
+async def consumer() -> AsyncIterator[Receiver]:
+    r = Receiver()
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+@pytest_asyncio.fixture
+async def operator() -> AsyncIterator[Receiver]:
+    r = Receiver()
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+def settings(operator: Receiver | None = None, **overrides: Any) -> Settings:
+    base = dataclasses.replace(
+        make_settings("", allowed_networks=LOOPBACK), secret=b"", **overrides
+    )
+    if operator is not None:
+        base = dataclasses.replace(base, operator_url=operator.url, operator_secret=OPERATOR_SECRET)
+    return base
+
+
+async def send(
+    database_url: str, n: int, *, tenant: str = "", kind: str = "stream.updated"
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for i in range(n):
+            await enqueue(conn, tenant=tenant, stream_id=f"s{i}", event_type=kind, payload={"i": i})
+
+
+async def connect(database_url: str) -> psycopg.AsyncConnection[Any]:
+    return await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+
+
+async def held(database_url: str, endpoint_id: str) -> int:
+    return int(
+        await scalar(
+            database_url,
+            "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed"
+            " AND hold = 'parked'",
+            (endpoint_id,),
+        )
+    )
+
+
+async def test_live_add_disable_enable_update_without_a_restart(
+    database_url: str, consumer: Receiver
+) -> None:
+    other = Receiver()
+    await other.start()
+    try:
+        async with running_dispatcher(settings(), database_url):
+            conn = await connect(database_url)
+            async with conn:
+                ep, _ = await endpoints.create(
+                    conn, url=consumer.url, allowed_networks=LOOPBACK, headers={"X-Team": "blue"}
+                )
+                await send(database_url, 3)
+                await consumer.wait_for(3)
+                assert {r.headers["x-team"] for r in consumer.received} == {"blue"}
+
+                await endpoints.disable(conn, ep.id)
+                await send(database_url, 4)
+                await wait_until(lambda: _eq(held(database_url, ep.id), 4), what="4 parked")
+                await asyncio.sleep(0.3)
+                assert len(consumer.received) == 3  # parked: not sent, kept, visible
+
+                await endpoints.enable(conn, ep.id)
+                await consumer.wait_for(7)
+
+                await endpoints.update(
+                    conn,
+                    ep.id,
+                    endpoints.Changes(url=other.url, event_types=["invoice.*"]),
+                    allowed_networks=LOOPBACK,
+                )
+                await asyncio.sleep(0.3)  # the NOTIFY reaches the dispatcher's cache
+                await send(database_url, 2, kind="invoice.paid")
+                await send(database_url, 2, kind="stream.updated")
+                await other.wait_for(2)
+        assert len(consumer.received) == 7
+        assert {r.headers["x-fluxora-event"] for r in other.received} == {"invoice.paid"}
+        ids = [r.delivery_id for r in consumer.received]
+        assert len(set(ids)) == 7  # nothing sent twice, nothing lost
+    finally:
+        await other.stop()
+
+
+async def test_410_disables_at_once_and_parks_the_delivery_with_the_rest(
+    database_url: str, consumer: Receiver, operator: Receiver
+) -> None:
+    consumer.respond = lambda r: web.Response(status=410)
+    async with running_dispatcher(settings(operator), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            await send(database_url, 1)
+            await consumer.wait_for(1)
+            await wait_until(lambda: _state(database_url, ep.id, "disabled"), what="disabled")
+            found = await endpoints.get(conn, ep.id)
+            assert found.disabled_reason == "gone"
+            await send(database_url, 2)
+            await wait_until(lambda: _eq(held(database_url, ep.id), 3), what="3 parked")
+            assert len(consumer.received) == 1
+            await operator.wait_for(1)
+            consumer.respond = None
+            await endpoints.enable(conn, ep.id)
+            await consumer.wait_for(4)  # the gone one again, and the two parked
+            await operator.wait_for(2)
+    told = [json.loads(r.body) for r in operator.received]
+    assert [r.headers["x-fluxora-event"] for r in operator.received] == [
+        "endpoint.disabled",
+        "endpoint.enabled",
+    ]
+    assert told[0]["endpoint_id"] == ep.id and told[0]["reason"] == "gone"
+    for r in operator.received:
+        assert verify(r.body, r.headers, OPERATOR_SECRET) == r.delivery_id
+    assert len({r.delivery_id for r in consumer.received}) == 3
+
+
+async def test_a_failure_streak_longer_than_disable_after_disables_it(
+    database_url: str, consumer: Receiver, operator: Receiver
+) -> None:
+    consumer.respond = lambda r: web.Response(status=503)
+    tuned = settings(operator, disable_after_ms=1000, retry_schedule_ms=(100,), max_attempts=50)
+    async with running_dispatcher(tuned, database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            await send(database_url, 2)
+            await wait_until(
+                lambda: _state(database_url, ep.id, "disabled"), timeout=20, what="disabled"
+            )
+            disabled = await endpoints.get(conn, ep.id)
+            assert disabled.disabled_reason == "failing"
+            streak = disabled.failing_since
+            assert streak is not None and disabled.disabled_at is not None
+            assert (disabled.disabled_at - streak).total_seconds() >= 1.0
+            await wait_until(lambda: _eq(held(database_url, ep.id), 2), what="both parked")
+            sent = len(consumer.received)
+            await asyncio.sleep(0.5)
+            assert len(consumer.received) == sent  # parked: no more attempts
+            assert await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter") == 0
+            await operator.wait_for(1)
+            assert json.loads(operator.received[0].body)["reason"] == "failing"
+            consumer.respond = None
+            await endpoints.enable(conn, ep.id)
+            await wait_until(lambda: _delivered(database_url, ep.id, 2), what="delivered")
+            assert (await endpoints.get(conn, ep.id)).failing_since is None
+
+
+async def test_a_success_ends_the_streak_and_idle_time_alone_disables_nothing(
+    database_url: str, consumer: Receiver
+) -> None:
+    answers = iter([503, 200, 503])
+    consumer.respond = lambda r: web.Response(status=next(answers, 200))
+    tuned = settings(disable_after_ms=1000, retry_schedule_ms=(100,))
+    async with running_dispatcher(tuned, database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            await send(database_url, 1)
+            await wait_until(lambda: _delivered(database_url, ep.id, 1), what="delivered")
+            assert (await endpoints.get(conn, ep.id)).failing_since is None
+            await send(database_url, 1)  # 503: a new streak starts...
+            await consumer.wait_for(3)
+            await asyncio.sleep(1.5)  # ...and time passes without another failure
+            assert (await endpoints.get(conn, ep.id)).enabled
+            await wait_until(lambda: _delivered(database_url, ep.id, 2), what="delivered")
+
+
+async def test_removal_dead_letters_pending_deliveries_and_tells_the_operator(
+    database_url: str, consumer: Receiver, operator: Receiver
+) -> None:
+    async with running_dispatcher(settings(operator), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            await endpoints.disable(conn, ep.id)
+            await send(database_url, 5)
+            await wait_until(lambda: _eq(held(database_url, ep.id), 5), what="parked")
+            assert await endpoints.remove(conn, ep.id) == 5
+            with pytest.raises(NotFoundError):
+                await endpoints.get(conn, ep.id)
+            await operator.wait_for(6)  # endpoint.disabled + five dead letters
+    reasons = await rows(
+        database_url,
+        "SELECT reason, count(*) FROM webhook_dead_letter WHERE endpoint_id = %s GROUP BY 1",
+        (ep.id,),
+    )
+    assert reasons == [("endpoint_removed", 5)]
+    kinds = sorted(r.headers["x-fluxora-event"] for r in operator.received)
+    assert kinds == ["delivery.dead_lettered"] * 5 + ["endpoint.disabled"]
+    assert consumer.received == []
+
+
+async def test_recover_requeues_ten_thousand_dead_letters_in_one_call(
+    database_url: str, consumer: Receiver
+) -> None:
+    conn = await connect(database_url)
+    async with conn:
+        ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+        await conn.execute(
+            "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+            " attempts, reason, enqueued_at, dead_at, endpoint_id)"
+            " SELECT gen_random_uuid(), 's' || g, 'stream.updated', jsonb_build_object('g', g),"
+            " 8, 'attempts_exhausted', now(), now() - interval '30 minutes', %s"
+            " FROM generate_series(1, 10000) g",
+            (ep.id,),
+        )
+        await conn.execute(  # outside the window: stays
+            "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+            " attempts, reason, enqueued_at, dead_at, endpoint_id) VALUES (gen_random_uuid(),"
+            " 'old', 'stream.updated', '{}', 8, 'attempts_exhausted', now(),"
+            " now() - interval '3 days', %s)",
+            (ep.id,),
+        )
+        since = await endpoints.moment(conn, "2h", "--since")
+        assert await endpoints.recover(conn, ep.id, since=since) == 10_000
+        assert await endpoints.recover(conn, ep.id, since=since) == 0  # once only
+    same = await scalar(
+        database_url,
+        "SELECT count(*) FROM webhook_outbox o JOIN webhook_dead_letter d"
+        " ON d.delivery_id = o.delivery_id WHERE o.endpoint_id = %s AND o.attempt = 1"
+        " AND o.replay AND NOT o.processed AND d.state = 'replayed'",
+        (ep.id,),
+    )
+    assert same == 10_000
+    assert (
+        await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter WHERE state = 'dead'")
+        == 1
+    )
+
+
+async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(
+    database_url: str, consumer: Receiver
+) -> None:
+    async with running_dispatcher(settings(), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, old = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            _, new = await endpoints.rotate_secret(conn, ep.id)
+            await asyncio.sleep(0.3)
+            await send(database_url, 1)
+            await consumer.wait_for(1)
+            _, newest = await endpoints.rotate_secret(conn, ep.id, keep_previous_ms=0)
+            await asyncio.sleep(0.3)
+            await send(database_url, 1)
+            await consumer.wait_for(2)
+    during, after = consumer.received
+    assert len(during.headers["webhook-signature"].split()) == 2
+    for secret in (old, new):
+        Webhook(secret).verify(during.body, during.headers)
+    assert verify(during.body, during.headers, new, scheme="fluxora") == during.delivery_id
+    with pytest.raises(VerificationError):
+        verify(during.body, during.headers, old, scheme="fluxora")
+    assert len(after.headers["webhook-signature"].split()) == 1
+    Webhook(newest).verify(after.body, after.headers)
+
+
+async def test_bad_registrations_are_refused_naming_the_field(database_url: str) -> None:
+    conn = await connect(database_url)
+    async with conn:
+        for kwargs, field in (
+            ({"url": "http://example.com/hook"}, "url"),
+            ({"url": "https://127.0.0.1/hook"}, "url"),  # loopback not allowed here
+            ({"url": "http://localhost:9/hook"}, "url"),
+            ({"url": "https://10.0.0.5/hook"}, "url"),
+            ({"url": "https://ok.example.com/", "headers": {"Content-Type": "x"}}, "headers"),
+            ({"url": "https://ok.example.com/", "headers": {"x-fluxora-event": "x"}}, "headers"),
+            ({"url": "https://ok.example.com/", "headers": {"webhook-id": "x"}}, "headers"),
+            ({"url": "https://ok.example.com/", "event_types": []}, "event_types"),
+            ({"url": "https://ok.example.com/", "event_types": ["a b"]}, "event_types"),
+            ({"url": "https://ok.example.com/", "secret": "short"}, "secret"),
+            ({"url": "https://ok.example.com/", "secret": "whsec_"}, "secret"),
+            ({"url": "https://ok.example.com/", "tenant": "bad tenant"}, "tenant"),
+            ({"url": "https://ok.example.com/", "rate_limit": 0}, "rate_limit"),
+        ):
+            with pytest.raises(ConfigError) as caught:
+                await endpoints.create(conn, **kwargs)
+            assert caught.value.variable == field, kwargs
+        assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
+        await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, "https://hooks.example.com/")
+        with pytest.raises(ConflictError):
+            await endpoints.update(conn, "default", endpoints.Changes(description="x"))
+        with pytest.raises(ConflictError):
+            await endpoints.remove(conn, "default")
+
+
+async def test_tenant_scoping_hides_other_tenants_endpoints(database_url: str) -> None:
+    conn = await connect(database_url)
+    async with conn:
+        mine, _ = await endpoints.create(conn, url="https://a.example.com/", tenant="acme")
+        theirs, _ = await endpoints.create(conn, url="https://b.example.com/", tenant="bolt")
+        assert [e.id for e in await endpoints.list_endpoints(conn, tenant="acme")] == [mine.id]
+        for call in (
+            endpoints.get(conn, theirs.id, tenant="acme"),
+            endpoints.disable(conn, theirs.id, tenant="acme"),
+            endpoints.remove(conn, theirs.id, tenant="acme"),
+        ):
+            with pytest.raises(NotFoundError):
+                await call
+        assert (await endpoints.get(conn, theirs.id)).enabled
+
+
+async def _eq(value: Any, wanted: int) -> bool:
+    return bool(await value == wanted)
+
+
+async def _state(database_url: str, endpoint_id: str, state: str) -> bool:
+    found = await scalar(
+        database_url, "SELECT state FROM webhook_endpoints WHERE id = %s", (endpoint_id,)
+    )
+    return bool(found == state)
+
+
+async def _delivered(database_url: str, endpoint_id: str, n: int) -> bool:
+    found = await scalar(
+        database_url,
+        "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND outcome = 'delivered'",
+        (endpoint_id,),
+    )
+    return int(found) == n
