@@ -31,7 +31,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from . import metrics
-from .delivery import AttemptResult, attempt
+from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
 from .outbox import (
@@ -46,8 +46,8 @@ from .outbox import (
 )
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
-from .signing import Signer
-from .urlpolicy import validate_url
+from .signing import Signer, standard_key
+from .urlpolicy import loopback_rule, validate_url
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
@@ -124,14 +124,20 @@ class Dispatcher:
             validate_url(settings.webhook_url)
         except EndpointError as exc:
             raise ConfigError("webhook_url", str(exc)) from None
-        if not settings.secret:
-            raise ConfigError("secret", "must not be empty")
+        for name, secret in (
+            ("secret", settings.secret),
+            ("secret_previous", settings.secret_previous),
+        ):
+            if secret is not None and not (secret and standard_key(secret)):
+                raise ConfigError(name, "must not be empty (nor whsec_ with no key)")
         self.settings = settings
         self.conninfo = conninfo
         self.url = settings.webhook_url
         self.gate: DeliveryGate = gate or OpenGate()
         self.policy = policy or RetryPolicy(settings.max_attempts, settings.retry_schedule_ms)
         self._signer = Signer(settings.secret, settings.secret_previous)
+        # Masked in the response bodies and errors stored with each attempt.
+        self._secret_texts = secret_texts(settings.secret, settings.secret_previous)
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
@@ -382,6 +388,7 @@ class Dispatcher:
                 timeout=self._timeout,
                 max_response_bytes=self.settings.max_response_bytes,
                 clock=self._clock,
+                secrets=self._secret_texts,
             )
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
@@ -542,8 +549,10 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
     (resolved addresses are checked and the connection is pinned to them)."""
     from .connector import make_connector
 
+    rule = loopback_rule(settings.webhook_url)
     connector = make_connector(
-        allow_loopback=_configured_loopback(settings.webhook_url),
+        allow_loopback=rule.allow,
+        require_loopback=rule.require,
         allowed_networks=settings.allowed_networks,
         limit=settings.max_connections,
     )
@@ -555,11 +564,3 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
         auto_decompress=False,
         raise_for_status=False,
     )
-
-
-def _configured_loopback(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    from .urlpolicy import is_loopback_host
-
-    return is_loopback_host(urlsplit(url).hostname or "")

@@ -14,7 +14,10 @@ tracebacks included -- is scrubbed before it is written:
   string, are masked;
 - the values registered with :func:`add_sensitive` (the service registers the signing
   secrets, the consumer URL's path and query values, and the database and Redis
-  passwords) are replaced by ``***`` wherever they occur.
+  passwords, not their other parameters) are replaced by ``***`` wherever they occur.
+
+The same masking (:func:`mask`, with one endpoint's :func:`url_secrets` and signing
+secrets) is applied to the response bodies and error texts stored with each attempt.
 
 Uncaught exceptions (``sys.excepthook``) and warnings go through the same scrubbing.
 """
@@ -32,7 +35,7 @@ import traceback
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 FIELDS = ("delivery_id", "event_type", "attempt", "status", "duration_ms", "reason")
 
@@ -67,9 +70,7 @@ _lock = threading.Lock()
 _sensitive: tuple[str, ...] = ()
 
 
-def add_sensitive(*values: str | bytes | None) -> None:
-    """Register values that must never be written (secrets, tokens, passwords)."""
-    global _sensitive
+def _texts(values: Iterable[str | bytes | None]) -> list[str]:
     found: list[str] = []
     for value in values:
         if value is None:
@@ -77,6 +78,13 @@ def add_sensitive(*values: str | bytes | None) -> None:
         text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         if len(text) >= MIN_SENSITIVE_LENGTH:
             found.append(text)
+    return found
+
+
+def add_sensitive(*values: str | bytes | None) -> None:
+    """Register values that must never be written (secrets, tokens, passwords)."""
+    global _sensitive
+    found = _texts(values)
     if not found:
         return
     with _lock:
@@ -84,20 +92,62 @@ def add_sensitive(*values: str | bytes | None) -> None:
         _sensitive = tuple(sorted(set(_sensitive) | set(found), key=len, reverse=True))
 
 
-def add_sensitive_url(url: str | None) -> None:
-    """Register the secret parts of a URL: its password, its path (some services put the
-    token there) and its query and query values."""
+def url_secrets(url: str | None) -> tuple[str, ...]:
+    """The parts of a consumer URL that may carry a token: its path (some services put the
+    token there), its query and each query value, as written and percent-decoded."""
     if not url:
-        return
+        return ()
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:
-        return
+        return ()
     path = parts.path if parts.scheme in ("http", "https") and len(parts.path) > 1 else None
     values: list[str | None] = [password, path, parts.query]
+    if path is not None:
+        values.append(unquote(path))
+    for raw in parts.query.split("&"):
+        values.append(raw.partition("=")[2])
     values.extend(v for _, v in parse_qsl(parts.query, keep_blank_values=True))
-    add_sensitive(*values)
+    return tuple(_texts(values))
+
+
+# Query parameters of a database or Redis URL that hold a secret; the others (sslmode,
+# options, application_name, ...) do not, and masking them garbles unrelated words.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword", "passwd", "pwd"})
+
+
+def credential_secrets(url: str | None) -> tuple[str, ...]:
+    """The secrets of an engine URL (database, Redis): the password of its user info and
+    the values of its password parameters. Not its other parameters."""
+    if not url:
+        return ()
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return ()
+    values: list[str | None] = [password, unquote(password) if password else None]
+    values.extend(
+        v
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        if k.lower() in _SECRET_PARAMETERS
+    )
+    return tuple(_texts(values))
+
+
+def add_sensitive_url(url: str | None) -> None:
+    """Register the secret parts of a consumer URL (see :func:`url_secrets`)."""
+    add_sensitive(*url_secrets(url))
+
+
+def mask(text: str, values: Iterable[str]) -> str:
+    """``text`` with each of ``values`` (longest first) replaced by ``***``: the scrubbing
+    of stored text, with one endpoint's own sensitive values."""
+    for value in sorted(values, key=len, reverse=True):
+        if value and value in text:
+            text = text.replace(value, MASK)
+    return text
 
 
 def clear_sensitive() -> None:
