@@ -12,7 +12,7 @@ import fluxora_webhooks
 # Lowest first. A module may import modules of earlier layers only; within a package
 # (embedded/, demo/, commands/) its parts may import each other's lower parts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "errors", "queries", "logs", "gate"),
+    ("_version", "errors", "queries", "logs", "gate", "terminal"),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics"),
     ("settings", "connector", "retry", "deadletters", "retention"),
     ("delivery", "redis_gate", "inbox"),
