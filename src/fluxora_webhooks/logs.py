@@ -19,7 +19,10 @@ tracebacks included -- is scrubbed before it is written:
 The same masking (:func:`mask`, with one endpoint's :func:`url_secrets` and signing
 secrets) is applied to the response bodies and error texts stored with each attempt.
 
-Uncaught exceptions (``sys.excepthook``) and warnings go through the same scrubbing.
+Uncaught exceptions (``sys.excepthook``) and warnings go through the same scrubbing. In
+text, the characters a terminal would act on (escape sequences, other control characters,
+bidi overrides) are written as escapes, and a record stays one line (its traceback aside):
+logs carry producers' event types and consumers' errors to an operator's terminal.
 """
 
 from __future__ import annotations
@@ -172,6 +175,24 @@ def scrub(text: str) -> str:
     return _PASSWORD.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
 
 
+# What a terminal would act on: C0 controls, DEL, C1 controls (CSI, OSC, ...), and the
+# bidirectional overrides and isolates that reorder what is shown.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_C1_AND_BIDI = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str, keep: str = "\n") -> str:
+    """``text`` with the characters a terminal would act on written as escapes (``\\x1b``),
+    except those in ``keep`` (a traceback's newlines): logs carry producers' and
+    consumers' text (event types, errors) to an operator's terminal."""
+    return _CONTROLS.sub(lambda m: m.group() if m.group() in keep else _escaped(m.group()), text)
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def _scrub_value(value: Any) -> Any:
     if isinstance(value, str):
         return scrub(value)
@@ -207,7 +228,10 @@ class JsonFormatter(logging.Formatter):
             out["exception"] = scrub(record.exc_text)
         if record.stack_info:
             out["stack"] = scrub(self.formatStack(record.stack_info))
-        return json.dumps(out, default=str, ensure_ascii=False)
+        # JSON escapes C0 controls itself; C1 controls and bidi overrides it leaves raw.
+        return _C1_AND_BIDI.sub(
+            lambda m: f"\\u{ord(m.group()):04x}", json.dumps(out, default=str, ensure_ascii=False)
+        )
 
 
 class TextFormatter(logging.Formatter):
@@ -219,10 +243,12 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         extra = " ".join(f"{name}={value}" for name, value in _fields(record))
-        return f"{line} {extra}" if extra else line
+        # One record, one line: a newline in an event type or a consumer's error text
+        # must not forge another record.
+        return escape_controls(f"{line} {extra}" if extra else line, keep="")
 
     def format(self, record: logging.LogRecord) -> str:
-        return scrub(super().format(record))
+        return escape_controls(scrub(super().format(record)))
 
 
 def _level(level: int | str | None) -> int:
@@ -237,7 +263,7 @@ def _level(level: int | str | None) -> int:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    sys.stderr.write(scrub("".join(traceback.format_exception(kind, value, tb))))
+    sys.stderr.write(escape_controls(scrub("".join(traceback.format_exception(kind, value, tb)))))
     sys.stderr.flush()
 
 

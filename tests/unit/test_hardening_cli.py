@@ -32,6 +32,7 @@ HUGE = "9" * 5000  # int() refuses more than 4,300 digits
         (("status", "--minutes", "0"), "--minutes"),
         (("prune", "--older-than", HUGE + "d"), "--older-than"),
         (("prune", "--older-than", "99999999999999d"), "--older-than"),
+        (("prune", "--older-than", "0d"), "--older-than"),  # never "the whole history"
         (("prune", "--older-than", "7d", "--batch-size", HUGE), "--batch-size"),
         (("prune", "--older-than", "7d", "--batch-size", "\u0661\u0660"), "--batch-size"),
         (("inbox", "prune", "--older-than", HUGE + "d"), "--older-than"),

@@ -6,6 +6,7 @@ the breaker's transitions in the logs.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -121,3 +122,31 @@ def test_a_breaker_transition_is_logged_with_the_redacted_url(
     assert record.levelno == logging.WARNING
     assert "https://hooks.example.com opened" in record.getMessage()
     assert "abc-secret" not in record.getMessage()
+
+
+# --- Same class as 4: what the logs carry to a terminal ------------------------------------
+
+
+def _record(message: str, *args: object, **fields: object) -> logging.LogRecord:
+    record = logging.LogRecord(
+        "fluxora_webhooks.dispatcher", logging.INFO, "f", 1, message, args, None
+    )
+    for name, value in fields.items():
+        setattr(record, name, value)
+    return record
+
+
+def test_text_logs_show_control_characters_as_escapes_and_stay_one_line() -> None:
+    hostile = "HTTP 503 \x1b]8;;https://evil.example/\x1b\\\n2026-01-01 INFO forged\x9b\u202e"
+    line = logs.TextFormatter().format(
+        _record("delivery failed (%s)", hostile, event_type="stream.\x1b[2Jupdated")
+    )
+    assert "\n" not in line and "\x1b" not in line and "\x9b" not in line
+    assert "\\x1b]8;;" in line and "\\x0a2026-01-01 INFO forged\\x9b\\u202e" in line
+    assert "event_type=stream.\\x1b[2Jupdated" in line
+
+
+def test_json_logs_escape_c1_controls_and_bidi_overrides_too() -> None:
+    line = logs.JsonFormatter().format(_record("x \x9b \u202e \x1b"))
+    assert "\x9b" not in line and "\u202e" not in line and "\x1b" not in line
+    assert json.loads(line)["message"] == "x \x9b \u202e \x1b"  # still the same text

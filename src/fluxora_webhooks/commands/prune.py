@@ -12,6 +12,7 @@ import argparse
 import json
 from collections.abc import Mapping
 
+from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
 from .common import engines, int_option, run_async
 
@@ -57,6 +58,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     opts = args
     older_than_ms = parse_duration_ms(opts.older_than, "--older-than")
+    if older_than_ms == 0:
+        # As WEBHOOK_RETENTION=0d is off, a zero period here is a slip, not "everything".
+        raise ConfigError(
+            "--older-than", "must be more than 0 (0 would delete the whole history at once)"
+        )
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
