@@ -70,7 +70,7 @@ def parse_int(text: str, variable: str, *, low: int, high: int) -> int:
     anything else raises :class:`ConfigError` naming ``variable``."""
     stripped = text.strip()
     if not stripped:
-        raise ConfigError(variable, "is set but empty (unset it to use the default)")
+        raise ConfigError(variable, "is empty (a whole number is needed)")
     if not _DIGITS.fullmatch(stripped):
         raise ConfigError(variable, f"{shown_value(stripped)} is not a whole number")
     value = _whole(stripped)
@@ -132,6 +132,8 @@ def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int
     raw = env.get(name)
     if raw is None:
         return default
+    if not raw.strip():
+        raise ConfigError(name, "is set but empty (unset it to use the default)")
     return parse_int(raw, name, low=low, high=high)
 
 

@@ -69,7 +69,6 @@ def int_option(option: str, *, low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         return parse_int(text, option, low=low, high=high)
 
-    parse.__name__ = option  # what argparse would name in its own messages
     return parse
 
 
