@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = _describe_failure(exc)
         if message is None:
             raise
-        print(f"fluxora-webhooks: {logs.scrub(message)}", file=sys.stderr)
+        print(f"fluxora-webhooks: {logs.escape_controls(logs.scrub(message))}", file=sys.stderr)
         return EXIT_FAILED
 
 

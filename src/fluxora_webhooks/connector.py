@@ -27,6 +27,7 @@ from aiohttp.connector import AddrInfoType
 
 from .errors import EndpointError
 from .urlpolicy import (
+    LOOPBACK_NETWORKS,
     IPAddress,
     IPNetwork,
     check_address,
@@ -65,9 +66,12 @@ class AddressRefused(EndpointError, OSError):
         return str(self.strerror)
 
 
+_NOT_LOOPBACK = "not a loopback address (plain http is allowed to loopback only; use https)"
+
+
 def _refuse(host: str, address: str, reason: str) -> AddressRefused:
     parsed = parse_ip(address)
-    fixed = parsed is None or never_allowed_reason(parsed) is not None
+    fixed = parsed is None or never_allowed_reason(parsed) is not None or reason == _NOT_LOOPBACK
     return AddressRefused(host, address, reason, hint=not fixed)
 
 
@@ -86,15 +90,29 @@ class SafeResolver(AbstractResolver):
         allowed_networks: Sequence[IPNetwork] = (),
         resolver: AbstractResolver | None = None,
         timeout: float = DEFAULT_RESOLVE_TIMEOUT,
+        *,
+        require_loopback: bool = False,
     ) -> None:
-        self.allow_loopback = allow_loopback
+        self.allow_loopback = allow_loopback or require_loopback
+        self.require_loopback = require_loopback
         self.allowed_networks = tuple(allowed_networks)
         self._resolver = resolver
         self._owns_resolver = resolver is None
         self._timeout = timeout
 
     def check(self, ip: str | IPAddress) -> str | None:
-        """The refusal reason for ``ip`` under this resolver's policy, or None."""
+        """The refusal reason for ``ip`` under this resolver's policy, or None.
+
+        With ``require_loopback`` (a plain-http URL) only loopback addresses pass: http is
+        allowed because the host is loopback, so a name that resolves elsewhere must not
+        get an unencrypted request, whatever ``WEBHOOK_ALLOWED_NETWORKS`` allows.
+        """
+        if self.require_loopback:
+            address = parse_ip(ip)
+            if address is None:
+                return "not an IP address"
+            if not any(address in net for net in LOOPBACK_NETWORKS):
+                return _NOT_LOOPBACK
         return check_address(
             ip, allow_loopback=self.allow_loopback, allowed_networks=self.allowed_networks
         )
@@ -176,15 +194,22 @@ def make_connector(
     limit: int = 100,
     resolver: AbstractResolver | None = None,
     resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT,
+    require_loopback: bool = False,
 ) -> aiohttp.TCPConnector:
     """The dispatcher's connector: keep-alive, at most ``limit`` connections, and every
     connection made to an address the policy allows (resolved, checked and pinned).
 
-    ``allow_loopback`` should be ``is_loopback_host(host of WEBHOOK_URL)``;
+    ``allow_loopback`` and ``require_loopback`` come from
+    :func:`~fluxora_webhooks.urlpolicy.loopback_rule` of ``WEBHOOK_URL`` (require: a plain
+    http URL, whose every connection must go to a loopback address);
     ``allowed_networks`` is ``Settings.allowed_networks``. ``resolver`` replaces the system
     resolver (tests; or ``aiohttp.AsyncResolver``). Must be called with a running loop.
     """
     safe = SafeResolver(
-        allow_loopback, allowed_networks, resolver=resolver, timeout=resolve_timeout
+        allow_loopback,
+        allowed_networks,
+        resolver=resolver,
+        timeout=resolve_timeout,
+        require_loopback=require_loopback,
     )
     return SafeConnector(safe_resolver=safe, limit=limit)

@@ -9,15 +9,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 
 import aiohttp
 
 from .errors import EndpointError
-from .retry import Kind, parse_retry_after
+from .logs import mask, url_secrets
+from .retry import Kind, parse_http_date, parse_retry_after
 from .urlpolicy import redacted
 
 RETRYABLE_STATUS = frozenset({408, 425, 429})
@@ -71,10 +73,72 @@ async def attempt(
     timeout: aiohttp.ClientTimeout,
     max_response_bytes: int,
     clock: Callable[[], float] = time.time,
+    secrets: Sequence[str] = (),
 ) -> AttemptResult:
     """POST once; never raises for what the consumer or the network does. ``clock`` is
     this process's wall clock (used only when a consumer's ``Retry-After`` date comes
-    without a usable ``Date`` header)."""
+    without a usable ``Date`` header).
+
+    The response body and error text are stored, so they are scrubbed as logs are: the
+    URL's token-bearing parts and ``secrets`` (the signing secrets, see
+    :func:`secret_texts`) are masked, whatever the consumer echoed back."""
+    result = await _post(
+        session,
+        url,
+        body,
+        headers,
+        timeout=timeout,
+        max_response_bytes=max_response_bytes,
+        clock=clock,
+    )
+    return _scrubbed(result, url, secrets)
+
+
+def secret_texts(*secrets: bytes | None) -> tuple[str, ...]:
+    """The forms in which a signing secret could come back in a response: as written and,
+    for a ``whsec_`` secret, its base64 part."""
+    found: list[str] = []
+    for secret in secrets:
+        if not secret:
+            continue
+        text = secret.decode("utf-8", "replace")
+        found.append(text)
+        if text.startswith("whsec_"):
+            found.append(text[len("whsec_") :])
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=1024)
+def _url_secrets(url: str) -> tuple[str, ...]:
+    return url_secrets(url)
+
+
+def scrub_stored(text: str | None, url: str, secrets: Sequence[str] = ()) -> str | None:
+    """What is stored of a consumer's text or an error: the URL cut to scheme and host, its
+    token-bearing parts (query values, path) and the signing secrets masked."""
+    if not text:
+        return text
+    return mask(scrub(text, url), (*_url_secrets(url), *secrets))
+
+
+def _scrubbed(result: AttemptResult, url: str, secrets: Sequence[str]) -> AttemptResult:
+    body = scrub_stored(result.body, url, secrets)
+    error = scrub_stored(result.error, url, secrets)
+    if body == result.body and error == result.error:
+        return result
+    return dataclasses.replace(result, body=body, error=error)
+
+
+async def _post(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    timeout: aiohttp.ClientTimeout,
+    max_response_bytes: int,
+    clock: Callable[[], float],
+) -> AttemptResult:
     started = time.perf_counter()
 
     def elapsed() -> float:
@@ -161,11 +225,8 @@ def _consumer_now(response: aiohttp.ClientResponse, clock: Callable[[], float]) 
     behind used to schedule such a retry hours late. Without a usable ``Date`` header,
     this process's clock.
     """
-    try:
-        when = parsedate_to_datetime(response.headers.get("Date", ""))
-    except (TypeError, ValueError, IndexError):
-        return clock()
-    return when.timestamp() if when is not None and when.tzinfo is not None else clock()
+    when = parse_http_date(response.headers.get("Date"))
+    return clock() if when is None else when
 
 
 def _endpoint_error(exc: BaseException) -> EndpointError | None:

@@ -28,16 +28,16 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics
 from .batch import Batch, Send, breaker_signal
-from .delivery import AttemptResult, attempt
+from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
 from .recording import DB_ERRORS, Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
-from .signing import Signer
+from .signing import Signer, standard_key
 from .targets import Target, Targets
-from .urlpolicy import validate_url
+from .urlpolicy import loopback_rule, validate_url
 from .waker import Waker
 
 __all__ = ["Dispatcher", "Waker", "make_session"]
@@ -74,6 +74,7 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
     ) -> None:
         env: dict[str, tuple[str, Signer]] = {}
+        env_secrets: dict[str, tuple[str, ...]] = {}
         # Settings built in code skip from_env: the URL policy and the secret are checked
         # here too, so a library user cannot send unsigned or to a refused URL.
         for name, url, secret, previous in (
@@ -86,23 +87,28 @@ class Dispatcher:
                 validate_url(url)
             except EndpointError as exc:
                 raise ConfigError(f"{name} url", str(exc)) from None
-            if not secret:
-                raise ConfigError(f"{name} secret", "must not be empty")
+            for what, key in (("secret", secret), ("previous secret", previous)):
+                if key is not None and not (key and standard_key(key)):
+                    raise ConfigError(
+                        f"{name} {what}", "must not be empty (nor whsec_ with no key)"
+                    )
             env[name] = (url, Signer(secret, previous))
+            env_secrets[name] = secret_texts(secret, previous)
         self.settings = settings
         self.conninfo = conninfo
         self.url = settings.webhook_url
         self.gate: DeliveryGate = gate or OpenGate()
         self.policy = policy or RetryPolicy(settings.max_attempts, settings.retry_schedule_ms)
-        self.targets = Targets(env)
+        self.targets = Targets(env, env_secrets)
         self.recorder = Recorder(self)
         self.completer = Completer(self)
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
-        self._own_sessions = session is None
-        self._session = session
-        self._registered_session: aiohttp.ClientSession | None = session
+        # One client per address policy: (built-in?, allow loopback, require loopback). A
+        # session given to the constructor (tests) serves every endpoint.
+        self._given_session = session
+        self._sessions: dict[tuple[bool, bool, bool], aiohttp.ClientSession] = {}
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_ms / 1000)
         self._in_flight = 0
         self._stopping = asyncio.Event()
@@ -142,8 +148,6 @@ class Dispatcher:
             reconnect_timeout=_POOL_RECONNECT_S,
         )
         await self._pool.open(wait=False)
-        if self._session is None:
-            self._session = make_session(self.settings, trusted=True)
         background = [
             asyncio.create_task(self._listen(), name="fluxora-listen"),
             asyncio.create_task(self.completer.run(), name="fluxora-completer"),
@@ -164,10 +168,8 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(*background, *tasks, return_exceptions=True)
             await self._pool.close()
-            if self._own_sessions:
-                for session in {self._session, self._registered_session} - {None}:
-                    assert session is not None
-                    await session.close()
+            for session in self._sessions.values():
+                await session.close()
 
     async def _configure_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Session limits of a claim connection. Its transaction idles while the batch's
@@ -450,6 +452,7 @@ class Dispatcher:
                 timeout=self._timeout,
                 max_response_bytes=self.settings.max_response_bytes,
                 clock=self._clock,
+                secrets=target.secret_texts,
             )
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
@@ -461,13 +464,18 @@ class Dispatcher:
 
     def _session_for(self, target: Target) -> aiohttp.ClientSession:
         """The built-in endpoints' URLs are the operator's own (an explicit loopback URL is
-        allowed); registered endpoints go through the strict address policy."""
-        if target.builtin:
-            assert self._session is not None
-            return self._session
-        if self._registered_session is None:
-            self._registered_session = make_session(self.settings, trusted=False)
-        return self._registered_session
+        allowed); registered endpoints go through the strict address policy. Plain http
+        goes to loopback addresses only."""
+        if self._given_session is not None:
+            return self._given_session
+        rule = loopback_rule(target.url)
+        key = (target.builtin, target.builtin and rule.allow, rule.require)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._sessions[key] = make_session(
+                self.settings, allow_loopback=key[1], require_loopback=key[2]
+            )
+        return session
 
     async def report(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
         """Tell the gate how the admitted attempts went, per URL."""
@@ -586,17 +594,18 @@ def _log_fields(row: Claimed, target: Target, result: AttemptResult) -> dict[str
     }
 
 
-def make_session(settings: Settings, *, trusted: bool = True) -> aiohttp.ClientSession:
+def make_session(
+    settings: Settings, *, allow_loopback: bool = False, require_loopback: bool = False
+) -> aiohttp.ClientSession:
     """The HTTP client: keep-alive, the connect-time address policy (resolved addresses are
-    checked and the connection is pinned to them). ``trusted``: the built-in endpoints'
-    session, where the operator's own loopback ``WEBHOOK_URL`` is allowed."""
+    checked and the connection is pinned to them). ``allow_loopback``: an operator's own
+    loopback URL (a built-in endpoint); ``require_loopback``: plain http, which may go only
+    to loopback addresses whatever the name resolves to."""
     from .connector import make_connector
 
-    loopback = trusted and any(
-        _configured_loopback(url) for url in (settings.webhook_url, settings.operator_url) if url
-    )
     connector = make_connector(
-        allow_loopback=loopback,
+        allow_loopback=allow_loopback,
+        require_loopback=require_loopback,
         allowed_networks=settings.allowed_networks,
         # Our own limits (per endpoint, and WEBHOOK_MAX_CONNECTIONS in all) defer rows
         # instead of queueing them inside the client, where the wait would eat into the
@@ -611,11 +620,3 @@ def make_session(settings: Settings, *, trusted: bool = True) -> aiohttp.ClientS
         auto_decompress=False,
         raise_for_status=False,
     )
-
-
-def _configured_loopback(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    from .urlpolicy import is_loopback_host
-
-    return is_loopback_host(urlsplit(url).hostname or "")

@@ -14,9 +14,15 @@ tracebacks included -- is scrubbed before it is written:
   string, are masked;
 - the values registered with :func:`add_sensitive` (the service registers the signing
   secrets, the consumer URL's path and query values, and the database and Redis
-  passwords) are replaced by ``***`` wherever they occur.
+  passwords, not their other parameters) are replaced by ``***`` wherever they occur.
 
-Uncaught exceptions (``sys.excepthook``) and warnings go through the same scrubbing.
+The same masking (:func:`mask`, with one endpoint's :func:`url_secrets` and signing
+secrets) is applied to the response bodies and error texts stored with each attempt.
+
+Uncaught exceptions (``sys.excepthook``) and warnings go through the same scrubbing. In
+text, the characters a terminal would act on (escape sequences, other control characters,
+bidi overrides) are written as escapes, and a record stays one line (its traceback aside):
+logs carry producers' event types and consumers' errors to an operator's terminal.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import traceback
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 FIELDS = ("delivery_id", "event_type", "attempt", "status", "duration_ms", "reason")
 
@@ -67,9 +73,7 @@ _lock = threading.Lock()
 _sensitive: tuple[str, ...] = ()
 
 
-def add_sensitive(*values: str | bytes | None) -> None:
-    """Register values that must never be written (secrets, tokens, passwords)."""
-    global _sensitive
+def _texts(values: Iterable[str | bytes | None]) -> list[str]:
     found: list[str] = []
     for value in values:
         if value is None:
@@ -77,6 +81,13 @@ def add_sensitive(*values: str | bytes | None) -> None:
         text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         if len(text) >= MIN_SENSITIVE_LENGTH:
             found.append(text)
+    return found
+
+
+def add_sensitive(*values: str | bytes | None) -> None:
+    """Register values that must never be written (secrets, tokens, passwords)."""
+    global _sensitive
+    found = _texts(values)
     if not found:
         return
     with _lock:
@@ -84,20 +95,62 @@ def add_sensitive(*values: str | bytes | None) -> None:
         _sensitive = tuple(sorted(set(_sensitive) | set(found), key=len, reverse=True))
 
 
-def add_sensitive_url(url: str | None) -> None:
-    """Register the secret parts of a URL: its password, its path (some services put the
-    token there) and its query and query values."""
+def url_secrets(url: str | None) -> tuple[str, ...]:
+    """The parts of a consumer URL that may carry a token: its path (some services put the
+    token there), its query and each query value, as written and percent-decoded."""
     if not url:
-        return
+        return ()
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:
-        return
+        return ()
     path = parts.path if parts.scheme in ("http", "https") and len(parts.path) > 1 else None
     values: list[str | None] = [password, path, parts.query]
+    if path is not None:
+        values.append(unquote(path))
+    for raw in parts.query.split("&"):
+        values.append(raw.partition("=")[2])
     values.extend(v for _, v in parse_qsl(parts.query, keep_blank_values=True))
-    add_sensitive(*values)
+    return tuple(_texts(values))
+
+
+# Query parameters of a database or Redis URL that hold a secret; the others (sslmode,
+# options, application_name, ...) do not, and masking them garbles unrelated words.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword", "passwd", "pwd"})
+
+
+def credential_secrets(url: str | None) -> tuple[str, ...]:
+    """The secrets of an engine URL (database, Redis): the password of its user info and
+    the values of its password parameters. Not its other parameters."""
+    if not url:
+        return ()
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return ()
+    values: list[str | None] = [password, unquote(password) if password else None]
+    values.extend(
+        v
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        if k.lower() in _SECRET_PARAMETERS
+    )
+    return tuple(_texts(values))
+
+
+def add_sensitive_url(url: str | None) -> None:
+    """Register the secret parts of a consumer URL (see :func:`url_secrets`)."""
+    add_sensitive(*url_secrets(url))
+
+
+def mask(text: str, values: Iterable[str]) -> str:
+    """``text`` with each of ``values`` (longest first) replaced by ``***``: the scrubbing
+    of stored text, with one endpoint's own sensitive values."""
+    for value in sorted(values, key=len, reverse=True):
+        if value and value in text:
+            text = text.replace(value, MASK)
+    return text
 
 
 def clear_sensitive() -> None:
@@ -120,6 +173,24 @@ def scrub(text: str) -> str:
     text = _URL.sub(_host_only, text)
     text = _QUERY.sub("?" + MASK, text)
     return _PASSWORD.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
+
+
+# What a terminal would act on: C0 controls, DEL, C1 controls (CSI, OSC, ...), and the
+# bidirectional overrides and isolates that reorder what is shown.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_C1_AND_BIDI = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str, keep: str = "\n") -> str:
+    """``text`` with the characters a terminal would act on written as escapes (``\\x1b``),
+    except those in ``keep`` (a traceback's newlines): logs carry producers' and
+    consumers' text (event types, errors) to an operator's terminal."""
+    return _CONTROLS.sub(lambda m: m.group() if m.group() in keep else _escaped(m.group()), text)
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _scrub_value(value: Any) -> Any:
@@ -157,7 +228,10 @@ class JsonFormatter(logging.Formatter):
             out["exception"] = scrub(record.exc_text)
         if record.stack_info:
             out["stack"] = scrub(self.formatStack(record.stack_info))
-        return json.dumps(out, default=str, ensure_ascii=False)
+        # JSON escapes C0 controls itself; C1 controls and bidi overrides it leaves raw.
+        return _C1_AND_BIDI.sub(
+            lambda m: f"\\u{ord(m.group()):04x}", json.dumps(out, default=str, ensure_ascii=False)
+        )
 
 
 class TextFormatter(logging.Formatter):
@@ -169,10 +243,12 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         extra = " ".join(f"{name}={value}" for name, value in _fields(record))
-        return f"{line} {extra}" if extra else line
+        # One record, one line: a newline in an event type or a consumer's error text
+        # must not forge another record.
+        return escape_controls(f"{line} {extra}" if extra else line, keep="")
 
     def format(self, record: logging.LogRecord) -> str:
-        return scrub(super().format(record))
+        return escape_controls(scrub(super().format(record)))
 
 
 def _level(level: int | str | None) -> int:
@@ -187,7 +263,7 @@ def _level(level: int | str | None) -> int:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    sys.stderr.write(scrub("".join(traceback.format_exception(kind, value, tb))))
+    sys.stderr.write(escape_controls(scrub("".join(traceback.format_exception(kind, value, tb)))))
     sys.stderr.flush()
 
 

@@ -57,6 +57,7 @@ from . import metrics
 from .gate import ALLOW, Admission, AdmitCode
 from .redis_connect import client_for, detect_cluster
 from .settings import Settings
+from .urlpolicy import redacted
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class RedisGate:
             return [ALLOW] * len(attempts)
         admissions, transition = decided
         if transition is not None:
-            _count_transition(*transition)
+            _count_transition(url, *transition)
         rate_limited = sum(1 for a in admissions if a.reason == "rate_limited")
         circuit_open = sum(1 for a in admissions if a.reason == "circuit_open")
         if rate_limited:
@@ -270,7 +271,7 @@ class RedisGate:
             "breaker", self._report_script, keys, args, _decode_transitions
         )
         for from_state, to_state in transitions or ():
-            _count_transition(from_state, to_state)
+            _count_transition(url, from_state, to_state)
 
     async def ping(self) -> bool:
         """Whether Redis answers now (bounded, never raises); updates the outage state."""
@@ -424,8 +425,21 @@ def _decode_transitions(reply: Any) -> list[tuple[str, str]]:
     return list(zip(values[::2], values[1::2], strict=True))
 
 
-def _count_transition(from_state: str, to_state: str) -> None:
+def _count_transition(url: str, from_state: str, to_state: str) -> None:
+    """Count and log a transition. Only the script call that made it returns it, so each
+    transition is logged once, by the process that made it, whatever the instances."""
     metrics.BREAKER_TRANSITIONS.labels(from_state=from_state, to_state=to_state).inc()
+    endpoint = redacted(url)  # scheme and host: the path and query may carry a token
+    if to_state == OPEN:
+        log.warning(
+            "circuit breaker for %s opened (from %s): attempts are deferred until a probe",
+            endpoint,
+            from_state,
+        )
+    elif to_state == HALF_OPEN:
+        log.info("circuit breaker for %s is half-open: one probe attempt may go", endpoint)
+    else:
+        log.info("circuit breaker for %s closed (from %s): deliveries resume", endpoint, from_state)
 
 
 async def gate_for(settings: Settings, redis_url: str) -> RedisGate:

@@ -36,6 +36,9 @@ from .queries import query
 
 DEFAULT_BATCH_SIZE = 5000
 MAX_BATCH_SIZE = 100_000
+# A hundred years (settings.MAX_DURATION_MS, the bound of every duration setting): a
+# longer period makes PostgreSQL's cutoff timestamp overflow.
+MAX_OLDER_THAN_MS = 36_500 * 86_400_000
 # Fixed, like the migration lock: "fluxora-webhooks retention".
 RETENTION_LOCK_KEY = 0x666C7578726574
 # A prune must not queue for long behind a lock someone else holds on the table.
@@ -83,8 +86,8 @@ async def prune(
     another pruner holds it (the service uses it so that instances take turns).
     ``dry_run`` only counts. ``on_batch(table, rows)`` is called after each batch.
     """
-    if older_than_ms < 0:
-        raise ValueError("older_than_ms must not be negative")
+    if not 0 <= older_than_ms <= MAX_OLDER_THAN_MS:
+        raise ValueError("older_than_ms must be from 0 to 100 years")
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}")
     if not conn.autocommit:

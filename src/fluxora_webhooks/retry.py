@@ -14,6 +14,7 @@ schedule is tested without sleeping.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -23,6 +24,12 @@ from .outbox import Outcome
 
 RETRY_AFTER_CAP_MS = 24 * 3_600_000
 JITTER = 0.20
+
+_CAP_S = RETRY_AFTER_CAP_MS // 1000
+_DELTA_SECONDS = re.compile(r"[0-9]+", re.ASCII)
+# An IMF-fixdate is 29 characters; the obsolete forms are no longer. A longer value is not a
+# date, and parsing it is not worth the work.
+_MAX_DATE_CHARS = 64
 
 
 class Kind(Enum):
@@ -85,17 +92,34 @@ class RetryPolicy:
 def parse_retry_after(value: str | None, now_s: float) -> int | None:
     """``Retry-After`` as milliseconds from now: delta-seconds or an HTTP date.
 
-    Invalid values are ignored (None); a date in the past means 0.
+    Delta-seconds are ASCII digits only (``str.isdigit`` would take ``²`` or ``①``, which
+    ``int`` then refuses); any number above the cap is the cap, however many digits it has.
+    Anything that is neither form is ignored (None: the schedule applies); a date in the
+    past means 0. Never raises: a consumer's header must not change the attempt's outcome.
     """
-    if value is None:
+    if not isinstance(value, str):
         return None
-    text = value.strip()
-    if text.isdigit():
-        return min(int(text), RETRY_AFTER_CAP_MS // 1000) * 1000
+    text = value.strip(" \t")
+    if _DELTA_SECONDS.fullmatch(text):
+        significant = text.lstrip("0") or "0"
+        if len(significant) > len(str(_CAP_S)):
+            return RETRY_AFTER_CAP_MS
+        return min(int(significant), _CAP_S) * 1000
+    when = parse_http_date(text)
+    if when is None:
+        return None
+    return max(0, min(int((when - now_s) * 1000), RETRY_AFTER_CAP_MS))
+
+
+def parse_http_date(value: str | None) -> float | None:
+    """An HTTP date (``Retry-After``, ``Date``) as unix seconds; None for anything that is
+    not one with a time zone. Never raises, whatever the text."""
+    if not isinstance(value, str) or not value.strip() or len(value) > _MAX_DATE_CHARS:
+        return None
     try:
-        when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+        when = parsedate_to_datetime(value.strip())
+        if when is None or when.tzinfo is None:
+            return None
+        return when.timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when is None or when.tzinfo is None:
-        return None
-    return max(0, int((when.timestamp() - now_s) * 1000))

@@ -28,7 +28,7 @@ from .host import raise_open_files_limit
 from .migrations import check_schema
 from .ops import BACKLOG_COUNT_CAP, read_backlog, set_backlog_gauges
 from .redis_gate import gate_for
-from .settings import Settings
+from .settings import Settings, database_url_secrets
 
 log = logging.getLogger("fluxora_webhooks.service")
 
@@ -199,8 +199,11 @@ class Service:
     def _register_sensitive(self) -> None:
         """Tell the log scrubber what must never be written."""
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
-        for url in (self.settings.webhook_url, self.database_url, self.redis_url):
-            logs.add_sensitive_url(url)
+        logs.add_sensitive_url(self.settings.webhook_url)
+        # The engines' passwords only: their other parameters (sslmode=require, options=...)
+        # are no secret, and masking them would garble unrelated words in every message.
+        logs.add_sensitive(*database_url_secrets(self.database_url))
+        logs.add_sensitive(*logs.credential_secrets(self.redis_url))
 
     def _start_background(self) -> list[asyncio.Task[None]]:
         tasks = [asyncio.create_task(self._refresh_gauges(), name="fluxora-gauges")]

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from .errors import ConfigError, EndpointError
 from .host import default_workers
+from .urlpolicy import has_space_or_control
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +30,80 @@ _DURATION = re.compile(r"^\s*([0-9]+)\s*(ms|s|m|h|d)\s*$")
 _DIGITS = re.compile(r"[0-9]+")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 MAX_DELAY_MS = 7 * 86_400_000
+# The longest period any duration may name (retention, prune): a hundred years is beyond
+# any real use and far inside what PostgreSQL intervals and timestamps can hold, so a
+# typo such as 99999999999999d is refused here instead of failing every run later.
+MAX_DURATION_MS = 36_500 * 86_400_000
+# Far above any real consumer, and small enough for every use (Redis counts, Lua numbers).
+MAX_RETRY_RPS = 100_000
+MAX_BREAKER_THRESHOLD = 100_000
+# The largest whole number any setting may hold: PostgreSQL's bigint.
+MAX_BIGINT = 2**63 - 1
+# More significant digits than this is above every bound (int() itself refuses more than
+# 4,300 digits with a ValueError), so such a number is refused before it is converted.
+_MAX_DIGITS = len(str(MAX_BIGINT))
+_SHOWN_CHARS = 40  # of a refused value, in a message
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
-def parse_duration_ms(text: str, variable: str) -> int:
-    """Parse ``500ms``, ``5s``, ``30m``, ``2h`` or ``7d`` into milliseconds."""
+def shown_value(text: str) -> str:
+    """A refused value as a message may quote it: bounded, control characters escaped."""
+    text = text.strip()
+    short = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+    return repr(short)
+
+
+def format_ms(ms: int) -> str:
+    """A bound in milliseconds as the largest unit that writes it whole (``36500d``)."""
+    for unit in ("d", "h", "m", "s"):
+        if ms % _UNIT_MS[unit] == 0:
+            return f"{ms // _UNIT_MS[unit]}{unit}"
+    return f"{ms}ms"
+
+
+def _whole(digits: str) -> int | None:
+    """ASCII digits as an int, or None when there are too many digits for any bound."""
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= _MAX_DIGITS else None
+
+
+def parse_int(text: str, variable: str, *, low: int, high: int) -> int:
+    """A whole number in ASCII digits between ``low`` and ``high``, of any length of input:
+    anything else raises :class:`ConfigError` naming ``variable``."""
+    stripped = text.strip()
+    if not stripped:
+        raise ConfigError(variable, "is empty (a whole number is needed)")
+    if not _DIGITS.fullmatch(stripped):
+        raise ConfigError(variable, f"{shown_value(stripped)} is not a whole number")
+    value = _whole(stripped)
+    if value is None or value > high:
+        raise ConfigError(variable, f"must be at most {high}, got {shown_value(stripped)}")
+    if value < low:
+        raise ConfigError(variable, f"must be at least {low}, got {value}")
+    return value
+
+
+def _read_duration_ms(text: str, variable: str) -> int | None:
+    """A duration in ms; None when its number has more digits than any bound allows."""
     match = _DURATION.match(text)
     if not match:
         raise ConfigError(
-            variable, f"{text.strip()!r} is not a duration (a whole number with ms, s, m, h or d)"
+            variable,
+            f"{shown_value(text)} is not a duration (a whole number with ms, s, m, h or d)",
         )
-    return int(match.group(1)) * _UNIT_MS[match.group(2)]
+    count = _whole(match.group(1))
+    return None if count is None else count * _UNIT_MS[match.group(2)]
+
+
+def parse_duration_ms(text: str, variable: str, *, high_ms: int = MAX_DURATION_MS) -> int:
+    """Parse ``500ms``, ``5s``, ``30m``, ``2h`` or ``7d`` into milliseconds, at most
+    ``high_ms`` (default 100 years). Raises :class:`ConfigError` naming ``variable``."""
+    value = _read_duration_ms(text, variable)
+    if value is None or value > high_ms:
+        raise ConfigError(
+            variable, f"{shown_value(text)} is too long: at most {format_ms(high_ms)}"
+        )
+    return value
 
 
 def parse_schedule(text: str, variable: str = "WEBHOOK_RETRY_SCHEDULE") -> tuple[int, ...]:
@@ -47,28 +111,32 @@ def parse_schedule(text: str, variable: str = "WEBHOOK_RETRY_SCHEDULE") -> tuple
     parts = text.split(",")
     if not text.strip() or any(not p.strip() for p in parts):
         raise ConfigError(variable, "must be a comma-separated list of durations such as 5s,5m,2h")
-    delays = tuple(parse_duration_ms(p, variable) for p in parts)
-    for part, delay in zip(parts, delays, strict=True):
-        if not 1 <= delay <= MAX_DELAY_MS:
-            raise ConfigError(variable, f"{part.strip()!r} must be between 1ms and 7d")
-    return delays
+    delays = []
+    for part in parts:
+        delay = _read_duration_ms(part, variable)
+        if delay is None or not 1 <= delay <= MAX_DELAY_MS:
+            raise ConfigError(variable, f"{shown_value(part)} must be between 1ms and 7d")
+        delays.append(delay)
+    return tuple(delays)
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int | None) -> int:
+def parse_retention(raw: str | None, variable: str = "WEBHOOK_RETENTION") -> int | None:
+    """A retention period in ms, or None for off: unset, empty, ``off``, ``0`` and every
+    zero duration (``0d``, ``0s``) mean off, never "delete everything at once"."""
+    text = (raw or "").strip()
+    if not text or text.lower() in ("off", "0"):
+        return None
+    period = parse_duration_ms(text, variable)
+    return period or None
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int) -> int:
     raw = env.get(name)
     if raw is None:
         return default
-    text = raw.strip()
-    if not text:
+    if not raw.strip():
         raise ConfigError(name, "is set but empty (unset it to use the default)")
-    if not _DIGITS.fullmatch(text):
-        raise ConfigError(name, f"{text!r} is not a whole number")
-    value = int(text)
-    if value < low:
-        raise ConfigError(name, f"must be at least {low}, got {value}")
-    if high is not None and value > high:
-        raise ConfigError(name, f"must be at most {high}, got {value}")
-    return value
+    return parse_int(raw, name, low=low, high=high)
 
 
 def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | None:
@@ -79,7 +147,11 @@ def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | Non
         return None
     if raw == "" or raw.strip() == "":
         raise ConfigError(name, "must not be empty")
-    value = raw.encode("utf-8")
+    try:
+        # surrogateescape: the bytes of the environment as they were, even if not UTF-8.
+        value = raw.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise ConfigError(name, "is not valid text (a lone surrogate)") from None
     key = value
     if raw.startswith("whsec_"):
         try:
@@ -88,6 +160,9 @@ def _secret(env: Mapping[str, str], name: str, *, required: bool) -> bytes | Non
             raise ConfigError(
                 name, "starts with whsec_ but the rest is not valid base64 (Standard Webhooks)"
             ) from None
+        if not key:
+            # The Standard Webhooks signature would be an HMAC with an empty key.
+            raise ConfigError(name, "is whsec_ with nothing after it: an empty key")
     if len(key) < MIN_SECRET_BYTES:
         log.warning("%s is shorter than %d bytes; use a long random secret", name, MIN_SECRET_BYTES)
     return value
@@ -129,18 +204,20 @@ def _networks(
         try:
             nets.append(ipaddress.ip_network(part.strip(), strict=False))
         except ValueError:
-            raise ConfigError(name, f"{part.strip()!r} is not a CIDR network") from None
+            raise ConfigError(name, f"{shown_value(part)} is not a CIDR network") from None
     return tuple(nets)
 
 
 def _check_redis_url(url: str) -> None:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("REDIS_URL", "must start with redis://, rediss:// or unix://")
-    parts = urlsplit(url)
+    if has_space_or_control(url):
+        raise ConfigError("REDIS_URL", "contains whitespace or a control character")
     try:
+        parts = urlsplit(url)
         _ = parts.port
     except ValueError:
-        raise ConfigError("REDIS_URL", "has a port that is not a number") from None
+        raise ConfigError("REDIS_URL", "cannot be parsed (host or port)") from None
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigError("REDIS_URL", "unix:// needs a socket path")
@@ -148,8 +225,50 @@ def _check_redis_url(url: str) -> None:
     if not parts.hostname:
         raise ConfigError("REDIS_URL", "has no host")
     db = parts.path.lstrip("/")
-    if db and not _DIGITS.fullmatch(db):
+    number = _whole(db) if _DIGITS.fullmatch(db) else None
+    if db and (number is None or number >= 2**31):
         raise ConfigError("REDIS_URL", "the database (after the last /) must be a number")
+
+
+# A libpq message quotes the piece it could not read, which may be a password.
+_QUOTED = re.compile(r'"[^"]*"')
+
+
+def check_database_url(url: str, variable: str = "DATABASE_URL") -> dict[str, str]:
+    """Parse a ``postgresql://`` URL or a libpq ``key=value`` string the way libpq will,
+    and check its ports; the parsed options. Every command validates ``DATABASE_URL`` here
+    (through :class:`EngineSettings`), so a bad one is a :class:`ConfigError` (exit 2)
+    before anything connects, never a driver error later."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    # libpq key=value strings are allowed too.
+    if not url.startswith(("postgresql://", "postgres://")) and "=" not in url:
+        raise ConfigError(variable, "must be a postgresql:// URL or a libpq connection string")
+    try:
+        options = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
+    except ProgrammingError as exc:
+        reason = _QUOTED.sub('"..."', (str(exc).strip().splitlines() or [""])[0])[:120]
+        raise ConfigError(
+            variable, f"is not a valid PostgreSQL URL or libpq connection string ({reason})"
+        ) from None
+    for port in options.get("port", "").split(","):
+        number = _whole(port) if _DIGITS.fullmatch(port) else None
+        if port and (number is None or not 1 <= number <= 65535):
+            raise ConfigError(variable, "has a port that is not a number from 1 to 65535")
+    return options
+
+
+def database_url_secrets(url: str | None) -> tuple[str, ...]:
+    """The secrets of a database URL or libpq string (its passwords), for the log scrubber:
+    only those, not every option (``sslmode=require`` names no secret)."""
+    if not url:
+        return ()
+    try:
+        options = check_database_url(url)
+    except ConfigError:
+        return ()
+    return tuple(options[k] for k in ("password", "sslpassword") if options.get(k))
 
 
 def _is_host(text: str) -> bool:
@@ -240,18 +359,15 @@ class Settings:
             raise ConfigError("WEBHOOK_API_HOST", f"{api_host!r} is not an address")
         schedule_raw = env.get("WEBHOOK_RETRY_SCHEDULE")
         schedule = parse_schedule(DEFAULT_RETRY_SCHEDULE if schedule_raw is None else schedule_raw)
-        retention_raw = env.get("WEBHOOK_RETENTION", "").strip()
-        retention = (
-            parse_duration_ms(retention_raw, "WEBHOOK_RETENTION")
-            if retention_raw and retention_raw.lower() not in ("off", "0")
-            else None
-        )
+        retention = parse_retention(env.get("WEBHOOK_RETENTION"))
         log_format = env.get("LOG_FORMAT", "text").strip().lower() or "text"
         if log_format not in ("text", "json"):
-            raise ConfigError("LOG_FORMAT", f"must be text or json, got {log_format!r}")
+            raise ConfigError("LOG_FORMAT", f"must be text or json, got {shown_value(log_format)}")
         metrics_host = env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1"
         if not _is_host(metrics_host):
-            raise ConfigError("WEBHOOK_METRICS_HOST", f"{metrics_host!r} is not an address")
+            raise ConfigError(
+                "WEBHOOK_METRICS_HOST", f"{shown_value(metrics_host)} is not an address"
+            )
         numbers = {
             attr: _int(env, variable, _default(attr), low=low, high=high)
             for attr, (variable, low, high) in _INTEGERS.items()
@@ -281,11 +397,11 @@ class Settings:
 
 # Every whole-number setting: field -> (variable, lowest, highest). Defaults are the
 # dataclass fields' defaults above, written once.
-_INTEGERS: dict[str, tuple[str, int, int | None]] = {
+_INTEGERS: dict[str, tuple[str, int, int]] = {
     "poll_interval_ms": ("WEBHOOK_POLL_INTERVAL_MS", 1, 3_600_000),
     "batch_size": ("WEBHOOK_BATCH_SIZE", 1, 1000),
-    "retry_rps": ("WEBHOOK_RETRY_RPS", 1, None),
-    "circuit_breaker_threshold": ("WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", 0, None),
+    "retry_rps": ("WEBHOOK_RETRY_RPS", 1, MAX_RETRY_RPS),
+    "circuit_breaker_threshold": ("WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", 0, MAX_BREAKER_THRESHOLD),
     "circuit_breaker_reset_ms": ("WEBHOOK_CIRCUIT_BREAKER_RESET_MS", 1, MAX_DELAY_MS),
     "max_attempts": ("WEBHOOK_MAX_ATTEMPTS", 1, 1000),
     "timeout_ms": ("WEBHOOK_TIMEOUT_MS", 1, 3_600_000),
@@ -324,14 +440,7 @@ class EngineSettings:
         redis_url = env.get("REDIS_URL", "").strip() or None
         if redis_url:
             _check_redis_url(redis_url)
-        # libpq key=value strings are allowed too.
-        if (
-            database_url
-            and not database_url.startswith(("postgresql://", "postgres://"))
-            and "=" not in database_url
-        ):
-            raise ConfigError(
-                "DATABASE_URL", "must be a postgresql:// URL or a libpq connection string"
-            )
+        if database_url:
+            check_database_url(database_url)
         home = Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora")
         return cls(database_url, redis_url, home, redis_prefix)

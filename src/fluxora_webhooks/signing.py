@@ -55,6 +55,10 @@ class Signer:
     """Builds the signed headers of one attempt. Keys are prepared once."""
 
     def __init__(self, secret: bytes, previous: bytes | None = None) -> None:
+        for name, value in (("secret", secret), ("previous", previous)):
+            if value is not None and not (value and standard_key(value)):
+                # Either scheme would be an HMAC with an empty key: anyone could sign.
+                raise ValueError(f"the {name} signing secret is empty (once decoded)")
         self._fluxora = hmac.new(secret, digestmod=hashlib.sha256)
         self._standard = [hmac.new(standard_key(secret), digestmod=hashlib.sha256)]
         if previous is not None:
@@ -176,6 +180,9 @@ def _secret_bytes(value: str | bytes, name: str) -> bytes:
         raise TypeError(f"{name} must be str or bytes")
     if not value:
         raise ValueError(f"{name} must not be empty")
+    if not standard_key(value):
+        # "whsec_" alone: the Standard Webhooks key would be empty, so anyone could sign.
+        raise ValueError(f"{name} is whsec_ with no key after it")
     return value
 
 

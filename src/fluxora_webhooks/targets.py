@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from .delivery import secret_texts
 from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint
 from .signing import Signer
 
@@ -68,6 +69,8 @@ class Target:
     enabled: bool = True
     failing_since: float | None = None  # unix seconds (database clock), None: no streak
     load: Load = field(default_factory=Load)
+    # Masked in the response bodies and errors stored with each attempt.
+    secret_texts: tuple[str, ...] = ()
 
 
 def _signer_for(endpoint: Endpoint) -> Signer:
@@ -84,7 +87,9 @@ class Targets:
     (url, signer) from the environment; their state comes from the registry when a row
     exists (it does once a service has started)."""
 
-    def __init__(self, env: Mapping[str, tuple[str, Signer]]) -> None:
+    def __init__(
+        self, env: Mapping[str, tuple[str, Signer]], env_secrets: Mapping[str, tuple[str, ...]]
+    ) -> None:
         self._env = dict(env)
         self._by_id: dict[str, Target] = {}
         # Tenants that have at least one endpoint of the table (not built-in).
@@ -97,6 +102,7 @@ class Targets:
                 url,
                 signer,
                 builtin=True,
+                secret_texts=env_secrets.get(endpoint_id, ()),
             )
 
     @property
@@ -161,6 +167,9 @@ class Targets:
             ordered=endpoint.ordered,
             enabled=endpoint.enabled,
             failing_since=failing,
+            secret_texts=secret_texts(
+                endpoint.secret.encode(), (endpoint.secret_previous or "").encode() or None
+            ),
         )
         if old is not None:  # this process's bookkeeping outlives a reload
             target.load = old.load

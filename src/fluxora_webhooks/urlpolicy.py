@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import idna
@@ -25,7 +27,10 @@ from .errors import EndpointError
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+# The one name that means loopback by definition (RFC 6761: it must resolve to loopback).
+# Not "localhost." (a fully qualified name that reaches the DNS), "localhost.localdomain"
+# or "ip6-localhost" (conventions of a hosts file, which a resolver may answer otherwise).
+LOOPBACK_NAMES = frozenset({"localhost"})
 
 _MAX_SHOWN = 80  # characters of a host name shown in a message
 
@@ -51,17 +56,56 @@ def shown_host(host: str) -> str:
     return ascii(text)[1:-1]
 
 
+def has_space_or_control(text: str) -> bool:
+    """Whitespace or a control character anywhere. URL parsers drop tabs and newlines
+    silently (a tab inside a host makes another host), so such a URL is refused whole."""
+    return any(ch.isspace() or unicodedata.category(ch) == "Cc" for ch in text)
+
+
 def is_loopback_host(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ::1 written literally in a URL."""
-    host = host.strip("[]").lower().rstrip(".")
-    # Only the names that mean loopback everywhere; not "*.localhost", which a resolver
-    # could answer with a public address (and http would then go out in plain text).
-    if host in LOOPBACK_NAMES:
+    """True for ``localhost``, 127.0.0.0/8 and ::1 written literally in a URL.
+
+    The host is normalised first (:func:`normalise_host`, as the HTTP client will use it),
+    so start-up and connect time decide from the same name: a full-width ``localhost`` is
+    ``localhost`` to both.
+    """
+    try:
+        name = normalise_host(host)
+    except EndpointError:
+        return False
+    # Only the name that means loopback everywhere; not "*.localhost" or "localhost.",
+    # which a resolver could answer with a public address.
+    if name in LOOPBACK_NAMES:
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True, slots=True)
+class LoopbackRule:
+    """What a consumer URL's scheme and host mean for the addresses connected to.
+
+    ``allow``: the configured host is loopback, so loopback addresses may be connected to.
+    ``require``: the URL is plain ``http`` (allowed for loopback only), so every address
+    connected to must be loopback: a name that resolves elsewhere gets no unencrypted
+    request.
+    """
+
+    allow: bool
+    require: bool
+
+
+def loopback_rule(url: str) -> LoopbackRule:
+    """The :class:`LoopbackRule` of a URL that passed :func:`validate_url`."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return LoopbackRule(allow=False, require=True)  # unusable: nothing may pass
+    loopback = is_loopback_host(host)
+    return LoopbackRule(allow=loopback, require=parts.scheme.lower() == "http")
 
 
 def normalise_host(host: str) -> str:
@@ -130,13 +174,19 @@ def _punycode_ok(label: str) -> bool:
 def validate_url(url: str) -> None:
     """Apply the URL policy. Raises :class:`EndpointError` (the message names no secret).
 
-    - ``https`` is required; ``http`` only for a loopback host.
+    - ``https`` is required; ``http`` only for a loopback host (``localhost`` or a
+      loopback IP literal; at connect time every address must then be loopback too).
+    - Whitespace and control characters are refused anywhere in the URL (never cleaned).
     - Credentials in the URL are refused; so is every other scheme.
     - The host must be a valid host name (IDNA/punycode hosts are normalised first) or an
       IP literal, and the HTTP client must read the same host from the URL.
     """
     if not isinstance(url, str):
         raise EndpointError("the URL must be a string")
+    if has_space_or_control(url):
+        raise EndpointError(
+            "the URL contains whitespace or a control character (percent-encode it, or remove it)"
+        )
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -266,7 +316,8 @@ _FIXED: tuple[tuple[IPNetwork, str], ...] = (
     (ipaddress.ip_network("::/128"), "the unspecified address (::)"),
     (ipaddress.ip_network("ff00::/8"), "a multicast address (ff00::/8)"),
 )
-_LOOPBACK = _nets("127.0.0.0/8", "::1/128")
+LOOPBACK_NETWORKS = _nets("127.0.0.0/8", "::1/128")
+_LOOPBACK = LOOPBACK_NETWORKS
 # Refused unless inside WEBHOOK_ALLOWED_NETWORKS (loopback also when the URL is loopback).
 _BLOCKED: tuple[tuple[IPNetwork, str], ...] = tuple(
     (ipaddress.ip_network(cidr), f"{kind} ({cidr})")

@@ -87,7 +87,7 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     assert code == 0 and json.loads(json.loads(out)[0]["payload"]) == {"g": 1}
     code, out = await run_command("dlq", "replay", ids[0], env=env)
     assert code == 0 and f"replayed {ids[0]}" in out, out
-    code, out = await run_command("dlq", "purge", "--all", env=env)
+    code, out = await run_command("dlq", "purge", "--all", "--yes", env=env)
     assert code == 0 and "2 dead letter(s) purged" in out, out
     code, out = await run_command("dlq", "list", "--json", env=env)
     assert json.loads(out) == []

@@ -110,7 +110,7 @@ def test_accepted_urls(url: str) -> None:
         ("https://[::1/", "cannot be parsed"),
         ("https://xn--zz.example/", "not valid punycode"),
         ("https://e\u200bvil.example/", "invisible character"),
-        ("https://exa mple.com/", "not a valid host name"),
+        ("https://exa mple.com/", "whitespace or a control character"),
         ("https://-bad.example.com/", "not a valid host name"),
         ("https://" + "a" * 64 + ".com/", "not a valid host name"),
         ("https://" + ".".join(["a" * 60] * 5) + "/", "not a valid host name"),
@@ -203,7 +203,11 @@ def test_normalise_host(host: str, expected: str) -> None:
     ("host", "expected"),
     [
         ("localhost", True),
-        ("LocalHost.", True),
+        ("LocalHost", True),
+        ("localhost.", False),  # fully qualified: the DNS may answer it
+        ("localhost.localdomain", False),
+        ("ip6-localhost", False),
+        ("\uff4c\uff4f\uff43\uff41\uff4c\uff48\uff4f\uff53\uff54", True),  # full-width
         ("api.localhost", False),
         ("127.0.0.1", True),
         ("127.255.0.9", True),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 
 from ..errors import ConfigError
 from ..host import run_async as run_async  # the commands' one way to run a coroutine
-from ..settings import EngineSettings
+from ..settings import MAX_BIGINT, EngineSettings, parse_int
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -50,8 +51,34 @@ def require_embedded(variable: str) -> None:
         )
 
 
+def int_option(option: str, *, low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in ASCII digits from ``low`` to ``high``. Anything
+    else, of any length, is a :class:`ConfigError` naming ``option`` (exit 2, as a bad
+    variable), parsed by the settings' one integer parser."""
+
+    def parse(text: str) -> int:
+        return parse_int(text, option, low=low, high=high)
+
+    return parse
+
+
 def positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1, in ASCII digits."""
-    if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return int(text)
+    """An argparse type: a whole number of at least 1, in ASCII digits, within bigint."""
+    try:
+        return parse_int(text, "value", low=1, high=MAX_BIGINT)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.problem) from None
+
+
+def confirm(question: str, *, yes: bool, option: str = "--yes") -> bool:
+    """Whether a destructive action may go ahead: ``yes`` given, or the operator answers
+    ``y`` on a terminal. Without a terminal (a script, a pipe) and without ``yes`` it is a
+    :class:`ConfigError` naming ``option``: nobody is asked, so nothing is assumed."""
+    if yes:
+        return True
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise ConfigError(option, f"is required when not on a terminal ({question})")
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")

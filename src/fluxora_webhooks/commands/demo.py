@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping
 
 import psycopg
 from rich.console import Console
 
+from ..errors import ConfigError
 from ..logs import scrub
-from ..settings import EngineSettings
-from .common import positive_int, require_embedded, run_async
+from ..settings import MAX_BIGINT, EngineSettings, shown_value
+from ..terminal import cell
+from .common import int_option, require_embedded, run_async
 
 NAME = "demo"
 HELP = "the whole system end to end on local engines"
@@ -31,30 +34,46 @@ other pending events.
 """
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+MAX_RATE = 1_000_000.0
+MAX_EVENTS = 1_000_000
+MAX_TIMEOUT_S = 86_400
+_DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?", re.ASCII)
+
+
+def _rate(text: str) -> float:
+    # ASCII decimals only: float() would also take "inf", "nan", "1e999" and "1_0".
+    stripped = text.strip()
+    if not _DECIMAL.fullmatch(stripped) or float(stripped) > MAX_RATE:
+        raise ConfigError(
+            "--rate", f"must be a number from 0 to {MAX_RATE:,.0f}, got {shown_value(text)}"
+        )
+    return float(stripped)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--events", type=positive_int, default=300, metavar="N", help="stream writes (300)"
+        "--events",
+        type=int_option("--events", low=1, high=MAX_EVENTS),
+        default=300,
+        metavar="N",
+        help="stream writes (300)",
     )
     parser.add_argument(
-        "--seed", type=int, default=1, help="seed of the write plan: same seed, same writes (1)"
+        "--seed",
+        type=int_option("--seed", low=0, high=MAX_BIGINT),
+        default=1,
+        help="seed of the write plan: same seed, same writes (1)",
     )
     parser.add_argument(
         "--rate",
-        type=_non_negative_float,
+        type=_rate,
         default=150.0,
         metavar="PER_S",
         help="stream writes per second, 0 for as fast as possible (150)",
     )
     parser.add_argument(
         "--timeout",
-        type=positive_int,
+        type=int_option("--timeout", low=1, high=MAX_TIMEOUT_S),
         default=90,
         metavar="SECONDS",
         help="give up and report failure after this long (90)",
@@ -113,7 +132,6 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             return run_async(main())
         except (psycopg.OperationalError, OSError) as exc:
             console.print(
-                f"fluxora-webhooks demo: the database is unreachable: {scrub(str(exc))}",
-                markup=False,
+                cell(f"fluxora-webhooks demo: the database is unreachable: {scrub(str(exc))}")
             )
             return 1

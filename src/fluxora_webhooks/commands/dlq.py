@@ -1,4 +1,9 @@
-"""``fluxora-webhooks dlq``: list, show, replay (same delivery id) or purge dead letters."""
+"""``fluxora-webhooks dlq``: list, show, replay (same delivery id) or purge dead letters.
+
+``purge --all`` and ``replay --all`` act on every waiting dead letter at once, so they ask
+first on a terminal and need ``--yes`` otherwise; naming delivery ids is explicit enough
+and never asks. Stored text is shown as data (see :mod:`fluxora_webhooks.terminal`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .common import EXIT_CONFIG, engines, positive_int, run_async
+from rich.text import Text
+
+from ..terminal import cell, visible
+from .common import EXIT_CONFIG, confirm, engines, int_option, run_async
 
 NAME = "dlq"
 HELP = "list, show, replay or purge dead letters"
@@ -25,12 +33,22 @@ LIST_COLUMNS = (
     "dead_at",
     "state",
 )
+# The widest a table shows a column (stored text can be any length; --json has it whole).
+# Delivery ids are always shown in full.
+COLUMN_WIDTHS = {"event_type": 40, "stream_id": 40, "reason": 32, "dead_at": 32, "state": 12}
+DEFAULT_COLUMN_WIDTH = 40
+MAX_LIST_LIMIT = 1_000_000
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     p = actions.add_parser("list", help="dead letters, newest first")
-    p.add_argument("--limit", type=positive_int, default=100)
+    p.add_argument(
+        "--limit",
+        type=int_option("--limit", low=1, high=MAX_LIST_LIMIT),
+        default=100,
+        help=f"at most this many (default 100, at most {MAX_LIST_LIMIT:,})",
+    )
     p.add_argument("--all", action="store_true", help="include replayed and purged ones")
     p.add_argument("--endpoint", metavar="ID", help="only this endpoint's")
     p.add_argument("--tenant", metavar="T", help="only this tenant's ('' for the default)")
@@ -41,12 +59,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p = actions.add_parser(action, help=text)
         p.add_argument("ids", nargs="*", metavar="DELIVERY_ID")
         p.add_argument("--all", action="store_true", help=f"{action} every dead letter")
+        p.add_argument(
+            "--yes", action="store_true", help="with --all: do not ask (needed off a terminal)"
+        )
         p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .. import deadletters
 
+    if args.dlq_command in ("replay", "purge"):
+        if not args.all and not args.ids:
+            print(f"dlq {args.dlq_command}: name delivery ids, or --all", file=sys.stderr)
+            return EXIT_CONFIG
+        if args.all and not confirm(_ALL_QUESTIONS[args.dlq_command], yes=args.yes):
+            print(f"dlq {args.dlq_command}: nothing done", file=sys.stderr)
+            return 1
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
@@ -63,13 +91,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         if args.dlq_command == "show":
             found = await deadletters.show(database_url, args.id)
             if not found:
-                print(f"no dead letter with id {args.id}", file=sys.stderr)
+                print(f"no dead letter with id {visible(args.id)}", file=sys.stderr)
                 return 1
             print(json.dumps(found, default=str, indent=2))
             return 0
-        if not args.all and not args.ids:
-            print(f"dlq {args.dlq_command}: name delivery ids, or --all", file=sys.stderr)
-            return EXIT_CONFIG
         done, missing = await deadletters.replay_or_purge(
             database_url, args.dlq_command, args.ids, include_all=args.all
         )
@@ -81,7 +106,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 print(f"{verb} {delivery_id}")
             print(f"{len(done)} dead letter(s) {verb}")
         for key in missing:
-            print(f"no waiting dead letter with id {key}", file=sys.stderr)
+            print(f"no waiting dead letter with id {visible(key)}", file=sys.stderr)
         return 1 if missing else 0
 
     return run_async(main())
@@ -99,9 +124,21 @@ def print_rows(rows: list[dict[str, Any]], columns: Sequence[str], as_json: bool
 
     table = Table(show_lines=False)
     for col in columns:
-        table.add_column(col, overflow="fold")
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
     for row in rows:
-        table.add_row(*("" if row[c] is None else str(row[c]) for c in columns))
-    Console(width=max(160, os.get_terminal_size(1).columns if sys.stdout.isatty() else 200)).print(
-        table
-    )
+        # Text cells: stored text is never read as markup, its control characters visible.
+        table.add_row(*(_cell(c, row.get(c)) for c in columns))
+    width = max(160, os.get_terminal_size(1).columns if sys.stdout.isatty() else 260)
+    Console(width=width, highlight=False).print(table)
+
+
+def _cell(column: str, value: Any) -> Text:
+    if column == "delivery_id":
+        return cell(value)
+    return cell(value, COLUMN_WIDTHS.get(column, DEFAULT_COLUMN_WIDTH))
+
+
+_ALL_QUESTIONS = {
+    "purge": "dlq purge --all discards every waiting dead letter; go ahead?",
+    "replay": "dlq replay --all sends every waiting dead letter again, at once; go ahead?",
+}

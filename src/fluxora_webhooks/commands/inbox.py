@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .common import engines, run_async
+from .common import engines, int_option, run_async
 
 NAME = "inbox"
 HELP = "the consumer's inbox: install its table, prune old delivery ids"
@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=int_option("--batch-size", low=1, high=MAX_PRUNE_BATCH),
         default=DEFAULT_PRUNE_BATCH,
         metavar="N",
         help=f"rows per transaction (default {DEFAULT_PRUNE_BATCH}, at most {MAX_PRUNE_BATCH})",
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import psycopg
 
     from ..errors import ConfigError
-    from ..inbox import MAX_PRUNE_BATCH, install, prune
+    from ..inbox import install, prune
     from ..settings import parse_duration_ms
 
     older_than_ms = 0
@@ -73,8 +73,6 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 "under 2d would forget ids the sender may still retry (events applied "
                 "twice); pass --force if that is really meant",
             )
-        if not 1 <= args.batch_size <= MAX_PRUNE_BATCH:
-            raise ConfigError("--batch-size", f"must be between 1 and {MAX_PRUNE_BATCH}")
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
-from .common import engines, run_async
+from .common import engines, int_option, run_async
 
 NAME = "prune"
 HELP = "delete processed rows older than a retention period"
@@ -29,7 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--older-than",
         required=True,
         metavar="PERIOD",
-        help="age of the history to delete, e.g. 7d, 12h, 90m (units ms, s, m, h, d)",
+        help="age of the history to delete, e.g. 7d, 12h, 90m (units ms, s, m, h, d; at most"
+        " 36500d)",
     )
     parser.add_argument(
         "--dead-letters",
@@ -38,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=int_option("--batch-size", low=1, high=MAX_BATCH_SIZE),
         default=DEFAULT_BATCH_SIZE,
         metavar="N",
         help=f"rows per transaction (default {DEFAULT_BATCH_SIZE}, at most {MAX_BATCH_SIZE})",
@@ -57,8 +58,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     opts = args
     older_than_ms = parse_duration_ms(opts.older_than, "--older-than")
-    if not 1 <= opts.batch_size <= MAX_BATCH_SIZE:
-        raise ConfigError("--batch-size", f"must be between 1 and {MAX_BATCH_SIZE}")
+    if older_than_ms == 0:
+        # As WEBHOOK_RETENTION=0d is off, a zero period here is a slip, not "everything".
+        raise ConfigError(
+            "--older-than", "must be more than 0 (0 would delete the whole history at once)"
+        )
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:

@@ -18,7 +18,12 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..ops import RECORDED_OUTCOMES, STATUS_COUNT_CAP, read_status
-from .common import engines, run_async
+from ..settings import MAX_BREAKER_THRESHOLD, parse_int
+from ..terminal import cell
+from .common import engines, int_option, run_async
+
+# Ten years: far beyond any history kept, well inside what a PostgreSQL interval holds.
+MAX_MINUTES = 3650 * 1440
 
 NAME = "status"
 HELP = "backlog, dead letters, recent outcomes and breaker state"
@@ -31,18 +36,16 @@ DESCRIPTION = (
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--minutes",
-        type=int,
+        type=int_option("--minutes", low=1, high=MAX_MINUTES),
         default=15,
         metavar="N",
-        help="window of the recent attempts, in minutes (default 15)",
+        help=f"window of the recent attempts, in minutes (default 15, at most {MAX_MINUTES:,})",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     opts = args
-    if opts.minutes < 1:
-        raise ConfigError("--minutes", "must be at least 1")
     webhook_url = env.get("WEBHOOK_URL", "").strip()
     # Redis is only needed to show a consumer's breaker: without WEBHOOK_URL, do not even
     # start the embedded one.
@@ -73,7 +76,12 @@ def _breaker_threshold(env: Mapping[str, str]) -> int | None:
     raw = env.get("WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", "").strip()
     if not raw:
         return 0  # the documented default: disabled
-    return int(raw) if raw.isdigit() else None
+    try:  # the settings' parser: "²".isdigit() is true, and int() then raises
+        return parse_int(
+            raw, "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", low=0, high=MAX_BREAKER_THRESHOLD
+        )
+    except ConfigError:
+        return None
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -103,8 +111,8 @@ def render(snapshot: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(soft_wrap=False)
-    console.print(f"fluxora-webhooks status at {snapshot['at']}")
+    console = Console(soft_wrap=False, highlight=False)
+    console.print(cell(f"fluxora-webhooks status at {snapshot['at']}"))
     backlog = snapshot["backlog"]
     estimated = bool(backlog["estimated"])
     table = Table(title="Outbox", show_header=False, title_justify="left")
@@ -141,17 +149,20 @@ def render(snapshot: dict[str, Any]) -> None:
     if consumer is None:
         console.print("consumer: WEBHOOK_URL is not set; breaker state not shown")
         return
-    table = Table(title=f"Consumer {consumer['endpoint']}", show_header=False, title_justify="left")
+    # What comes from Redis or the environment goes in as Text: never read as markup.
+    table = Table(
+        title=cell(f"Consumer {consumer['endpoint']}"), show_header=False, title_justify="left"
+    )
     table.add_column("what")
     table.add_column("value")
     redis = consumer["redis"]
     if not redis["reachable"]:
-        table.add_row("redis", f"unreachable: {redis.get('error') or 'no answer'}")
+        table.add_row("redis", cell(f"unreachable: {redis.get('error') or 'no answer'}", 200))
         console.print(table)
         return
-    table.add_row("redis", f"ok ({redis['url']})")
+    table.add_row("redis", cell(f"ok ({redis['url']})", 200))
     breaker = consumer["breaker"]
-    table.add_row("circuit breaker", breaker["state"])
+    table.add_row("circuit breaker", cell(breaker["state"], 20))
     if breaker["enabled"] is False:
         table.add_row("", "disabled (WEBHOOK_CIRCUIT_BREAKER_THRESHOLD=0)")
     table.add_row("consecutive failures", str(breaker["failures"]))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import base64
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from aiohttp import web
 
 from ..errors import VerificationError
 from ..signing import verify
+
+_ATTEMPT = re.compile(r"[0-9]{1,9}", re.ASCII)
 
 PATH = "/webhooks"
 
@@ -121,7 +124,8 @@ class Consumer:
 
 def _attempt(headers: Mapping[str, str]) -> int:
     text = headers.get("x-fluxora-attempt", "1")
-    return int(text) if text.isdigit() else 1
+    # ASCII digits, bounded: "²".isdigit() is true and int() then raises.
+    return int(text) if _ATTEMPT.fullmatch(text) else 1
 
 
 def _standard_verifier(secret: bytes) -> Any:

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from rich.text import Text
 
+from ..terminal import cell
 from .runner import DemoReport, Display, Snapshot
 
 _PLAIN_EVERY_S = 1.0
@@ -167,4 +168,5 @@ def print_summary(console: Console, report: DemoReport) -> None:
         return
     console.print("[bold red]FAILED[/]: the result is not what the guarantees promise:")
     for problem in report.problems:
-        console.print(f"  - {problem}", highlight=False, markup=False)
+        # A problem may quote what a consumer or the database said: shown as data.
+        console.print(cell(f"  - {problem}"), highlight=False)

@@ -34,6 +34,7 @@ from psycopg.pq import TransactionStatus
 
 from ..errors import SchemaError, VerificationError
 from ..queries import query
+from ..retention import MAX_OLDER_THAN_MS
 from ..signing import DEFAULT_TOLERANCE_SECONDS, Verified, verify_request
 
 __all__ = [
@@ -330,8 +331,8 @@ async def prune(
     them longer than the sender's whole retry window (about a day and a half with the
     default schedule) plus any time in which dead letters may be replayed.
     """
-    if older_than_ms < 0:
-        raise ValueError("older_than_ms must not be negative")
+    if not 0 <= older_than_ms <= MAX_OLDER_THAN_MS:
+        raise ValueError("older_than_ms must be from 0 to 100 years")
     if not 1 <= batch_size <= MAX_PRUNE_BATCH:
         raise ValueError(f"batch_size must be between 1 and {MAX_PRUNE_BATCH}")
     if not conn.autocommit:

@@ -1,0 +1,246 @@
+"""Issue 18, the outside QA pass, against the real engines: a loopback consumer answering
+hostile headers and echoing its URL, PostgreSQL's interval limits, Redis's breaker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import aiohttp
+import psycopg
+import pytest
+from aiohttp import web
+from aiohttp.abc import AbstractResolver, ResolveResult
+from redis.asyncio import Redis
+
+from fluxora_webhooks import deadletters
+from fluxora_webhooks.connector import AddressRefused, make_connector
+from fluxora_webhooks.gate import ALLOW
+from fluxora_webhooks.outbox import enqueue
+from fluxora_webhooks.redis_gate import RedisGate, read_breaker_state
+from fluxora_webhooks.retry import RETRY_AFTER_CAP_MS, RetryPolicy
+from fluxora_webhooks.settings import Settings
+from tests.support.dispatch import SECRET, make_settings, pending, rows, running_dispatcher
+from tests.support.dispatch import wait_until as wait_for
+from tests.support.gates import make_gate, server_ms
+from tests.support.receiver import Received, Receiver
+
+pytestmark = pytest.mark.integration
+
+FAST = RetryPolicy(max_attempts=3, schedule_ms=(30,), jitter=lambda: 0.0)
+FULL_WIDTH_LOCALHOST = "\uff4c\uff4f\uff43\uff41\uff4c\uff48\uff4f\uff53\uff54"
+
+
+async def _enqueue(database_url: str) -> str:
+    async with await psycopg.AsyncConnection.connect(database_url) as conn, conn.transaction():
+        return await enqueue(conn, stream_id="s-1", event_type="stream.updated", payload={})
+
+
+async def _idle(database_url: str) -> bool:
+    return await pending(database_url) == 0
+
+
+# --- 1. A malformed Retry-After never changes the outcome --------------------------------------
+
+
+@pytest.mark.parametrize(("status", "retry_after"), [(503, "\u00b2"), (429, "\u2460")])
+async def test_a_malformed_retry_after_is_ignored_and_the_status_kept(
+    database_url: str, receiver: Receiver, status: int, retry_after: str
+) -> None:
+    answers = iter([web.Response(status=status, headers={"Retry-After": retry_after})])
+    receiver.respond = lambda r: next(answers, web.Response(status=200))
+    delivery_id = await _enqueue(database_url)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(2)
+        await wait_for(lambda: _idle(database_url), what="idle")
+    assert await deadletters.list_dead(database_url) == []
+    history = await rows(
+        database_url,
+        "SELECT attempt, outcome, status_code FROM webhook_outbox"
+        " WHERE delivery_id = %s ORDER BY attempt",
+        (delivery_id,),
+    )
+    assert history == [(1, "retry", status), (2, "delivered", 200)]
+
+
+async def test_a_retry_after_of_thousands_of_digits_is_the_cap(
+    database_url: str, receiver: Receiver
+) -> None:
+    receiver.respond = lambda r: web.Response(status=503, headers={"Retry-After": "9" * 5000})
+    await _enqueue(database_url)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=FAST):
+        await receiver.wait_for(1)
+        await wait_for(lambda: _has_retry_row(database_url), what="the retry row", timeout=10.0)
+    first = await rows(
+        database_url, "SELECT outcome, status_code FROM webhook_outbox WHERE attempt = 1"
+    )
+    ((due_in_ms,),) = await rows(
+        database_url,
+        "SELECT (EXTRACT(EPOCH FROM created_at - now()) * 1000)::bigint"
+        " FROM webhook_outbox WHERE attempt = 2",
+    )
+    assert first == [("retry", 503)]
+    assert RETRY_AFTER_CAP_MS - 60_000 < due_in_ms <= RETRY_AFTER_CAP_MS
+
+
+async def _has_retry_row(database_url: str) -> bool:
+    found = await rows(database_url, "SELECT 1 FROM webhook_outbox WHERE attempt = 2")
+    return bool(found)
+
+
+# --- 6 and 2. Loopback decided from the normalised host; http requires loopback ---------------
+
+
+async def test_a_full_width_localhost_url_is_delivered(
+    database_url: str, receiver: Receiver
+) -> None:
+    url = f"http://{FULL_WIDTH_LOCALHOST}:{receiver.port}/hook?token=sekrit-query-token"
+    Settings.from_env({"WEBHOOK_URL": url, "WEBHOOK_SECRET": SECRET.decode()})  # start-up
+    await _enqueue(database_url)
+    async with running_dispatcher(make_settings(url), database_url, policy=FAST):
+        await receiver.wait_for(1)
+        await wait_for(lambda: _idle(database_url), what="idle")
+    assert await rows(database_url, "SELECT outcome FROM webhook_outbox") == [("delivered",)]
+
+
+class _Answers(AbstractResolver):
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = addresses
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        return [
+            ResolveResult(
+                hostname=host,
+                host=a,
+                port=port,
+                family=socket.AF_INET,
+                proto=socket.IPPROTO_TCP,
+                flags=socket.AI_NUMERICHOST,
+            )
+            for a in self.addresses
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_plain_http_is_never_sent_to_a_non_loopback_answer(receiver: Receiver) -> None:
+    """The http exception means every address connected to is loopback: a 'localhost'
+    that a resolver answers with a public address gets no request at all (the address is
+    refused before any connection), while one that answers loopback is reached."""
+    url = f"http://localhost:{receiver.port}/hook"
+    for answer, reached in (("93.184.216.34", False), ("127.0.0.1", True)):
+        connector = make_connector(
+            allow_loopback=True, require_loopback=True, resolver=_Answers(answer)
+        )
+        try:
+            async with aiohttp.ClientSession(connector=connector) as session:
+                if reached:
+                    async with session.post(url, data=b"{}") as response:
+                        assert response.status == 200
+                else:
+                    with pytest.raises(aiohttp.ClientConnectorError) as caught:
+                        await session.post(url, data=b"{}", timeout=aiohttp.ClientTimeout(2))
+                    assert isinstance(caught.value.os_error, AddressRefused)
+                    assert "not a loopback address" in str(caught.value.os_error)
+        finally:
+            await connector.close()
+    assert len(receiver.received) == 1
+
+
+# --- 3. A zero retention is off --------------------------------------------------------------
+
+
+async def test_a_zero_retention_keeps_the_history(database_url: str) -> None:
+    settings = Settings.from_env(
+        {"WEBHOOK_URL": "https://h.example/", "WEBHOOK_SECRET": "x" * 30, "WEBHOOK_RETENTION": "0d"}
+    )
+    assert settings.retention_ms is None  # off: the service starts no retention task
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, processed, processed_at)"
+            " VALUES ('s', 'e', '{}', true, now() - interval '1 hour')"
+        )
+    assert await rows(database_url, "SELECT count(*) FROM webhook_outbox") == [(1,)]
+
+
+# --- 11. Each breaker transition is logged once, by the process that made it ---------------------
+
+URL = "https://consumer.example/hooks/p4th-secret?token=q-secret"
+
+
+async def test_each_breaker_transition_is_logged_once(
+    redis_client: Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate: RedisGate = make_gate(
+        redis_client,
+        prefix,
+        retry_rps=1000,
+        breaker_threshold=2,
+        breaker_reset_ms=100,
+        probe_ttl_ms=10_000,
+    )
+    other = make_gate(
+        redis_client,
+        prefix,
+        retry_rps=1000,
+        breaker_threshold=2,
+        breaker_reset_ms=100,
+        probe_ttl_ms=10_000,
+    )  # a second instance sharing the breaker: it makes no transition, so logs none
+    with caplog.at_level(logging.INFO, logger="fluxora_webhooks.redis_gate"):
+        for _ in range(2):
+            (admission,) = await gate.admit(URL, [1])
+            await gate.report(URL, [(admission, False)])
+        await other.report(URL, [(ALLOW, False)])  # while open: changes nothing
+        reset_at = (await read_breaker_state(redis_client, URL, prefix)).reset_at_ms
+        await asyncio.sleep((reset_at - await server_ms(redis_client)) / 1000 + 0.02)
+        (probe,) = await gate.admit(URL, [1])
+        assert probe.probe
+        (deferred,) = await other.admit(URL, [1])
+        assert not deferred.allowed
+        await gate.report(URL, [(probe, True)])
+    messages = [r.getMessage() for r in caplog.records if "circuit breaker" in r.getMessage()]
+    assert messages == [
+        "circuit breaker for https://consumer.example opened (from closed): attempts are"
+        " deferred until a probe",
+        "circuit breaker for https://consumer.example is half-open: one probe attempt may go",
+        "circuit breaker for https://consumer.example closed (from half-open): deliveries resume",
+    ]
+    assert not any("secret" in m for m in messages)
+
+
+# --- 13. What is stored is scrubbed as what is logged --------------------------------------------
+
+
+async def test_a_consumer_echoing_its_url_and_token_is_stored_scrubbed(
+    database_url: str, receiver: Receiver
+) -> None:
+    def echo(r: Received) -> web.Response:
+        return web.Response(
+            status=503,
+            text=f"bad token sekrit-query-token at http://127.0.0.1:{receiver.port}"
+            f"/hook?token=sekrit-query-token; secret {SECRET.decode()}",
+        )
+
+    receiver.respond = echo
+    delivery_id = await _enqueue(database_url)
+    policy = RetryPolicy(max_attempts=2, schedule_ms=(30,), jitter=lambda: 0.0)
+    async with running_dispatcher(make_settings(receiver.url), database_url, policy=policy):
+        await receiver.wait_for(2)
+        await wait_for(lambda: _idle(database_url), what="idle")
+    stored: list[tuple[Any, ...]] = await rows(
+        database_url, "SELECT response_body, error FROM webhook_outbox ORDER BY attempt"
+    )
+    (dead,) = await deadletters.show(database_url, delivery_id)
+    texts = [t for row in stored for t in row if t] + [dead["last_response"], dead["last_error"]]
+    assert len(stored) == 2 and all(texts)
+    for text in texts:
+        assert "sekrit-query-token" not in text, text
+        assert SECRET.decode() not in text, text
+    assert "bad token ***" in dead["last_response"]
+    assert dead["last_status"] == 503

@@ -1,0 +1,138 @@
+"""Issue 18 (defects 4, 7, 8, 12) at the command line, in-process: number options refused
+naming the option, stored text shown as data, ``--all`` confirmed.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+from fluxora_webhooks import cli
+from fluxora_webhooks.commands import dlq, status
+from fluxora_webhooks.ops import RECORDED_OUTCOMES
+from fluxora_webhooks.terminal import cell, visible
+
+HUGE = "9" * 5000  # int() refuses more than 4,300 digits
+
+
+# --- CLI options: exit 2 naming the option, before anything connects ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("dlq", "list", "--limit", HUGE), "--limit"),
+        (("dlq", "list", "--limit", "99999999999999999999"), "--limit"),
+        (("dlq", "list", "--limit", "1000001"), "--limit"),
+        (("dlq", "list", "--limit", "\u00b2"), "--limit"),
+        (("status", "--minutes", HUGE), "--minutes"),
+        (("status", "--minutes", "99999999999"), "--minutes"),
+        (("status", "--minutes", "0"), "--minutes"),
+        (("prune", "--older-than", HUGE + "d"), "--older-than"),
+        (("prune", "--older-than", "99999999999999d"), "--older-than"),
+        (("prune", "--older-than", "0d"), "--older-than"),  # never "the whole history"
+        (("prune", "--older-than", "7d", "--batch-size", HUGE), "--batch-size"),
+        (("prune", "--older-than", "7d", "--batch-size", "\u0661\u0660"), "--batch-size"),
+        (("inbox", "prune", "--older-than", HUGE + "d"), "--older-than"),
+        (("inbox", "prune", "--older-than", "30d", "--batch-size", HUGE), "--batch-size"),
+        (("demo", "--timeout", HUGE), "--timeout"),
+        (("demo", "--events", "99999999999999999999"), "--events"),
+        (("demo", "--rate", "inf"), "--rate"),
+        (("demo", "--rate", "1e999"), "--rate"),
+        (("demo", "--seed", HUGE), "--seed"),
+    ],
+)
+def test_every_number_option_refuses_any_input_naming_itself(
+    args: tuple[str, ...], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's own refusals
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"configuration error: {option}:" in err
+    assert "Traceback" not in err and len(err) < 500
+
+
+def test_status_reads_the_breaker_threshold_without_raising() -> None:
+    for raw in ("\u00b2", HUGE, "x"):
+        assert status._breaker_threshold({"WEBHOOK_CIRCUIT_BREAKER_THRESHOLD": raw}) is None
+    assert status._breaker_threshold({"WEBHOOK_CIRCUIT_BREAKER_THRESHOLD": "5"}) == 5
+
+
+# --- 4. Stored text on the terminal ----------------------------------------------------------
+
+HOSTILE: dict[str, Any] = {
+    "delivery_id": "0b8a3c1e-6f6e-4f43-9d3c-4f1b1d1e8a11",
+    "event_type": "[bold red]stream.updated[/]",
+    "stream_id": "[link=https://e.example]x[/link]",
+    "attempts": 8,
+    "reason": "[/]",
+    "last_status": 503,
+    "dead_at": "\x1b[31m\x07\x7f\x9b\u202e",
+    "state": "dead",
+}
+OSC_LINK = "\x1b]8;;http://e/\x1b\\"  # a terminal hyperlink escape sequence
+
+
+def test_visible_escapes_what_a_terminal_would_act_on() -> None:
+    assert visible("plain [b]text[/b] ü") == "plain [b]text[/b] ü"
+    assert visible("a\x1b[31mb") == "a\\x1b[31mb"
+    assert visible("\x00\x07\t\n\x7f\x85\x9b") == "\\x00\\x07\\x09\\x0a\\x7f\\x85\\x9b"
+    assert visible("\u202eevil\u2066") == "\\u202eevil\\u2066"
+    assert cell("x" * 100, 10).plain == "x" * 9 + "…"
+    assert cell("[bold]x[/]").plain == "[bold]x[/]"
+
+
+def test_dlq_list_shows_stored_text_as_data(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [HOSTILE, {**HOSTILE, "stream_id": OSC_LINK}, {**HOSTILE, "stream_id": "s" * 500}]
+    dlq.print_rows(rows, dlq.LIST_COLUMNS, False)
+    out = capsys.readouterr().out
+    assert "[bold red]stream.updated[/]" in out
+    assert "[link=https://e.example]x[/link]" in out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out and "\u202e" not in out
+    assert "\\x1b]8;;http://e/\\x1b\\" in out
+    assert "\\x1b[31m\\x07\\x7f\\x9b\\u202e" in out
+    assert HOSTILE["delivery_id"] in out  # ids are never cut
+    assert "s" * 500 not in out and "s" * 39 + "…" in out  # other fields are bounded
+    dlq.print_rows([{**HOSTILE, "stream_id": "s" * 500}], dlq.LIST_COLUMNS, True)
+    assert "s" * 500 in capsys.readouterr().out  # --json: all of it
+
+
+def test_status_shows_a_redis_error_as_data(capsys: pytest.CaptureFixture[str]) -> None:
+    snapshot: dict[str, Any] = {
+        "at": "now",
+        "backlog": {
+            "pending": 0,
+            "due_now": 0,
+            "oldest_due_age_seconds": 0,
+            "next_due_in_seconds": None,
+            "estimated": False,
+        },
+        "dead_letters": {"waiting": 0},
+        "recent": {"minutes": 15, "attempts": dict.fromkeys(RECORDED_OUTCOMES, 0),
+                   "duration_ms": {}, "last_at": None},
+        "consumer": {
+            "endpoint": "https://hooks.example.com",
+            "redis": {"url": "redis://r", "reachable": False, "error": "[/] \x1b[2J gone"},
+        },
+    }  # fmt: skip
+    status.render(snapshot)
+    out = capsys.readouterr().out
+    assert "[/] \\x1b[2J gone" in out and "\x1b" not in out
+
+
+# --- 12. Confirmation of --all ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["purge", "replay"])
+def test_all_without_a_terminal_needs_yes(
+    action: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # not a terminal: never read
+    code = cli.main(["dlq", action, "--all"])
+    err = capsys.readouterr().err
+    assert code == 2 and "configuration error: --yes:" in err, err

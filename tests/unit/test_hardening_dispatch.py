@@ -1,0 +1,155 @@
+"""Issue 18 (defects 2, 5, 10, 11, 13) where the dispatcher and the service wire them:
+the connector's loopback rule, the secret check, what the logs mask, what is stored,
+the breaker's transitions in the logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from fluxora_webhooks import logs
+from fluxora_webhooks.delivery import scrub_stored, secret_texts
+from fluxora_webhooks.dispatcher import Dispatcher
+from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.redis_gate import _count_transition
+from fluxora_webhooks.service import Service
+from fluxora_webhooks.urlpolicy import loopback_rule
+from tests.support.dispatch import make_settings
+
+
+@pytest.fixture
+def no_sensitive() -> Iterator[None]:
+    logs.clear_sensitive()
+    yield
+    logs.clear_sensitive()
+
+
+# --- 2 and 6. The dispatcher's connector follows the rule of the normalised host --------
+
+
+@pytest.mark.parametrize(
+    ("url", "allow", "require"),
+    [
+        ("http://localhost:9/x", True, True),
+        ("http://\uff4c\uff4f\uff43\uff41\uff4c\uff48\uff4f\uff53\uff54:9/x", True, True),
+        ("http://127.0.0.1:9/x", True, True),
+        ("https://localhost/x", True, False),
+        ("https://hooks.example.com/x", False, False),
+    ],
+)
+async def test_the_dispatcher_connects_by_the_rule_of_the_normalised_host(
+    url: str, allow: bool, require: bool
+) -> None:
+    rule = loopback_rule(url)
+    assert (rule.allow, rule.require) == (allow, require)
+    dispatcher = Dispatcher(make_settings(url), conninfo="")
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    session = dispatcher._session_for(target)
+    try:
+        resolver: Any = session.connector.safe_resolver  # type: ignore[union-attr]
+        assert (resolver.allow_loopback, resolver.require_loopback) == (allow, require)
+    finally:
+        await session.close()
+
+
+def test_the_dispatcher_refuses_an_empty_key() -> None:
+    with pytest.raises(ConfigError):
+        Dispatcher(make_settings("https://hooks.example.com/", secret=b"whsec_"), conninfo="")
+
+
+# --- 10. What the logs mask ---------------------------------------------------------------------
+
+
+def test_engine_urls_register_their_passwords_not_their_parameters(no_sensitive: None) -> None:
+    service = Service(
+        make_settings("https://hooks.example.com/in?token=tok-value-123"),
+        database_url="postgresql://app:db-pass-9876@db/app?sslmode=require"
+        "&options=-c%20statement_timeout%3D5000&application_name=require",
+        redis_url="redis://:redis-pass-5432@cache:6379/0?health_check_interval=30",
+    )
+    service._register_sensitive()
+    text = (
+        "sslmode require failed; options statement_timeout application_name health_check"
+        " db-pass-9876 redis-pass-5432 tok-value-123 30"
+    )
+    assert logs.scrub(text) == (
+        "sslmode require failed; options statement_timeout application_name health_check"
+        " *** *** *** 30"
+    )
+
+
+def test_a_libpq_string_registers_its_password(no_sensitive: None) -> None:
+    service = Service(
+        make_settings("https://hooks.example.com/in"),
+        database_url="host=db dbname=app password='pw with space' sslmode=require",
+        redis_url=None,
+    )
+    service._register_sensitive()
+    assert logs.scrub("pw with space, sslmode require") == "***, sslmode require"
+
+
+# --- 13. What is stored is scrubbed as what is logged ------------------------------------------
+
+
+def test_stored_text_masks_the_urls_secret_parts_and_the_signing_secret() -> None:
+    url = "https://hooks.example.com/in/p4th-t0ken?token=query-t0ken&x=a%2Fb-long"
+    secret = b"whsec_" + base64.b64encode(b"k" * 32)
+    body = (
+        f"you called {url} with token=query-t0ken, path /in/p4th-t0ken, a/b-long, "
+        f"key {secret.decode()} or {secret.decode()[6:]}"
+    )
+    stored = scrub_stored(body, url, secret_texts(secret))
+    assert stored is not None
+    for leaked in ("query-t0ken", "p4th-t0ken", "a/b-long", "a%2Fb-long", secret.decode()[6:]):
+        assert leaked not in stored, leaked
+    assert "https://hooks.example.com" in stored
+    assert scrub_stored(None, url) is None and scrub_stored("", url) == ""
+
+
+# --- 11. Breaker transitions in the logs ---------------------------------------------------
+
+
+def test_a_breaker_transition_is_logged_with_the_redacted_url(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="fluxora_webhooks.redis_gate"):
+        _count_transition("https://hooks.example.com/in?token=abc-secret", "closed", "open")
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "https://hooks.example.com opened" in record.getMessage()
+    assert "abc-secret" not in record.getMessage()
+
+
+# --- Same class as 4: what the logs carry to a terminal ------------------------------------
+
+
+def _record(message: str, *args: object, **fields: object) -> logging.LogRecord:
+    record = logging.LogRecord(
+        "fluxora_webhooks.dispatcher", logging.INFO, "f", 1, message, args, None
+    )
+    for name, value in fields.items():
+        setattr(record, name, value)
+    return record
+
+
+def test_text_logs_show_control_characters_as_escapes_and_stay_one_line() -> None:
+    hostile = "HTTP 503 \x1b]8;;https://evil.example/\x1b\\\n2026-01-01 INFO forged\x9b\u202e"
+    line = logs.TextFormatter().format(
+        _record("delivery failed (%s)", hostile, event_type="stream.\x1b[2Jupdated")
+    )
+    assert "\n" not in line and "\x1b" not in line and "\x9b" not in line
+    assert "\\x1b]8;;" in line and "\\x0a2026-01-01 INFO forged\\x9b\\u202e" in line
+    assert "event_type=stream.\\x1b[2Jupdated" in line
+
+
+def test_json_logs_escape_c1_controls_and_bidi_overrides_too() -> None:
+    line = logs.JsonFormatter().format(_record("x \x9b \u202e \x1b"))
+    assert "\x9b" not in line and "\u202e" not in line and "\x1b" not in line
+    assert json.loads(line)["message"] == "x \x9b \u202e \x1b"  # still the same text
