@@ -25,6 +25,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -80,6 +81,7 @@ class Batch:
         self.sends: list[Send] = []
         self.route: list[int] = []
         self.claimed = 0
+        self.parts: dict[int, datetime | None] = {}  # each claimed row's partition_at
         # Filled when recorded: the attempts decided in the batch, and how many deliveries
         # of ordered streams became due.
         self.done: list[tuple[Send, AttemptResult, Decision]] = []
@@ -89,13 +91,17 @@ class Batch:
         """Returns (rows claimed, ms until the next future due row)."""
         settings = self.d.settings
         async with conn.transaction():
-            rows = await claim_due(conn, settings.batch_size)
+            since = self.d.claim_since
+            rows = await claim_due(conn, settings.batch_size, since=since)
             self.claimed = len(rows)
+            self.parts = {row.id: row.partition_at for row in rows}
             if rows:
                 await self._plan(conn, rows)
                 await self._send()
                 await self.d.recorder.record(conn, self)
-            next_due = await next_due_in_ms(conn) if len(rows) < settings.batch_size else 0
+            next_due = (
+                await next_due_in_ms(conn, since=since) if len(rows) < settings.batch_size else 0
+            )
         self.d.after_commit(self)
         return len(rows), next_due
 

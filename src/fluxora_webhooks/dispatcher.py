@@ -20,13 +20,14 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 import aiohttp
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from . import endpoints, metrics
+from . import endpoints, metrics, partitions
 from .batch import Batch, Send, breaker_signal
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
@@ -49,8 +50,10 @@ _LOCK_TIMEOUT_MS = 10_000
 _STATEMENT_TIMEOUT_MS = 60_000
 _POOL_RECONNECT_S = 5.0
 # The whole registry is read again this often (a fallback for a missed NOTIFY, and the end
-# of a rotated secret's overlap).
-REGISTRY_RELOAD_S = 30.0
+# of a rotated secret's overlap), and on a partitioned outbox, where pending rows start
+# (a row written before the last reading by a transaction older than a partition waits
+# this long at most).
+HOUSEKEEPING_S = 10.0
 # Ordered streams whose next head was never chosen (a failure after the outcome was
 # recorded) are looked for this often.
 SWEEP_S = 30.0
@@ -115,6 +118,9 @@ class Dispatcher:
         self._waker = Waker(cap=settings.claim_loops)
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._warned: set[str] = set()
+        # On a partitioned outbox: no row written before this is pending (the claim looks
+        # only at the partitions from there on). None: look everywhere.
+        self.claim_since: datetime | None = None
         self.ready = asyncio.Event()
         self.batches = 0
         self._outcome = {outcome: metrics.DELIVERIES.labels(outcome) for outcome in Outcome}
@@ -196,7 +202,8 @@ class Dispatcher:
 
     async def _housekeeping(self) -> None:
         """The registry: the built-in endpoints recorded as configured, then read whole at
-        start and every REGISTRY_RELOAD_S; stuck ordered streams swept every SWEEP_S."""
+        start and every HOUSEKEEPING_S (with the partitioned outbox's pending start); stuck
+        ordered streams swept every SWEEP_S."""
         synced = False
         last_sweep = time.monotonic()
         while True:
@@ -205,6 +212,7 @@ class Dispatcher:
                     await self.with_connection(self._sync_builtins)
                     synced = True
                 await self.with_connection(self.targets.load_all)
+                self.claim_since = await self.with_connection(partitions.pending_since)
                 if time.monotonic() - last_sweep >= SWEEP_S:
                     last_sweep = time.monotonic()
                     if await self.with_connection(_sweep_streams):
@@ -215,7 +223,7 @@ class Dispatcher:
                 log.debug("registry not read (%s); next try soon", type(exc).__name__)
                 await asyncio.sleep(1.0)
                 continue
-            await asyncio.sleep(REGISTRY_RELOAD_S if self.targets.loaded else 1.0)
+            await asyncio.sleep(HOUSEKEEPING_S if self.targets.loaded else 1.0)
 
     async def _sync_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, self.settings.webhook_url or None)

@@ -11,8 +11,9 @@ endpoint, a delivery id); a retry is a new delivery row due later, as before.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, overload
 
@@ -22,6 +23,7 @@ from psycopg.types.json import Jsonb
 from .queries import query
 
 NOTIFY_CHANNEL = "webhook_outbox"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 ENDPOINTS_CHANNEL = "webhook_endpoints"
 
 
@@ -149,6 +151,7 @@ class Claimed:
     stream_seq: int | None = None
     traceparent: str | None = None
     tracestate: str | None = None
+    partition_at: datetime | None = None  # names the row together with its id
 
     @property
     def is_retry(self) -> bool:
@@ -195,9 +198,16 @@ class Recorded:
     ordered: list[tuple[str, str]] = field(default_factory=list)
 
 
-async def claim_due(conn: psycopg.AsyncConnection[Any], batch: int) -> list[Claimed]:
-    """Lock up to ``batch`` due rows (``FOR UPDATE SKIP LOCKED``) in the open transaction."""
-    cur = await conn.execute(query("claim_due"), {"batch": batch})
+async def claim_due(
+    conn: psycopg.AsyncConnection[Any], batch: int, *, since: datetime | None = None
+) -> list[Claimed]:
+    """Lock up to ``batch`` due rows (``FOR UPDATE SKIP LOCKED``) in the open transaction.
+    ``since``: on a partitioned outbox, the write time before which no row is pending (see
+    :func:`fluxora_webhooks.partitions.pending_since`)."""
+    if since is None:
+        cur = await conn.execute(query("claim_due"), {"batch": batch})
+    else:
+        cur = await conn.execute(query("claim_due_partitioned"), {"batch": batch, "since": since})
     return [
         Claimed(
             int(r[0]),
@@ -214,37 +224,50 @@ async def claim_due(conn: psycopg.AsyncConnection[Any], batch: int) -> list[Clai
             r[11],
             r[12],
             r[13],
+            r[14],
         )
         for r in await cur.fetchall()
     ]
 
 
-async def next_due_in_ms(conn: psycopg.AsyncConnection[Any]) -> int | None:
+async def next_due_in_ms(
+    conn: psycopg.AsyncConnection[Any], *, since: datetime | None = None
+) -> int | None:
     """Milliseconds until the earliest pending row is due, None when nothing is pending."""
-    cur = await conn.execute(query("next_due_in_ms"))
+    if since is None:
+        cur = await conn.execute(query("next_due_in_ms"))
+    else:
+        cur = await conn.execute(query("next_due_in_ms_partitioned"), {"since": since})
     row = await cur.fetchone()
     return None if row is None or row[0] is None else max(0, int(row[0]))
 
 
-async def relock_claimed(conn: psycopg.AsyncConnection[Any], ids: Sequence[int]) -> set[int]:
-    """Lock again, after a rolled-back batch, those of ``ids`` still unprocessed and not
-    held by another transaction; returns their ids."""
-    cur = await conn.execute(query("relock_claimed"), {"ids": list(ids)})
+async def relock_claimed(
+    conn: psycopg.AsyncConnection[Any], rows: Mapping[int, datetime | None]
+) -> set[int]:
+    """Lock again, after a rolled-back batch, those of ``rows`` (id: partition_at) still
+    unprocessed and not held by another transaction; returns their ids."""
+    cur = await conn.execute(
+        query("relock_claimed"), {"ids": list(rows), "parts": list(rows.values())}
+    )
     return {int(row[0]) for row in await cur.fetchall()}
 
 
 async def complete(
     conn: psycopg.AsyncConnection[Any],
     completions: Sequence[Completion],
+    parts: Mapping[int, datetime | None],
     *,
     route: Sequence[int] = (),
     succeeded: Sequence[str] = (),
     failed: Sequence[str] = (),
 ) -> Recorded:
     """Write every outcome of a batch in one statement, and route its event rows ``route``
-    (whatever their own outcome). ``succeeded`` / ``failed``: the endpoints that had a
-    delivered / a failed attempt, whose failure streak (``failing_since``) ends / starts.
+    (whatever their own outcome). ``parts``: each row's ``partition_at`` by id (with its id,
+    it names the row). ``succeeded`` / ``failed``: the endpoints that had a delivered / a
+    failed attempt, whose failure streak (``failing_since``) ends / starts.
     """
+    known = [at for c in completions if (at := parts[c.id]) is not None]
     cur = await conn.execute(
         query("complete_batch"),
         {
@@ -258,6 +281,9 @@ async def complete(
             "reasons": [c.reason for c in completions],
             "endpoints": [c.endpoint_id for c in completions],
             "leases": [c.lease for c in completions],
+            "parts": [parts[c.id] for c in completions],
+            "part_lo": min(known, default=_EPOCH),
+            "part_hi": max(known, default=_EPOCH),
             "route": list(route),
             "succeeded": list(succeeded),
             "failed": [e for e in failed if e not in succeeded],

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -58,19 +59,25 @@ class Recorder:
         effects = effects_of(done)
         if all(c.outcome in _PLAIN for c in batch.completions):
             recorded = await complete(
-                conn, batch.completions, route=batch.route, **_streaks(effects)
+                conn, batch.completions, batch.parts, route=batch.route, **_streaks(effects)
             )
         else:
             try:
                 async with conn.transaction():
                     recorded = await complete(
-                        conn, batch.completions, route=batch.route, **_streaks(effects)
+                        conn,
+                        batch.completions,
+                        batch.parts,
+                        route=batch.route,
+                        **_streaks(effects),
                     )
             except DB_ERRORS:
                 raise
             except psycopg.Error as exc:
                 log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
-                batch.completions = await self._one_by_one(conn, batch.completions, batch.route)
+                batch.completions = await self._one_by_one(
+                    conn, batch.completions, batch.parts, batch.route
+                )
                 recorded = Recorded()
         batch.promoted = await self._effects(conn, recorded, effects)
 
@@ -81,9 +88,11 @@ class Recorder:
         still ours to record and record each on its own. A row another loop claimed
         meanwhile is skipped: that loop sends it again (at-least-once)."""
         async with conn.transaction():
-            mine = await relock_claimed(conn, [c.id for c in batch.completions])
+            mine = await relock_claimed(conn, {c.id: batch.parts[c.id] for c in batch.completions})
             kept = [c for c in batch.completions if c.id in mine]
-            return await self._one_by_one(conn, kept, [i for i in batch.route if i in mine])
+            return await self._one_by_one(
+                conn, kept, batch.parts, [i for i in batch.route if i in mine]
+            )
 
     def prepare_detached(self, items: Sequence[Detached]) -> Prepared:
         """Decide the outcomes of requests that outlived their batch (once: the write may
@@ -94,13 +103,16 @@ class Recorder:
             completion, decision = outcome_of(self.d, item.send, item.result, lease=item.send.lease)
             completions.append(completion)
             done.append((item.send, item.result, decision))
-        return Prepared(completions, [d for _, _, d in done], effects_of(done))
+        parts = {item.send.row.id: item.send.row.partition_at for item in items}
+        return Prepared(completions, [d for _, _, d in done], effects_of(done), parts)
 
     async def record_detached(self, conn: psycopg.AsyncConnection[Any], prepared: Prepared) -> None:
         """Write them, each under its lease: a row whose lease is gone (its dispatcher was
         presumed dead and another sent it again) is left to that other attempt."""
         async with conn.transaction():
-            recorded = await complete(conn, prepared.completions, **_streaks(prepared.effects))
+            recorded = await complete(
+                conn, prepared.completions, prepared.parts, **_streaks(prepared.effects)
+            )
             await self._effects(conn, recorded, prepared.effects)
 
     async def _effects(
@@ -123,17 +135,22 @@ class Recorder:
         self,
         conn: psycopg.AsyncConnection[Any],
         completions: Sequence[Completion],
+        parts: Mapping[int, datetime | None],
         route: Sequence[int],
     ) -> list[Completion]:
         recorded = []
         for one in completions:
-            done = await self._complete_one(conn, one, [one.id] if one.id in route else [])
+            done = await self._complete_one(conn, one, parts, [one.id] if one.id in route else [])
             if done is not None:
                 recorded.append(done)
         return recorded
 
     async def _complete_one(
-        self, conn: psycopg.AsyncConnection[Any], one: Completion, route: list[int]
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        one: Completion,
+        parts: Mapping[int, datetime | None],
+        route: list[int],
     ) -> Completion | None:
         """Record one row's outcome; failing that, dead-letter it; failing that, defer it a
         minute (never left due at once: that would re-send it in a tight loop). Returns what
@@ -154,7 +171,7 @@ class Recorder:
         for recording in fallbacks:
             try:
                 async with conn.transaction():
-                    await complete(conn, [recording], route=route)
+                    await complete(conn, [recording], parts, route=route)
                 return recording
             except DB_ERRORS:
                 raise
@@ -177,6 +194,7 @@ class Prepared:
     completions: list[Completion]
     decisions: list[Decision]
     effects: Effects
+    parts: dict[int, datetime | None]
 
 
 @dataclass

@@ -36,6 +36,8 @@ DRAIN_GRACE_S = 5.0
 GAUGE_REFRESH_S = 5.0
 # With WEBHOOK_RETENTION set: a prune at start-up, then one per interval.
 RETENTION_INTERVAL_S = 600.0
+# A partitioned outbox's partitions ahead are checked this often (they last intervals).
+PARTITIONS_INTERVAL_S = 600.0
 RETENTION_BATCH_SIZE = 2000
 RETENTION_PAUSE_S = 0.05
 
@@ -59,6 +61,7 @@ class Service:
         # Background work (see _start_background); intervals are attributes for tests.
         self.gauge_interval_s = GAUGE_REFRESH_S
         self.retention_interval_s = RETENTION_INTERVAL_S
+        self.partitions_interval_s = PARTITIONS_INTERVAL_S
         # The backlog and breaker readings and retention: one worker of a supervisor runs
         # them for all (see supervisor.py); the others set this to False.
         self.run_background = True
@@ -206,7 +209,10 @@ class Service:
         logs.add_sensitive(*logs.credential_secrets(self.redis_url))
 
     def _start_background(self) -> list[asyncio.Task[None]]:
-        tasks = [asyncio.create_task(self._refresh_gauges(), name="fluxora-gauges")]
+        tasks = [
+            asyncio.create_task(self._refresh_gauges(), name="fluxora-gauges"),
+            asyncio.create_task(self._partitions_loop(), name="fluxora-partitions"),
+        ]
         if self.settings.retention_ms is not None:
             tasks.append(asyncio.create_task(self._retention_loop(), name="fluxora-retention"))
         return tasks
@@ -283,6 +289,10 @@ class Service:
                 async with await psycopg.AsyncConnection.connect(
                     self.database_url, autocommit=True, connect_timeout=10
                 ) as conn:
+                    # A partitioned outbox drops whole partitions first; rows are deleted
+                    # only from what is left (the partition of the rows from before the
+                    # conversion, and partitions an unprocessed row still holds).
+                    await self._drop_partitions(conn)
                     result = await retention.prune(
                         conn,
                         older_than_ms=self.settings.retention_ms,
@@ -313,6 +323,50 @@ class Service:
                         result.cutoff.isoformat() if result.cutoff else "?",
                     )
             await asyncio.sleep(self.retention_interval_s)
+
+    async def _drop_partitions(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        from . import partitions
+
+        assert self.settings.retention_ms is not None
+        if not await _try_lock(conn, partitions.PARTITION_LOCK_KEY):
+            return
+        try:
+            dropped, _ = await partitions.drop_expired(
+                conn, older_than_ms=self.settings.retention_ms
+            )
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock(%s)", (partitions.PARTITION_LOCK_KEY,))
+        for one in dropped:
+            metrics.RETENTION_DELETED.labels(table="outbox").inc(one.rows)
+
+    async def _partitions_loop(self) -> None:
+        """A partitioned outbox has its partitions ready ahead: at start-up, then every
+        ``partitions_interval_s`` (one instance at a time)."""
+        from . import partitions
+
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.database_url, autocommit=True, connect_timeout=10
+                ) as conn:
+                    if (await partitions.layout(conn)).partitioned and await _try_lock(
+                        conn, partitions.PARTITION_LOCK_KEY
+                    ):
+                        try:
+                            await partitions.ensure_ahead(conn)
+                        finally:
+                            await conn.execute(
+                                "SELECT pg_advisory_unlock(%s)", (partitions.PARTITION_LOCK_KEY,)
+                            )
+            except Exception as exc:  # the partitions ahead last intervals: try again later
+                log.warning("outbox partitions not checked (%s)", type(exc).__name__)
+            await asyncio.sleep(self.partitions_interval_s)
+
+
+async def _try_lock(conn: psycopg.AsyncConnection[Any], key: int) -> bool:
+    cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+    row = await cur.fetchone()
+    return bool(row and row[0])
 
 
 def _count_pruned(table: str, rows: int) -> None:

@@ -14,7 +14,7 @@ import fluxora_webhooks
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "errors", "queries", "logs", "gate", "host", "tracing", "waker", "terminal"),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics", "redis_connect"),
-    ("settings", "connector", "retry", "deadletters", "retention"),
+    ("settings", "connector", "retry", "deadletters", "retention", "partitions"),
     ("delivery", "redis_gate", "inbox", "endpoints"),
     ("targets",),
     ("batch",),

@@ -69,8 +69,8 @@ RETURNING *;
 -- is inserted parked) or at its next claim; a leased row in flight finishes first.
 UPDATE webhook_outbox
 SET hold = 'parked', created_at = 'infinity'
-WHERE id IN (
-    SELECT id FROM webhook_outbox
+WHERE (id, partition_at) IN (
+    SELECT id, partition_at FROM webhook_outbox
     WHERE endpoint_id = %(id)s AND NOT processed AND lease IS NULL
       AND hold IS DISTINCT FROM 'parked'
     FOR UPDATE SKIP LOCKED

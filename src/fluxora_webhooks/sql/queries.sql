@@ -6,10 +6,27 @@
 -- are due at 'infinity', so the claim never sees them.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
        replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
-       endpoint_id, event_id, stream_seq, traceparent, tracestate
+       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
+ORDER BY created_at ASC, id ASC
+LIMIT %(batch)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: claim_due_partitioned
+-- The same claim on a partitioned outbox, looking only at the partitions that can hold a
+-- pending row: those from %(since)s on, the oldest write time of any unprocessed row as the
+-- dispatcher last read it (partitions.pending_since, kept at least one partition interval
+-- back). A row written earlier than that (a producer's transaction older than a partition)
+-- is seen at the next reading, never missed: the reading looks at every partition.
+SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
+       replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
+       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at
+FROM webhook_outbox
+WHERE processed = false
+  AND created_at <= now()
+  AND partition_at >= %(since)s
 ORDER BY created_at ASC, id ASC
 LIMIT %(batch)s
 FOR UPDATE SKIP LOCKED;
@@ -23,6 +40,13 @@ SELECT (EXTRACT(EPOCH FROM (min(created_at) - clock_timestamp())) * 1000)::bigin
 FROM webhook_outbox
 WHERE processed = false AND created_at > now() AND created_at < 'infinity';
 
+-- name: next_due_in_ms_partitioned
+-- next_due_in_ms on a partitioned outbox, in the partitions the claim looks at.
+SELECT (EXTRACT(EPOCH FROM (min(created_at) - clock_timestamp())) * 1000)::bigint
+FROM webhook_outbox
+WHERE processed = false AND created_at > now() AND created_at < 'infinity'
+  AND partition_at >= %(since)s;
+
 -- name: complete_batch
 -- Every outcome of one batch in one statement: route its event rows, mark attempts
 -- processed, hold rows (deferred, parked, leased), insert retries (same delivery id, next
@@ -30,23 +54,26 @@ WHERE processed = false AND created_at > now() AND created_at < 'infinity';
 -- streaks. Times are clock_timestamp(), not now(): now() is the start of the claim
 -- transaction, before the HTTP attempts, and a delay (Retry-After above all) counts from
 -- their end. A row recorded after its batch (its request outlived it, under a lease) is
--- written only while it still holds that lease and is pending.
+-- written only while it still holds that lease and is pending. %(part_lo)s and %(part_hi)s
+-- bound the rows' partition_at: a partitioned outbox plans only their partitions.
 WITH r AS (
     SELECT *
     FROM unnest(
         %(ids)s::bigint[], %(outcomes)s::text[], %(delays)s::bigint[], %(codes)s::int[],
         %(errors)s::text[], %(bodies)s::text[], %(durations)s::float8[], %(reasons)s::text[],
-        %(endpoints)s::text[], %(leases)s::uuid[]
+        %(endpoints)s::text[], %(leases)s::uuid[], %(parts)s::timestamptz[]
     ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason,
-           endpoint_id, lease)
+           endpoint_id, lease, partition_at)
 ),
 -- Fan-out: one delivery row per endpoint of the event's tenant that subscribes to its type
 -- and existed when it was enqueued, with a delivery id of its own. Parked while the
 -- endpoint is disabled; an ordered endpoint's delivery waits for its stream's head.
 ev AS (
-    SELECT id, tenant, stream_id, event_type, payload, enqueued_at, traceparent, tracestate
-    FROM webhook_outbox
-    WHERE id = ANY(%(route)s::bigint[]) AND endpoint_id IS NULL
+    SELECT o.id, o.tenant, o.stream_id, o.event_type, o.payload, o.enqueued_at, o.traceparent,
+           o.tracestate
+    FROM r JOIN webhook_outbox o ON o.id = r.id AND o.partition_at = r.partition_at
+    WHERE r.id = ANY(%(route)s::bigint[]) AND o.endpoint_id IS NULL
+      AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
 ),
 routed AS (
     INSERT INTO webhook_outbox
@@ -85,7 +112,9 @@ done AS (
         status_code = r.status_code, error = r.error, response_body = r.response_body,
         duration_ms = r.duration_ms, lease = NULL
     FROM r
-    WHERE o.id = r.id AND r.outcome IN ('delivered', 'retry', 'dead_letter', 'routed')
+    WHERE o.id = r.id AND o.partition_at = r.partition_at
+      AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
+      AND r.outcome IN ('delivered', 'retry', 'dead_letter', 'routed')
       AND NOT o.processed AND (r.lease IS NULL OR o.lease = r.lease)
     RETURNING o.id, r.outcome AS wanted, r.delay_ms, r.reason, r.status_code, r.error,
               r.response_body, o.tenant, o.stream_id, o.event_type, o.payload, o.delivery_id,
@@ -102,7 +131,9 @@ held AS (
         lease = CASE WHEN r.outcome = 'leased' THEN r.lease END,
         endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id)
     FROM r
-    WHERE o.id = r.id AND r.outcome IN ('deferred', 'parked', 'leased') AND NOT o.processed
+    WHERE o.id = r.id AND o.partition_at = r.partition_at
+      AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
+      AND r.outcome IN ('deferred', 'parked', 'leased') AND NOT o.processed
       AND (r.outcome = 'leased' OR r.lease IS NULL OR o.lease = r.lease)
     RETURNING o.id
 ),
@@ -186,11 +217,11 @@ FROM (
 UPDATE webhook_outbox o
 SET hold = NULL, created_at = now()
 FROM (
-    SELECT head.id
+    SELECT head.id, head.partition_at
     FROM (SELECT DISTINCT e, s FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)) p
     JOIN webhook_endpoints ep ON ep.id = p.e AND ep.state = 'enabled'
     CROSS JOIN LATERAL (
-        SELECT w.id, w.hold, w.tenant, w.stream_seq
+        SELECT w.id, w.partition_at, w.hold, w.tenant, w.stream_seq
         FROM webhook_outbox w
         WHERE w.endpoint_id = p.e AND w.stream_id = p.s AND NOT w.processed
           AND w.stream_seq IS NOT NULL
@@ -207,7 +238,7 @@ FROM (
           WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = head.tenant
             AND u.stream_id = p.s AND u.id < head.stream_seq)
 ) h
-WHERE o.id = h.id
+WHERE o.id = h.id AND o.partition_at = h.partition_at
 RETURNING o.id;
 
 -- name: sweep_lock
@@ -233,10 +264,11 @@ LIMIT 1000;
 -- complete_batch runs without a savepoint; when it fails, its transaction rolls back and
 -- the dispatcher locks again the rows of that batch that are still its to record (not
 -- processed meanwhile, not claimed by another loop) and records them one by one.
-SELECT id
-FROM webhook_outbox
-WHERE id = ANY(%(ids)s::bigint[]) AND processed = false
-FOR UPDATE SKIP LOCKED;
+SELECT o.id
+FROM unnest(%(ids)s::bigint[], %(parts)s::timestamptz[]) AS c(id, partition_at)
+JOIN webhook_outbox o ON o.id = c.id AND o.partition_at = c.partition_at
+WHERE o.processed = false
+FOR UPDATE OF o SKIP LOCKED;
 
 -- name: enqueue
 INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, traceparent, tracestate)
@@ -344,8 +376,8 @@ SELECT now() - %(older_than_ms)s * interval '1 millisecond';
 -- transaction holds. Unprocessed rows are never candidates.
 WITH gone AS (
     DELETE FROM webhook_outbox
-    WHERE id IN (
-        SELECT id FROM webhook_outbox
+    WHERE (id, partition_at) IN (
+        SELECT id, partition_at FROM webhook_outbox
         WHERE processed AND processed_at < %(cutoff)s
         ORDER BY processed_at
         LIMIT %(batch)s

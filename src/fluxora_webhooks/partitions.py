@@ -1,0 +1,381 @@
+"""The partitioned outbox (SPEC 16): ``webhook_outbox`` as native range partitions on
+``partition_at`` (when a row was written), chosen at installation with ``fluxora-webhooks
+migrate --partitioned``, which also converts an existing outbox in place.
+
+- The conversion (:func:`convert`) keeps every row: the existing table becomes the first
+  partition (``webhook_outbox_legacy``, everything written before the conversion), attached
+  without a scan thanks to a validated CHECK constraint; new partitions of one interval each
+  follow, and a default partition catches a row no partition covers (it should stay empty:
+  the service creates partitions ahead, so a producer's insert never fails for want of one).
+- The service keeps partitions ready ahead (:func:`ensure_ahead`) and, with
+  ``WEBHOOK_RETENTION``, drops whole partitions instead of deleting rows
+  (:func:`drop_expired`): a partition goes only when its range ended before the retention
+  cutoff, none of its rows is unprocessed (pending, parked, waiting) and every row was
+  processed before the cutoff, checked while the partition is detached, in the transaction
+  that drops it.
+- The claim is the same query; each partition has its own partial due index, and a
+  partition whose rows are all processed has an empty one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+log = logging.getLogger(__name__)
+
+PARENT = "webhook_outbox"
+LEGACY = "webhook_outbox_legacy"
+DEFAULT = "webhook_outbox_default"
+CONFIG = "fluxora_outbox_partitioning"
+DEFAULT_INTERVAL_MS = 86_400_000
+MIN_INTERVAL_MS = 3_600_000
+PARTITIONS_AHEAD = 3
+# Fixed, like the migration lock: "fluxora-webhooks partitions".
+PARTITION_LOCK_KEY = 0x666C7570617274
+# Detaching takes the parent's strongest lock for a moment: never queue behind a batch for
+# long (the next maintenance run tries again).
+DETACH_LOCK_TIMEOUT = "2s"
+
+# The outbox's indexes and checks, as the migrations define them, created on the parent.
+_INDEXES = (
+    ("webhook_outbox_due_idx", "(created_at, id) WHERE NOT processed"),
+    ("webhook_outbox_delivery_idx", "(delivery_id)"),
+    ("webhook_outbox_processed_at_idx", "(processed_at) WHERE processed"),
+    ("webhook_outbox_endpoint_pending_idx", "(endpoint_id, id) WHERE NOT processed"),
+    (
+        "webhook_outbox_stream_idx",
+        "(endpoint_id, stream_id, stream_seq) WHERE NOT processed AND stream_seq IS NOT NULL",
+    ),
+    (
+        "webhook_outbox_unrouted_idx",
+        "(tenant, stream_id, id) WHERE NOT processed AND endpoint_id IS NULL",
+    ),
+    ("webhook_outbox_event_idx", "(event_id) WHERE event_id IS NOT NULL"),
+    ("webhook_outbox_id_idx", "(id)"),
+)
+_AUTOVACUUM = (
+    "autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,"
+    " autovacuum_analyze_scale_factor = 0.02"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the outbox is partitioned (None interval: an ordinary table)."""
+
+    interval_ms: int | None
+
+    @property
+    def partitioned(self) -> bool:
+        return self.interval_ms is not None
+
+
+async def layout(conn: psycopg.AsyncConnection[Any]) -> Layout:
+    cur = await conn.execute(
+        "SELECT c.relkind = 'p', (SELECT interval_ms FROM " + CONFIG + " LIMIT 1)"
+        " FROM pg_class c WHERE c.oid = to_regclass(%s)"
+        if await _exists(conn, CONFIG)
+        else "SELECT c.relkind = 'p', NULL::bigint FROM pg_class c WHERE c.oid = to_regclass(%s)",
+        (PARENT,),
+    )
+    row = await cur.fetchone()
+    if row is None or not row[0]:
+        return Layout(None)
+    return Layout(int(row[1] or DEFAULT_INTERVAL_MS))
+
+
+async def _exists(conn: psycopg.AsyncConnection[Any], name: str) -> bool:
+    cur = await conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,))
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
+def partition_name(lower: dt.datetime) -> str:
+    return f"{PARENT}_p{lower.astimezone(dt.UTC):%Y%m%d_%H%M}"
+
+
+def _bounds(moment: dt.datetime, interval_ms: int) -> tuple[dt.datetime, dt.datetime]:
+    """The interval containing ``moment`` (intervals count from the unix epoch, UTC)."""
+    ms = int(moment.timestamp() * 1000)
+    start_ms = ms - ms % interval_ms
+    start = dt.datetime.fromtimestamp(start_ms / 1000, dt.UTC)
+    return start, start + dt.timedelta(milliseconds=interval_ms)
+
+
+async def _db_now(conn: psycopg.AsyncConnection[Any]) -> dt.datetime:
+    cur = await conn.execute("SELECT clock_timestamp()")
+    row = await cur.fetchone()
+    assert row is not None
+    now: dt.datetime = row[0]
+    return now
+
+
+async def convert(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    interval_ms: int = DEFAULT_INTERVAL_MS,
+    first_partition_at: dt.datetime | None = None,
+) -> bool:
+    """Make the outbox partitioned, keeping every row. ``conn`` in autocommit mode, after
+    the migrations. Idempotent: returns False when it already is.
+
+    The existing table must first satisfy ``partition_at < cut`` as a validated constraint
+    (added NOT VALID, then validated: a scan that does not block writes); then, in one
+    short transaction, it is renamed, a partitioned ``webhook_outbox`` takes its place with
+    its columns, indexes and trigger, and the old table is attached as its first partition
+    (no scan, no rewrite).
+
+    ``first_partition_at``: where the first partition starts (the old table holds what is
+    before it). By default an interval boundary more than one interval ahead, so that rows
+    written while converting still fit the old table; an earlier one is only for an outbox
+    nobody writes to meanwhile (a new installation, a test)."""
+    if not MIN_INTERVAL_MS <= interval_ms <= 31 * 86_400_000:
+        raise ValueError("the partition interval must be from 1h to 31d")
+    if (await layout(conn)).partitioned:
+        return False
+    now = await _db_now(conn)
+    if first_partition_at is None:
+        _, cut = _bounds(now + dt.timedelta(milliseconds=interval_ms), interval_ms)
+    else:
+        cut = _bounds(first_partition_at, interval_ms)[0]
+    bound = sql.Identifier("webhook_outbox_legacy_bound")
+    await conn.execute(
+        sql.SQL(
+            "ALTER TABLE webhook_outbox DROP CONSTRAINT IF EXISTS {b},"
+            " ADD CONSTRAINT {b} CHECK (partition_at < {cut}) NOT VALID"
+        ).format(b=bound, cut=sql.Literal(cut))
+    )
+    await conn.execute(sql.SQL("ALTER TABLE webhook_outbox VALIDATE CONSTRAINT {}").format(bound))
+    # The parent indexes rows by id (it has no primary key: a partitioned table's key must
+    # hold the partition key); the old table needs the same index to be attached without a
+    # build under the exclusive lock, so it is built first, without blocking writes.
+    await conn.execute(
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_id_idx ON webhook_outbox (id)"
+    )
+    async with conn.transaction():
+        await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
+        await conn.execute(f"ALTER TABLE {PARENT} RENAME TO {LEGACY}")
+        for name, _ in _INDEXES:
+            await conn.execute(f"ALTER INDEX IF EXISTS {name} RENAME TO {name}_legacy")
+        await conn.execute(f"DROP TRIGGER IF EXISTS webhook_outbox_notify_trg ON {LEGACY}")
+        await conn.execute(
+            f"CREATE TABLE {PARENT} (LIKE {LEGACY} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+            " PARTITION BY RANGE (partition_at)"
+        )
+        await conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
+            sql.Identifier(PARENT), bound
+        ))  # fmt: skip
+        await conn.execute(f"ALTER SEQUENCE webhook_outbox_id_seq OWNED BY {PARENT}.id")
+        for name, definition in _INDEXES:
+            await conn.execute(f"CREATE INDEX {name} ON {PARENT} {definition}")
+        await conn.execute(
+            f"ALTER TABLE {PARENT} ATTACH PARTITION {LEGACY}"
+            f" FOR VALUES FROM (MINVALUE) TO ({sql.Literal(cut).as_string(conn)})"
+        )
+        await conn.execute(f"ALTER TABLE {LEGACY} DROP CONSTRAINT webhook_outbox_legacy_bound")
+        await conn.execute(f"CREATE TABLE {DEFAULT} PARTITION OF {PARENT} DEFAULT")
+        await conn.execute(f"ALTER TABLE {DEFAULT} SET ({_AUTOVACUUM})")
+        await conn.execute(
+            "CREATE TRIGGER webhook_outbox_notify_trg AFTER INSERT ON webhook_outbox"
+            " REFERENCING NEW TABLE AS inserted"
+            " FOR EACH STATEMENT EXECUTE FUNCTION webhook_outbox_notify()"
+        )
+        await conn.execute(
+            f"CREATE TABLE {CONFIG} (interval_ms bigint NOT NULL,"
+            " converted_at timestamptz NOT NULL DEFAULT now(), legacy_until timestamptz)"
+        )
+        await conn.execute(
+            f"INSERT INTO {CONFIG} (interval_ms, legacy_until) VALUES (%s, %s)",
+            (interval_ms, cut),
+        )
+    await ensure_ahead(conn)
+    return True
+
+
+async def ensure_ahead(
+    conn: psycopg.AsyncConnection[Any], ahead: int = PARTITIONS_AHEAD
+) -> list[str]:
+    """Create the partitions from now to ``ahead`` intervals ahead that do not exist yet.
+    Returns their names."""
+    current = await layout(conn)
+    if not current.partitioned:
+        return []
+    assert current.interval_ms is not None
+    interval = dt.timedelta(milliseconds=current.interval_ms)
+    now = await _db_now(conn)
+    cur = await conn.execute(f"SELECT legacy_until FROM {CONFIG} LIMIT 1")
+    row = await cur.fetchone()
+    # The legacy partition ends on an interval boundary; partitions follow from there.
+    start = _bounds(now, current.interval_ms)[0]
+    if row and row[0] and row[0] > start:
+        start = row[0]
+    created = []
+    lower = start
+    while lower < now + interval * ahead:
+        name = await create_partition(conn, lower, current.interval_ms)
+        if name is not None:
+            created.append(name)
+        lower += interval
+    if created:
+        log.info("outbox partitions created: %s", ", ".join(created))
+    return created
+
+
+async def create_partition(
+    conn: psycopg.AsyncConnection[Any], lower: dt.datetime, interval_ms: int
+) -> str | None:
+    """The partition of ``[lower, lower + interval)``, unless it exists. Returns its name
+    when created."""
+    name = partition_name(lower)
+    if await _exists(conn, name):
+        return None
+    upper = lower + dt.timedelta(milliseconds=interval_ms)
+    await conn.execute(
+        sql.SQL(
+            "CREATE TABLE {} PARTITION OF webhook_outbox FOR VALUES FROM ({}) TO ({}) WITH ({})"
+        ).format(sql.Identifier(name), sql.Literal(lower), sql.Literal(upper), sql.SQL(_AUTOVACUUM))
+    )
+    return name
+
+
+async def pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | None:
+    """The lower bound of the oldest partition holding an unprocessed row, at least one
+    interval back from now; None when the outbox is not partitioned or the oldest such
+    partition has no lower bound (the one from before the conversion, or the default).
+    The claim looks only from there on (``claim_due_partitioned``)."""
+    current = await layout(conn)
+    if not current.partitioned:
+        return None
+    assert current.interval_ms is not None
+    now = await _db_now(conn)
+    floor = _bounds(now, current.interval_ms)[0] - dt.timedelta(milliseconds=current.interval_ms)
+    for name, lower in await _lower_bounds(conn):
+        cur = await conn.execute(
+            sql.SQL("SELECT EXISTS (SELECT 1 FROM ONLY {} WHERE NOT processed)").format(
+                sql.Identifier(name)
+            )
+        )
+        row = await cur.fetchone()
+        if row and row[0]:
+            return None if lower is None else min(lower, floor)
+    return floor
+
+
+async def _lower_bounds(
+    conn: psycopg.AsyncConnection[Any],
+) -> list[tuple[str, dt.datetime | None]]:
+    """Every partition by its range's start, oldest first; those without a start (the
+    old table: MINVALUE; the default partition) first."""
+    cur = await conn.execute(
+        "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i"
+        " JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
+        (PARENT,),
+    )
+    found: list[tuple[str, dt.datetime | None]] = []
+    for name, bound in await cur.fetchall():
+        lower = None
+        if isinstance(bound, str) and "FROM ('" in bound:
+            text = bound.split("FROM ('", 1)[1].split("')", 1)[0]
+            parsed = await conn.execute("SELECT %s::timestamptz", (text,))
+            value = await parsed.fetchone()
+            lower = value[0] if value else None
+        found.append((str(name), lower))
+    oldest = dt.datetime.min.replace(tzinfo=dt.UTC)
+    found.sort(key=lambda item: (item[1] is not None, item[1] or oldest))
+    return found
+
+
+@dataclass(frozen=True)
+class Dropped:
+    name: str
+    rows: int
+
+
+async def drop_expired(
+    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int
+) -> tuple[list[Dropped], list[str]]:
+    """Drop every partition whose range ended before the cutoff (now - ``older_than_ms``)
+    and whose rows were all processed before it. Returns (dropped, kept: expired partitions
+    still holding an unprocessed or recent row)."""
+    current = await layout(conn)
+    if not current.partitioned:
+        return [], []
+    cur = await conn.execute("SELECT now() - %s * interval '1 millisecond'", (older_than_ms,))
+    row = await cur.fetchone()
+    assert row is not None
+    cutoff: dt.datetime = row[0]
+    dropped: list[Dropped] = []
+    kept: list[str] = []
+    for name, upper in await _ranges(conn):
+        if upper is None or upper > cutoff or name in (LEGACY, DEFAULT):
+            continue
+        outcome = await _drop_one(conn, name, cutoff)
+        if outcome is None:
+            kept.append(name)
+        else:
+            dropped.append(outcome)
+    return dropped, kept
+
+
+async def _ranges(conn: psycopg.AsyncConnection[Any]) -> list[tuple[str, dt.datetime | None]]:
+    """Each partition and the end of its range (None: the default partition, or MAXVALUE)."""
+    cur = await conn.execute(
+        "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i"
+        " JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)"
+        " ORDER BY 1",
+        (PARENT,),
+    )
+    out: list[tuple[str, dt.datetime | None]] = []
+    for name, bound in await cur.fetchall():
+        upper = None
+        if isinstance(bound, str) and " TO ('" in bound:
+            text = bound.split(" TO ('", 1)[1].split("')", 1)[0]
+            parsed = await conn.execute("SELECT %s::timestamptz", (text,))
+            value = await parsed.fetchone()
+            upper = value[0] if value else None
+        out.append((str(name), upper))
+    return out
+
+
+async def _drop_one(
+    conn: psycopg.AsyncConnection[Any], name: str, cutoff: dt.datetime
+) -> Dropped | None:
+    """Detach, check, drop, in one transaction: a row that became unprocessed (a replay
+    cannot land there: new rows are written now) is seen while nothing can write it."""
+    table = sql.Identifier(name)
+    try:
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}'")
+            await conn.execute(
+                sql.SQL("ALTER TABLE webhook_outbox DETACH PARTITION {}").format(table)
+            )
+            cur = await conn.execute(
+                sql.SQL(
+                    "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
+                    " (SELECT max(processed_at) FROM {t} WHERE processed),"
+                    " (SELECT count(*) FROM {t})"
+                ).format(t=table)
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            unprocessed, last, rows = bool(row[0]), row[1], int(row[2])
+            if unprocessed or (last is not None and last >= cutoff):
+                raise _Keep
+            await conn.execute(sql.SQL("DROP TABLE {}").format(table))
+    except _Keep:
+        return None  # rolled back: attached again, untouched
+    except psycopg.errors.LockNotAvailable:
+        log.info("partition %s not dropped now: the outbox is busy; next run", name)
+        return None
+    log.info("retention: dropped outbox partition %s (%d processed rows)", name, rows)
+    return Dropped(name, rows)
+
+
+class _Keep(Exception):
+    """The partition holds a row retention must keep: roll back its detach."""

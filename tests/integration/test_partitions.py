@@ -1,0 +1,160 @@
+"""The partitioned outbox (SPEC 16): installed or converted in place with every row kept,
+delivering as before; partitions made ahead; retention dropping whole partitions while
+deliveries continue, never one that holds an unprocessed row."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import psycopg
+import pytest
+
+from fluxora_webhooks import partitions
+from fluxora_webhooks.migrations import check_schema
+from tests.support.dispatch import (
+    delivered,
+    enqueue_many,
+    make_settings,
+    pending,
+    rows,
+    running_dispatcher,
+    scalar,
+    wait_until,
+)
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+DAY = 86_400_000
+
+
+async def _partitions(database_url: str) -> list[str]:
+    found = await rows(
+        database_url,
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+        " WHERE i.inhparent = 'webhook_outbox'::regclass ORDER BY 1",
+    )
+    return [r[0] for r in found]
+
+
+async def test_an_existing_outbox_is_converted_in_place_with_every_row_kept(
+    database_url: str, receiver: Receiver
+) -> None:
+    settings = make_settings(receiver.url)
+    async with running_dispatcher(settings, database_url):
+        await enqueue_many(database_url, 50)
+        await receiver.wait_for(50)
+        await wait_until(lambda: _eq(delivered(database_url), 50), what="delivered")
+    await enqueue_many(database_url, 30)  # pending while the outbox is converted
+    before = await rows(database_url, "SELECT id, delivery_id, processed FROM webhook_outbox")
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        assert await partitions.convert(conn, interval_ms=DAY) is True
+        assert await partitions.convert(conn, interval_ms=DAY) is False  # idempotent
+        assert (await partitions.layout(conn)).interval_ms == DAY
+        await check_schema(conn)
+    after = await rows(database_url, "SELECT id, delivery_id, processed FROM webhook_outbox")
+    assert sorted(before) == sorted(after)
+    names = await _partitions(database_url)
+    assert partitions.LEGACY in names and partitions.DEFAULT in names
+    assert len(names) >= 3  # legacy, default, and partitions ahead of the legacy range
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(80)
+        await enqueue_many(database_url, 20)  # written into the new partitions
+        await receiver.wait_for(100)
+        await wait_until(lambda: _eq(delivered(database_url), 100), what="delivered")
+    assert await pending(database_url) == 0
+    # The old table's range runs a little ahead (rows written while converting fit it);
+    # a row written after it lands in its own partition, never in the default one.
+    in_legacy = await scalar(database_url, f"SELECT count(*) FROM {partitions.LEGACY}")
+    assert in_legacy == 100
+    await scalar(
+        database_url,
+        "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at, processed)"
+        " SELECT 'later', 'stream.updated', '{}', legacy_until + interval '1 hour', true"
+        " FROM fluxora_outbox_partitioning RETURNING tableoid::regclass::text",
+    )
+    later = await scalar(
+        database_url,
+        "SELECT tableoid::regclass::text FROM webhook_outbox WHERE stream_id = 'later'",
+    )
+    assert later.startswith("webhook_outbox_p")
+    assert await scalar(database_url, f"SELECT count(*) FROM {partitions.DEFAULT}") == 0
+
+
+async def test_retention_drops_old_processed_partitions_and_keeps_one_with_a_pending_row(
+    database_url: str, receiver: Receiver
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT date_trunc('day', now()) - interval '5 days'")
+        row = await cur.fetchone()
+        assert row is not None
+        five_days_ago: dt.datetime = row[0]
+        await partitions.convert(conn, interval_ms=DAY, first_partition_at=five_days_ago)
+        for day in range(5):  # the partitions of the last five days (as time would have)
+            await partitions.create_partition(conn, five_days_ago + dt.timedelta(days=day), DAY)
+        # Processed history on each past day; one row on day -4 is still pending (parked).
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
+            " processed, processed_at, outcome, endpoint_id)"
+            " SELECT 's', 'stream.updated', '{}', %s + d * interval '1 day' + interval '1 hour',"
+            " true, %s + d * interval '1 day' + interval '2 hours', 'delivered', 'default'"
+            " FROM generate_series(0, 4) d, generate_series(1, 100) n",
+            (five_days_ago, five_days_ago),
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
+            " endpoint_id, hold, created_at)"
+            " VALUES ('kept', 'stream.updated', '{}', %s, 'gone-endpoint', 'parked', 'infinity')",
+            (five_days_ago + dt.timedelta(days=1, hours=3),),
+        )
+    settings = make_settings(receiver.url)
+    async with running_dispatcher(settings, database_url):
+        producing = asyncio.create_task(_produce(database_url, 200))
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            dropped, kept = await partitions.drop_expired(conn, older_than_ms=2 * DAY)
+        await producing
+        await receiver.wait_for(200)
+    names = {d.name for d in dropped}
+    day = [partitions.partition_name(five_days_ago + dt.timedelta(days=i)) for i in range(5)]
+    assert names == {day[0], day[2]}  # day -4 holds a parked row; -2 and -1 are recent
+    assert kept == [day[1]]
+    assert all(d.rows == 100 for d in dropped)
+    assert (
+        await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE stream_id = 'kept'")
+        == 1
+    )
+    # Nothing unprocessed was dropped, and the deliveries that ran meanwhile are all there.
+    assert await delivered(database_url) == 200 + 300  # the new ones + days -4, -2 and -1
+    remaining = set(await _partitions(database_url))
+    assert not names & remaining and day[1] in remaining
+
+
+async def test_a_new_installation_can_be_partitioned_from_the_start(
+    empty_database_url: str,
+) -> None:
+    from tests.support.procs import command_env, run_command
+
+    env = command_env(DATABASE_URL=empty_database_url)
+    code, out = await run_command("migrate", "--partitioned", "--partition-interval", "1h", env=env)
+    assert code == 0, out
+    assert "partitioned (converted now)" in out
+    code, out = await run_command("migrate", "--partitioned", env=env)
+    assert code == 0 and "(converted now)" not in out, out
+    code, out = await run_command(
+        "migrate", "--partition-interval", "10m", "--partitioned", env=env
+    )
+    assert code == 2 and "--partition-interval" in out, out
+    async with await psycopg.AsyncConnection.connect(empty_database_url, autocommit=True) as c:
+        assert (await partitions.layout(c)).interval_ms == 3_600_000
+
+
+async def _produce(database_url: str, n: int) -> None:
+    for _ in range(n // 20):
+        await enqueue_many(database_url, 20)
+        await asyncio.sleep(0.02)
+
+
+async def _eq(value: Any, wanted: int) -> bool:
+    return bool(await value == wanted)
