@@ -117,9 +117,9 @@ async def test_retention_drops_old_processed_partitions_and_keeps_one_with_a_pen
         await producing
         await receiver.wait_for(200)
     names = {d.name for d in dropped}
-    day = [partitions.partition_name(five_days_ago + dt.timedelta(days=i)) for i in range(5)]
-    assert names == {day[0], day[2]}  # day -4 holds a parked row; -2 and -1 are recent
-    assert kept == [day[1]]
+    days = [partitions.partition_name(five_days_ago + dt.timedelta(days=i)) for i in range(5)]
+    assert names == {days[0], days[2]}  # day -4 holds a parked row; -2 and -1 are recent
+    assert kept == [days[1]]
     assert all(d.rows == 100 for d in dropped)
     assert (
         await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE stream_id = 'kept'")
@@ -128,7 +128,7 @@ async def test_retention_drops_old_processed_partitions_and_keeps_one_with_a_pen
     # Nothing unprocessed was dropped, and the deliveries that ran meanwhile are all there.
     assert await delivered(database_url) == 200 + 300  # the new ones + days -4, -2 and -1
     remaining = set(await _partitions(database_url))
-    assert not names & remaining and day[1] in remaining
+    assert not names & remaining and days[1] in remaining
 
 
 async def test_a_new_installation_can_be_partitioned_from_the_start(

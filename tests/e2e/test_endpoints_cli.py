@@ -1,0 +1,125 @@
+"""The endpoint commands as a user drives them (SPEC 10, 13): add, list, show, update,
+disable, enable, rotate-secret, remove, recover and `dlq list --endpoint/--tenant`, each with
+`--json`, the secret printed only at creation and rotation, bad input refused with exit 2
+naming the option."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.support.dispatch import scalar
+from tests.support.procs import command_env, run_command
+
+pytestmark = pytest.mark.e2e
+
+FIELDS = {
+    "id", "tenant", "url", "event_types", "description", "headers", "rate_limit", "ordered",
+    "state", "disabled_reason", "disabled_at", "created_at",
+}  # fmt: skip
+
+
+async def cli(env: dict[str, str], *args: str) -> tuple[int, Any]:
+    code, out = await run_command(*args, env=env)
+    try:
+        return code, json.loads(out)
+    except json.JSONDecodeError:
+        return code, out
+
+
+async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
+    env = command_env(DATABASE_URL=database_url, WEBHOOK_ALLOWED_NETWORKS="127.0.0.0/8")
+    code, made = await cli(
+        env, "endpoints", "add", "--url", "https://hooks.acme.example/in?token=abc",
+        "--tenant", "acme", "--events", "stream.*,invoice.paid", "--description", "billing",
+        "--header", "X-Team=blue", "--rate-limit", "5", "--ordered", "--json",
+    )  # fmt: skip
+    assert code == 0, made
+    assert made["secret"].startswith("whsec_") and set(made) >= FIELDS
+    endpoint_id = made["id"]
+    assert made["event_types"] == ["stream.*", "invoice.paid"] and made["ordered"] is True
+    assert made["headers"] == {"X-Team": "blue"} and made["rate_limit"] == 5
+    code, other = await cli(env, "endpoints", "add", "--url", "https://b.example/", "--json")
+    assert code == 0 and other["tenant"] == ""
+
+    code, listed = await cli(env, "endpoints", "list", "--json")
+    assert code == 0 and {e["id"] for e in listed} == {endpoint_id, other["id"]}
+    assert all("secret" not in e for e in listed)
+    code, mine = await cli(env, "endpoints", "list", "--tenant", "acme", "--json")
+    assert [e["id"] for e in mine] == [endpoint_id]
+    code, shown = await cli(env, "endpoints", "show", endpoint_id, "--json")
+    assert code == 0 and shown["state"] == "enabled" and "secret" not in shown
+    assert shown["disabled_reason"] is None and shown["url"].endswith("token=abc")
+
+    code, updated = await cli(
+        env, "endpoints", "update", endpoint_id, "--events", "*", "--no-ordered", "--json"
+    )
+    assert code == 0 and updated["event_types"] == ["*"] and updated["ordered"] is False
+    code, off = await cli(env, "endpoints", "disable", endpoint_id, "--json")
+    assert off["state"] == "disabled" and off["disabled_reason"] == "manual"
+    assert off["disabled_at"]
+    code, on = await cli(env, "endpoints", "enable", endpoint_id, "--json")
+    assert on["state"] == "enabled" and on["disabled_reason"] is None
+
+    code, rotated = await cli(env, "endpoints", "rotate-secret", endpoint_id, "--json")
+    assert code == 0 and set(rotated) == {"id", "secret"} and rotated["secret"] != made["secret"]
+    code, text = await run_command("endpoints", "show", endpoint_id, env=env)
+    assert made["secret"] not in text and rotated["secret"] not in text
+
+    # Dead letters of the endpoint, listed by endpoint and tenant, then recovered.
+    await scalar(
+        database_url,
+        "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+        " attempts, reason, enqueued_at, dead_at, endpoint_id, tenant)"
+        " SELECT gen_random_uuid(), 's' || g, 'stream.updated', '{}', 8,"
+        " 'attempts_exhausted', now(), now() - interval '1 hour', %s, 'acme'"
+        " FROM generate_series(1, 12) g RETURNING 1",
+        (endpoint_id,),
+    )
+    code, dead = await cli(env, "dlq", "list", "--endpoint", endpoint_id, "--json")
+    assert code == 0 and len(dead) == 12
+    code, none = await cli(env, "dlq", "list", "--tenant", "bolt", "--json")
+    assert none == []
+    code, recovered = await cli(
+        env, "recover", "--endpoint", endpoint_id, "--since", "2h", "--json"
+    )
+    assert code == 0 and recovered == {"requeued": 12}
+    code, again = await cli(
+        env, "recover", "--endpoint", endpoint_id, "--since", "2026-01-01T00:00:00Z", "--json"
+    )
+    assert again == {"requeued": 0}
+
+    code, out = await run_command("endpoints", "remove", endpoint_id, env=env)
+    assert code == 2 and "--yes" in out  # not on a terminal: asks for --yes
+    code, gone = await cli(env, "endpoints", "remove", endpoint_id, "--yes", "--json")
+    assert code == 0 and gone["dead_lettered"] == 12  # the recovered, pending again
+    code, out = await run_command("endpoints", "show", endpoint_id, env=env)
+    assert code == 1 and "no endpoint" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["endpoints", "add", "--url", "http://hooks.example.com/"], "url"),
+        (["endpoints", "add", "--url", "https://10.0.0.1/"], "url"),
+        (
+            ["endpoints", "add", "--url", "https://a.example/", "--header", "Content-Type=x"],
+            "headers",
+        ),
+        (["endpoints", "add", "--url", "https://a.example/", "--header", "nonsense"], "--header"),
+        (["endpoints", "add", "--url", "https://a.example/", "--rate-limit", "0"], "--rate-limit"),
+        (["endpoints", "add", "--url", "https://a.example/", "--tenant", "a b"], "tenant"),
+        (["endpoints", "add", "--url", "https://a.example/", "--secret", "short"], "secret"),
+        (["endpoints", "rotate-secret", "ep_x", "--keep-previous", "forever"], "--keep-previous"),
+        (["recover", "--endpoint", "ep_x", "--since", "yesterday"], "--since"),
+    ],
+)
+async def test_bad_input_is_refused_naming_what_is_wrong(
+    database_url: str, args: list[str], named: str
+) -> None:
+    code, out = await run_command(*args, env=command_env(DATABASE_URL=database_url))
+    assert code == 2, out
+    assert named in out and "Traceback" not in out
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
