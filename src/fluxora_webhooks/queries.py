@@ -21,7 +21,13 @@ def parse_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
-_FILES = ("sql/queries.sql", "sql/endpoints.sql", "sql/inbox.sql")
+_FILES = (
+    "sql/queries.sql",
+    "sql/endpoints.sql",
+    "sql/inbox.sql",
+    "sql/tokens.sql",
+    "sql/deliveries.sql",
+)
 
 
 @cache
