@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from psycopg_pool import AsyncConnectionPool
 
-from .. import tokens
+from .. import logs, tokens
 from ..tokens import Principal
 from .errors import ApiError, unauthorized
 
@@ -45,9 +45,11 @@ async def principal(
 ) -> Principal:
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise unauthorized()
-    found = await tokens.authenticate(conn, credentials.credentials.strip())
+    text = credentials.credentials.strip()
+    found = await tokens.authenticate(conn, text)
     if found is None:
         raise unauthorized("the token is not valid (unknown or revoked)")
+    logs.add_sensitive(text)  # a live token: never written, whatever logs it (bounded set)
     return found
 
 

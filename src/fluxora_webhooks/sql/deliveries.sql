@@ -88,7 +88,7 @@ ORDER BY id;
 
 -- name: delivery_lock
 -- Replays of one delivery take turns (two at once must not both queue a new attempt).
-SELECT pg_advisory_xact_lock(hashtextextended(%(delivery_id)s, 0x7265706c6179));
+SELECT pg_advisory_xact_lock(hashtextextended(%(delivery_id)s, 125779117023609));
 
 -- name: delivery_current_for_update
 -- The delivery's current row, locked; a batch sending it right now is waited for
