@@ -9,10 +9,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psycopg
 import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from fluxora_webhooks import endpoints
 from tests.support.api import LOOPBACK, Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, wait_until
 from tests.support.receiver import Received, Receiver
@@ -104,7 +106,7 @@ async def test_enqueue_over_http_delivered_then_replayed_and_recovered(
         assert receiver.received[1].delivery_id == delivered_id
 
         async def two_attempts() -> bool:
-            return (await delivery(api, delivered_id))["attempt_count"] == 2
+            return bool((await delivery(api, delivered_id))["attempt_count"] == 2)
 
         await wait_until(two_attempts, what="the replay recorded")
         again = await delivery(api, delivered_id)
@@ -118,7 +120,7 @@ async def test_enqueue_over_http_delivered_then_replayed_and_recovered(
         assert failing.received[1].delivery_id == dead_id
 
         async def recovered_delivered() -> bool:
-            return (await delivery(api, dead_id))["status"] == "delivered"
+            return bool((await delivery(api, dead_id))["status"] == "delivered")
 
         await wait_until(recovered_delivered, what="the recovered delivery delivered")
         nothing = await api.post(f"/api/v1/endpoints/{bad}/recover", json={"since": "1h"})
@@ -199,9 +201,6 @@ async def test_deliveries_and_events_page_and_filter(api: Api, database_url: str
     none = await api.get("/api/v1/events", params={"tenant": ""})
     assert none.body == {"data": [], "next_cursor": None}
     # Deliveries exist once routed: route them (nothing to send: no endpoint is enabled).
-    import psycopg
-
-    from fluxora_webhooks import endpoints
 
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         for tenant in ("acme", "bolt"):

@@ -17,6 +17,7 @@ class Line:
     css: str
     points: str
     last: str
+    dots: tuple[tuple[str, str], ...] = ()  # a lone value shows as a dot, not a line
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,18 @@ def chart(
     n = max(1, len(series) - 1)
     lines = []
     for key, label, css in keys:
-        points = []
+        points: list[tuple[str, str]] = []
         for i, bucket in enumerate(series):
             value = bucket.get(key)
             if value is None:
                 continue
             x = LEFT + span_x * i / n
             y = TOP + span_y * (1 - float(value) / top)
-            points.append(f"{x:.1f},{y:.1f}")
+            points.append((f"{x:.1f}", f"{y:.1f}"))
         last = next((b[key] for b in reversed(series) if b.get(key) is not None), None)
-        lines.append(
-            Line(label, css, " ".join(points), "-" if last is None else _fmt(float(last), unit))
-        )
+        shown = "-" if last is None else _fmt(float(last), unit)
+        line = " ".join(f"{x},{y}" for x, y in points)
+        lines.append(Line(label, css, line, shown, tuple(points) if len(points) <= 60 else ()))
     start = series[0]["at"] if series else ""
     end = series[-1]["at"] if series else ""
     return Chart(title, unit, _fmt(top, unit), tuple(lines), start, end)
