@@ -25,6 +25,7 @@ from tests.support.receiver import Receiver
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
 CHROMIUM = Path("/usr/bin/chromium")
+HAVE_CHROMIUM = CHROMIUM.exists()
 ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -44,7 +45,7 @@ BULK = 55  # more than one page of the dashboard's list (50)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def browser() -> AsyncIterator[Browser]:
-    if not CHROMIUM.exists():
+    if not HAVE_CHROMIUM:
         pytest.fail("Debian's chromium is not installed (apt-get install chromium)")
     async with async_playwright() as pw:
         launched = await pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)

@@ -58,6 +58,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     port = settings.api_port if settings.api_port is not None else DEFAULT_PORT
 
     async def main() -> int:
+        import psycopg
+
+        from ..migrations import check_schema
+
+        async with await psycopg.AsyncConnection.connect(
+            database_url, autocommit=True, connect_timeout=10
+        ) as conn:
+            await check_schema(conn)  # a missing or other schema: exit 3, saying what to run
         server = ApiServer(config, settings.api_host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
