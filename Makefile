@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fluxora-webhooks demo
+	$(BIN)/fluxora-webhooks demo --serve
 
 run: $(STAMP)
 	$(BIN)/fluxora-webhooks run
