@@ -1,5 +1,7 @@
 """The named SQL blocks of ``sql/queries.sql`` (the outbox), ``sql/endpoints.sql`` (the
-endpoint registry) and ``sql/inbox.sql`` (the consumer's inbox), loaded once."""
+endpoint registry), ``sql/inbox.sql`` (the consumer's inbox), ``sql/tokens.sql`` (the API's
+tokens and sessions) and ``sql/deliveries.sql`` (events, deliveries and statistics for the
+API), loaded once."""
 
 from __future__ import annotations
 
