@@ -4,16 +4,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean
+.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench,embedded]'
+	$(BIN)/pip install --quiet -e '.[dev,bench,embedded,api]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fluxora-webhooks demo
+	$(BIN)/fluxora-webhooks demo --serve
 
 run: $(STAMP)
 	$(BIN)/fluxora-webhooks run
@@ -28,7 +28,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+# The dashboard's browser tests drive Debian's Chromium (a browser download is neither
+# possible nor needed); installed when missing, as root.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: lint typecheck browser
 	$(BIN)/pytest -n 2 --dist loadfile
 
 unit: $(STAMP)

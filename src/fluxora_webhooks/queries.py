@@ -1,5 +1,7 @@
 """The named SQL blocks of ``sql/queries.sql`` (the outbox), ``sql/endpoints.sql`` (the
-endpoint registry) and ``sql/inbox.sql`` (the consumer's inbox), loaded once."""
+endpoint registry), ``sql/inbox.sql`` (the consumer's inbox), ``sql/tokens.sql`` (the API's
+tokens and sessions) and ``sql/deliveries.sql`` (events, deliveries and statistics for the
+API), loaded once."""
 
 from __future__ import annotations
 
@@ -21,7 +23,13 @@ def parse_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
-_FILES = ("sql/queries.sql", "sql/endpoints.sql", "sql/inbox.sql")
+_FILES = (
+    "sql/queries.sql",
+    "sql/endpoints.sql",
+    "sql/inbox.sql",
+    "sql/tokens.sql",
+    "sql/deliveries.sql",
+)
 
 
 @cache

@@ -1,7 +1,9 @@
 """``fluxora-webhooks run``: the dispatcher as a service.
 
 Start-up: validated settings -> engines -> schema check -> Redis gate -> dispatcher and the
-HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``). SIGTERM/SIGINT: stop claiming, let
+HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``), and the management API and
+dashboard when ``WEBHOOK_API_PORT`` is set (uvicorn in this loop, its own signal handling
+off). SIGTERM/SIGINT: stop claiming and stop the API (both bounded, at the same time), let
 the in-flight batch finish (bounded by the request timeout plus a grace period), close
 connections, exit 0.
 """
@@ -22,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logs, metrics
 from .dispatcher import Dispatcher
-from .errors import SchemaError
+from .errors import ConfigError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
 from .migrations import check_schema
@@ -58,6 +60,8 @@ class Service:
         self.dispatcher: Dispatcher | None = None
         self._web: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self._api: Any = None  # api.ApiServer, when WEBHOOK_API_PORT is set
+        self.api_port: int | None = None
         # Background work (see _start_background); intervals are attributes for tests.
         self.gauge_interval_s = GAUGE_REFRESH_S
         self.retention_interval_s = RETENTION_INTERVAL_S
@@ -100,6 +104,8 @@ class Service:
                 return
             if self.settings.metrics_port:
                 await self._start_http()
+            if self.settings.api_port is not None:
+                await self._start_api()
             background = self._start_background() if self.run_background else None
             task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
             log.info(
@@ -118,8 +124,10 @@ class Service:
             if task.done():
                 task.result()  # the dispatcher ended by itself: raise its error
         finally:
+            api_stopped = asyncio.create_task(self._stop_api())
             if task is not None and not task.done():
                 await self._drain(task)
+            await api_stopped
             if background is not None:
                 await self._stop_background(background)
             await gate.close()
@@ -174,6 +182,15 @@ class Service:
         log.info(
             "metrics and health on http://%s:%d", self.settings.metrics_host, self.metrics_port
         )
+
+    async def _start_api(self) -> None:
+        self._api = await start_api(self.settings, self.database_url, self.redis_url)
+        self.api_port = self._api.port
+
+    async def _stop_api(self) -> None:
+        if self._api is not None:
+            await self._api.stop()
+            self._api = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(metrics.REGISTRY)
@@ -367,6 +384,22 @@ async def _try_lock(conn: psycopg.AsyncConnection[Any], key: int) -> bool:
     cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
     row = await cur.fetchone()
     return bool(row and row[0])
+
+
+async def start_api(settings: Settings, database_url: str, redis_url: str | None) -> Any:
+    """Serve the management API and dashboard in this loop (``WEBHOOK_API_PORT``); returns
+    the started ``api.ApiServer``, which the caller stops."""
+    try:  # the api extra, imported only when it is served
+        from .api import ApiConfig, ApiServer
+    except ImportError as exc:
+        raise ConfigError(
+            "WEBHOOK_API_PORT", f"serving the API needs fluxora-webhooks[api] ({exc.name})"
+        ) from None
+    assert settings.api_port is not None
+    config = ApiConfig.from_settings(settings, database_url=database_url, redis_url=redis_url)
+    server = ApiServer(config, settings.api_host, settings.api_port)
+    await server.start()
+    return server
 
 
 def _count_pruned(table: str, rows: int) -> None:

@@ -47,7 +47,7 @@ from . import logs, metrics
 from .errors import ConfigError, SchemaError
 from .migrations import check_schema
 from .queries import query
-from .service import DRAIN_GRACE_S
+from .service import DRAIN_GRACE_S, start_api
 from .settings import Settings
 
 log = logging.getLogger("fluxora_webhooks.supervisor")
@@ -130,6 +130,8 @@ class Supervisor:
         self.workers: dict[int, _Worker] = {}
         self.metrics_dir = ""
         self._web: web.AppRunner | None = None
+        self._api: Any = None  # the management API (api.ApiServer): here, not in the workers
+        self.api_port: int | None = None
         self._stopping = asyncio.Event()
         self._signals = 0
         self._readers: set[asyncio.Task[None]] = set()
@@ -158,6 +160,8 @@ class Supervisor:
             metrics.WORKERS.labels(state="dispatching").set(0)
             if self.settings.metrics_port:
                 await self._start_http()
+            if self.settings.api_port is not None:
+                await self._start_api()
             log.info(
                 "supervising %d workers (batch %d, %d claim loops each)",
                 self.settings.workers,
@@ -170,7 +174,9 @@ class Supervisor:
             ]
             await self._stopping.wait()
         finally:
+            api_stopped = asyncio.create_task(self._stop_api())
             await self._drain(slots)
+            await api_stopped
             if self._web is not None:
                 await self._web.cleanup()
             if self.metrics_dir:
@@ -179,6 +185,15 @@ class Supervisor:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
         log.info("stopped")
+
+    async def _start_api(self) -> None:
+        self._api = await start_api(self.settings, self.database_url, self.redis_url)
+        self.api_port = self._api.port
+
+    async def _stop_api(self) -> None:
+        if self._api is not None:
+            await self._api.stop()
+            self._api = None
 
     def stop(self) -> None:
         """First call: the workers drain. Later calls: they stop at once."""

@@ -47,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.from_env(env)
         logs.configure(settings.log_format)
         service = Service(
-            # The supervisor serves the one HTTP endpoint.
-            dataclasses.replace(settings, metrics_port=0, workers=1),
+            # The supervisor serves the one HTTP endpoint, and the API.
+            dataclasses.replace(settings, metrics_port=0, workers=1, api_port=None),
             database_url=env["DATABASE_URL"],
             redis_url=env.get("REDIS_URL") or None,
         )

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from fluxora_webhooks import deliveries, tokens
 from fluxora_webhooks.demo import DemoOptions, run_demo
 from fluxora_webhooks.demo.consumer import Consumer
 from fluxora_webhooks.demo.runner import percentiles
@@ -151,6 +152,17 @@ async def test_demo_on_configured_engines(
         database_url, "SELECT count(*) FROM webhook_outbox WHERE attempt > 1 AND processed"
     )
     assert retried == committed // 7  # the consumer refuses every 7th first attempt
+
+    # The dashboard was started and named, with an admin token that works (not kept
+    # running: the output is not a terminal).
+    assert re.search(r"Dashboard: http://127\.0\.0\.1:\d+/", output), output
+    token = re.search(r"Admin token \(shown once\): (fxa_\S+)", output)
+    assert token and "Not kept running" in output
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        principal = await tokens.authenticate(conn, token.group(1))
+        assert principal is not None and principal.admin
+        shown, _ = await deliveries.list_deliveries(conn, status="delivered", limit=1000)
+    assert len(shown) == committed
 
 
 @pytest.mark.e2e

@@ -23,6 +23,8 @@ COMMANDS = (
     "dlq",
     "recover",
     "status",
+    "api",
+    "tokens",
     "prune",
     "inbox",
     "demo",

@@ -25,7 +25,9 @@ enqueuing a stream.* webhook event in the same transaction, a few of them rolled
 dispatcher, with the Redis rate limit, delivers to a local consumer that verifies every
 signature, de-duplicates by delivery id and answers 503 to some first attempts. Ends with a
 summary, and exits 0 only when every committed event was delivered and verified, nothing
-from a rolled-back write was sent, and nothing was dead-lettered.
+from a rolled-back write was sent, and nothing was dead-lettered. Then it starts the
+management API and dashboard (WEBHOOK_API_PORT, default 8080, or a free port) and prints
+their URL and an admin token; with --serve on a terminal they keep running until Ctrl-C.
 
 Runs on the embedded PostgreSQL and Redis in $FLUXORA_HOME (default ./.fluxora) unless
 DATABASE_URL / REDIS_URL are set. The demo clears and rewrites only its own rows (the table
@@ -79,11 +81,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="give up and report failure after this long (90)",
     )
     parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="afterwards, keep the dashboard and API running until Ctrl-C (on a terminal)",
+    )
+    parser.add_argument(
         "--no-live",
         action="store_true",
         help="plain progress lines instead of the live display (automatic when stdout is"
         " not a terminal)",
     )
+
+
+async def _dashboard(
+    console: Console, database_url: str, redis_url: str, env: Mapping[str, str], *, serve: bool
+) -> None:
+    """The dashboard over what the demo did: its URL and an admin token; kept running
+    with --serve on a terminal (tests and CI get the URL and token, and the exit code)."""
+    import importlib.util
+
+    if importlib.util.find_spec("fastapi") is None:
+        console.print("The dashboard needs fluxora-webhooks[api]; `make demo` installs it.")
+        return
+    from ..demo.dashboard import demo_token, describe, serve_until_interrupted, start_dashboard
+    from ..settings import Settings
+
+    settings = Settings.from_env(env)
+    port = settings.api_port if settings.api_port is not None else 8080
+    server = await start_dashboard(database_url, redis_url, settings.api_host, port)
+    try:
+        token = await demo_token(database_url)
+        keep = serve and console.is_terminal
+        for line in describe(server.url, token, keep):
+            console.print(line, markup=False)
+        if keep:
+            await serve_until_interrupted(server)
+    finally:
+        await server.stop()
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -126,6 +160,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 options, database_url=database_url, redis_url=redis_url, display=display
             )
             print_summary(console, report)
+            await _dashboard(console, database_url, redis_url, env, serve=opts.serve)
             return 0 if report.ok else 1
 
         try:

@@ -1,0 +1,156 @@
+"""The ASGI application: the REST API under ``/api/v1`` and the dashboard at ``/``, one
+connection pool, one error shape, and the security headers on every response."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from fastapi import FastAPI
+from psycopg_pool import AsyncConnectionPool
+
+from .._version import __version__
+from ..settings import Settings
+from . import errors
+from .deps import ApiState
+
+API_PREFIX = "/api/v1"
+# Scripts and styles from this server only, no inline script or eval, nothing framed.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = (
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """What the API needs: the engines, the URL policy for new endpoints' URLs, and the
+    Redis breaker readings' prefix."""
+
+    database_url: str = field(repr=False)
+    redis_url: str | None = field(default=None, repr=False)
+    redis_prefix: str = ""
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    breaker_threshold: int = 0
+    pool_max: int = 4
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, database_url: str, redis_url: str | None
+    ) -> ApiConfig:
+        return cls(
+            database_url=database_url,
+            redis_url=redis_url,
+            redis_prefix=settings.redis_prefix,
+            allowed_networks=settings.allowed_networks,
+            breaker_threshold=settings.circuit_breaker_threshold,
+        )
+
+
+ASGIApp = Callable[
+    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+    Awaitable[None],
+]
+
+
+class SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every HTTP response (static files and errors too)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in present]
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def create_app(config: ApiConfig) -> FastAPI:
+    from .dashboard import pages, render
+    from .routes import deliveries, endpoints, events, stats
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            config.database_url,
+            min_size=1,
+            max_size=config.pool_max,
+            # Unprepared statements get plans for their actual parameters: the optional
+            # filters (`%(x)s IS NULL OR ...`) then fold away.
+            kwargs={"autocommit": True, "prepare_threshold": None},
+            open=False,
+            name="fluxora-api",
+        )
+        await pool.open(wait=True, timeout=30)
+        app.state.fluxora = ApiState(pool=pool, config=config)
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(
+        title="fluxora-webhooks management API",
+        version=__version__,
+        description="Endpoints, events, deliveries, replay and statistics (SPEC section 15)."
+        " Every request needs `Authorization: Bearer <token>`.",
+        openapi_url=None,  # served by the route below, behind a token like the rest
+        docs_url=None,  # its pages load scripts from a CDN; the document is enough
+        redoc_url=None,
+        lifespan=lifespan,
+        responses={
+            401: {"model": errors_model(), "description": "no token, or not a valid one"},
+            422: {"model": errors_model(), "description": "the request is not valid"},
+        },
+    )
+    for module in (endpoints, events, deliveries, stats):
+        app.include_router(module.router, prefix=API_PREFIX)
+    pages.install(app)
+    errors.install(app, render.error_page)
+    app.add_middleware(SecurityHeaders)
+    _require_token_for_openapi(app)
+    return app
+
+
+def errors_model() -> type[Any]:
+    from .models import ErrorBody
+
+    return ErrorBody
+
+
+def _require_token_for_openapi(app: FastAPI) -> None:
+    """The document is served to a caller with a token, like every other API request."""
+    from fastapi import Depends
+    from fastapi.responses import JSONResponse
+
+    from .deps import principal
+
+    @app.get(
+        f"{API_PREFIX}/openapi.json", include_in_schema=False, dependencies=[Depends(principal)]
+    )
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())

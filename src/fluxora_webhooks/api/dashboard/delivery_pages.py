@@ -1,0 +1,97 @@
+"""The deliveries pages: search (stream id, event type, delivery id, tenant, status) with
+paging, one delivery with every attempt and a replay button, and one event."""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from ... import deliveries
+from ...errors import NotFoundError
+from ..deps import api_state
+from ..pagination import decode_int, encode
+from .render import Viewer, posted, render, viewer
+
+router = APIRouter(include_in_schema=False)
+PAGE = 50
+FILTERS = ("stream_id", "event_type", "tenant", "status", "endpoint_id")
+
+
+@router.get("/deliveries", response_class=HTMLResponse)
+async def search(
+    request: Request, who: Annotated[Viewer, Depends(viewer)], cursor: str = ""
+) -> Response:
+    query = request.query_params
+    wanted = {k: query.get(k, "").strip() for k in (*FILTERS, "delivery_id")}
+    if wanted["delivery_id"]:
+        return RedirectResponse(f"/deliveries/{wanted['delivery_id']}", status_code=303)
+    status = wanted["status"] or None
+    if status not in (None, *deliveries.STATUSES):
+        status = None
+    tenant_filter = None  # a tenant's portal is scoped to it anyway
+    if who.tenant is None and query.get("default_tenant") == "1":
+        tenant_filter = ""
+    elif who.tenant is None and wanted["tenant"]:
+        tenant_filter = wanted["tenant"]
+    async with api_state(request).pool.connection() as conn:
+        found, after = await deliveries.list_deliveries(
+            conn,
+            tenant=who.tenant,
+            tenant_filter=tenant_filter,
+            endpoint_id=wanted["endpoint_id"] or None,
+            status=status,
+            stream_id=wanted["stream_id"] or None,
+            event_type=wanted["event_type"] or None,
+            limit=PAGE,
+            before=decode_int("deliveries", cursor or None),
+        )
+    kept = {k: v for k, v in query.items() if k != "cursor" and v}
+    older = None
+    if after is not None:
+        older = "/deliveries?" + urlencode({**kept, "cursor": encode("deliveries", after)})
+    return render(
+        request,
+        "deliveries.html",
+        who,
+        deliveries=found,
+        wanted=wanted,
+        default_tenant=tenant_filter == "",
+        statuses=deliveries.STATUSES,
+        older=older,
+        newest="/deliveries?" + urlencode(kept) if cursor else None,
+    )
+
+
+@router.get("/deliveries/{delivery_id}", response_class=HTMLResponse)
+async def delivery_page(
+    request: Request,
+    delivery_id: str,
+    who: Annotated[Viewer, Depends(viewer)],
+    done: str = "",
+) -> HTMLResponse:
+    async with api_state(request).pool.connection() as conn:
+        found = await deliveries.get_delivery(conn, delivery_id, tenant=who.tenant)
+    message = "Replay queued under the same delivery id." if done == "replayed" else None
+    return render(request, "delivery.html", who, delivery=found, message=message)
+
+
+@router.post("/deliveries/{delivery_id}/replay")
+async def replay(request: Request, delivery_id: str) -> Response:
+    who, _ = await posted(request)
+    async with api_state(request).pool.connection() as conn:
+        found = await deliveries.replay(conn, delivery_id, tenant=who.tenant)
+    return RedirectResponse(f"/deliveries/{found['delivery_id']}?done=replayed", status_code=303)
+
+
+@router.get("/events/{event_id}", response_class=HTMLResponse)
+async def event_page(
+    request: Request, event_id: str, who: Annotated[Viewer, Depends(viewer)]
+) -> HTMLResponse:
+    if not event_id.isascii() or not event_id.isdigit() or len(event_id) > 18:
+        raise NotFoundError(f"no event {event_id[:40]!r}")
+    async with api_state(request).pool.connection() as conn:
+        found = await deliveries.get_event(conn, int(event_id), tenant=who.tenant)
+    return render(request, "event.html", who, event=found)

@@ -1,0 +1,118 @@
+"""The endpoints pages: the list with each one's health, one endpoint, and its actions
+(disable, enable, rotate the secret -- shown once -- and recover dead letters)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from ... import endpoints
+from ...errors import ConfigError
+from ..deps import api_state
+from ..routes.stats import read_stats
+from .render import Viewer, back_to, posted, render, viewer
+
+router = APIRouter(include_in_schema=False)
+WINDOW_MS = 3_600_000
+MESSAGES = {
+    "disabled": "Endpoint disabled: its deliveries are parked until it is enabled.",
+    "enabled": "Endpoint enabled: its parked deliveries are due again.",
+}
+
+
+@router.get("/endpoints", response_class=HTMLResponse)
+async def endpoint_list(
+    request: Request, who: Annotated[Viewer, Depends(viewer)], done: str = ""
+) -> HTMLResponse:
+    state = api_state(request)
+    async with state.pool.connection() as conn:
+        found = await read_stats(state, conn, who.tenant, WINDOW_MS, with_series=False)
+        listed = await endpoints.list_endpoints(conn, tenant=who.tenant, limit=1000)
+    health = {h["id"]: h for h in found["endpoints"]}
+    return render(
+        request,
+        "endpoints.html",
+        who,
+        endpoints=[e.as_json() for e in listed],
+        health=health,
+        redis=found["redis"],
+        message=MESSAGES.get(done),
+    )
+
+
+@router.get("/endpoints/{endpoint_id}", response_class=HTMLResponse)
+async def endpoint_page(
+    request: Request,
+    endpoint_id: str,
+    who: Annotated[Viewer, Depends(viewer)],
+    done: str = "",
+    requeued: int | None = None,
+) -> HTMLResponse:
+    state = api_state(request)
+    async with state.pool.connection() as conn:
+        endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
+        found = await read_stats(state, conn, who.tenant, WINDOW_MS, with_series=False)
+    health = next((h for h in found["endpoints"] if h["id"] == endpoint.id), None)
+    message = MESSAGES.get(done)
+    if done == "recovered" and requeued is not None:
+        message = f"Requeued {requeued} dead letter(s) under their delivery ids."
+    return render(
+        request,
+        "endpoint.html",
+        who,
+        endpoint=endpoint.as_json(),
+        health=health,
+        redis=found["redis"],
+        message=message,
+    )
+
+
+async def _state_change(request: Request, endpoint_id: str, action: str) -> Response:
+    who, form = await posted(request)
+    async with api_state(request).pool.connection() as conn:
+        change = endpoints.disable if action == "disable" else endpoints.enable
+        await change(conn, endpoint_id, tenant=who.tenant)
+    done = "disabled" if action == "disable" else "enabled"
+    target = back_to(form.get("next", ""), f"/endpoints/{endpoint_id}")
+    joiner = "&" if "?" in target else "?"
+    return RedirectResponse(f"{target}{joiner}done={done}", status_code=303)
+
+
+@router.post("/endpoints/{endpoint_id}/disable")
+async def disable(request: Request, endpoint_id: str) -> Response:
+    return await _state_change(request, endpoint_id, "disable")
+
+
+@router.post("/endpoints/{endpoint_id}/enable")
+async def enable(request: Request, endpoint_id: str) -> Response:
+    return await _state_change(request, endpoint_id, "enable")
+
+
+@router.post("/endpoints/{endpoint_id}/rotate", response_class=HTMLResponse)
+async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
+    """The new secret is in this response only (not cached: no-store), never again."""
+    who, _ = await posted(request)
+    async with api_state(request).pool.connection() as conn:
+        endpoint, secret = await endpoints.rotate_secret(conn, endpoint_id, tenant=who.tenant)
+    return render(request, "secret.html", who, endpoint=endpoint.as_json(), secret=secret)
+
+
+@router.post("/endpoints/{endpoint_id}/recover")
+async def recover(request: Request, endpoint_id: str) -> Response:
+    who, form = await posted(request)
+    since_text = form.get("since", "").strip()
+    if not since_text:
+        raise ConfigError("since", "is required: an ISO 8601 time or a duration ago such as 2h")
+    async with api_state(request).pool.connection() as conn:
+        await endpoints.get(conn, endpoint_id, tenant=who.tenant)
+        since = await endpoints.moment(conn, since_text, "since")
+        until_text = form.get("until", "").strip()
+        until = await endpoints.moment(conn, until_text, "until") if until_text else None
+        count = await endpoints.recover(
+            conn, endpoint_id, since=since, until=until, tenant=who.tenant
+        )
+    return RedirectResponse(
+        f"/endpoints/{endpoint_id}?done=recovered&requeued={count}", status_code=303
+    )

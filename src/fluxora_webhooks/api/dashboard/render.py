@@ -1,0 +1,144 @@
+"""Templates, the signed-in viewer, CSRF checks and the error page, shared by the pages.
+
+Sign-in: the token is checked once and a session opened (:mod:`...tokens`): the browser
+keeps only a random session id in an HttpOnly, SameSite=Strict cookie. Every form carries
+the session's CSRF token, compared in constant time; the sign-in form itself carries a
+one-time value that is also in a cookie (a login CSRF cannot sign a browser in).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader
+
+from ... import tokens
+from ..._version import __version__
+from ...tokens import Principal
+from ..deps import api_state
+
+HERE = Path(__file__).resolve().parent
+SESSION_COOKIE = "fx_session"
+LOGIN_COOKIE = "fx_login"
+
+# autoescape on for every template: stored text is always escaped, and no template marks
+# stored data safe.
+env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=True)
+
+
+def _when(value: str | datetime | None) -> str:
+    if value is None:
+        return "-"
+    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return moment.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f} %"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+
+
+env.filters.update(when=_when, ms=_ms, pct=_pct, pretty_json=_json)
+env.globals.update(version=__version__)
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """The signed-in token and its session's CSRF token."""
+
+    principal: Principal
+    csrf: str
+
+    @property
+    def tenant(self) -> str | None:
+        return self.principal.tenant
+
+    @property
+    def can_write(self) -> bool:
+        return not self.principal.read_only
+
+
+class SignInRequired(Exception):
+    """No valid session: a page answers with the sign-in form."""
+
+
+class Forbidden(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def render(
+    request: Request, name: str, viewer: Viewer | None, status: int = 200, **context: Any
+) -> HTMLResponse:
+    html = env.get_template(name).render(request_path=request.url.path, viewer=viewer, **context)
+    return HTMLResponse(html, status_code=status)
+
+
+def error_page(request: Request, status: int, message: str) -> Response:
+    if status == 401:
+        return RedirectResponse("/login", status_code=303)
+    return render(request, "error.html", None, status=status, status_code=status, message=message)
+
+
+async def viewer(request: Request) -> Viewer:
+    """The page's viewer from the session cookie, or :class:`SignInRequired`."""
+    session_id = request.cookies.get(SESSION_COOKIE, "")
+    if not session_id:
+        raise SignInRequired()
+    async with api_state(request).pool.connection() as conn:
+        found = await tokens.find_session(conn, session_id)
+    if found is None:
+        raise SignInRequired()
+    return Viewer(*found)
+
+
+async def posted(request: Request, *, write: bool = True) -> tuple[Viewer, dict[str, str]]:
+    """A form post's viewer and its fields, once its CSRF token matched (and, for a change,
+    its token may write)."""
+    who = await viewer(request)
+    form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+    if not hmac.compare_digest(form.get("csrf", "").encode(), who.csrf.encode()):
+        raise Forbidden("the form has expired or did not come from this dashboard; reload it")
+    if write and not who.can_write:
+        raise Forbidden("this token is read-only")
+    return who, form
+
+
+def back_to(target: str, fallback: str) -> str:
+    """A redirect target from a form: a path on this site only (never //host or a URL)."""
+    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return fallback
+
+
+def secure(request: Request) -> bool:
+    return request.url.scheme == "https"
+
+
+def set_cookie(request: Request, response: Response, name: str, value: str, max_age: int) -> None:
+    response.set_cookie(
+        name,
+        value,
+        max_age=max_age,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=secure(request),
+    )

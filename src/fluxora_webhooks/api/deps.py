@@ -1,0 +1,75 @@
+"""What every route depends on: a database connection from the pool, the caller's token
+(401 without a valid one), write access (403 for a read-only token) and the tenant scope."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import psycopg
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from psycopg_pool import AsyncConnectionPool
+
+from .. import logs, tokens
+from ..tokens import Principal
+from .errors import ApiError, unauthorized
+
+
+@dataclass
+class ApiState:
+    """What the app holds while it runs (``app.state.fluxora``)."""
+
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+    config: Any  # ApiConfig (app.py), kept untyped here to keep the import one-way
+
+
+def api_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.fluxora
+    return state
+
+
+async def connection(request: Request) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async with api_state(request).pool.connection() as conn:
+        yield conn
+
+
+Conn = Annotated[psycopg.AsyncConnection[Any], Depends(connection)]
+_bearer = HTTPBearer(auto_error=False, description="a token from `fluxora-webhooks tokens create`")
+
+
+async def principal(
+    conn: Conn,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise unauthorized()
+    text = credentials.credentials.strip()
+    found = await tokens.authenticate(conn, text)
+    if found is None:
+        raise unauthorized("the token is not valid (unknown or revoked)")
+    logs.add_sensitive(text)  # a live token: never written, whatever logs it (bounded set)
+    return found
+
+
+Reader = Annotated[Principal, Depends(principal)]
+
+
+async def writer(who: Reader) -> Principal:
+    if who.read_only:
+        raise ApiError(403, "read_only", "this token is read-only")
+    return who
+
+
+Writer = Annotated[Principal, Depends(writer)]
+
+
+def scoped(who: Principal, requested: str | None) -> str | None:
+    """The tenant a call is restricted to: an admin's filter (None: every tenant), or a
+    tenant token's own tenant. A tenant token naming another tenant gets 403."""
+    if who.tenant is None:
+        return requested
+    if requested is not None and requested != who.tenant:
+        raise ApiError(403, "tenant_forbidden", "this token acts for its own tenant only")
+    return who.tenant

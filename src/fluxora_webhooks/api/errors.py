@@ -1,0 +1,103 @@
+"""Every error the API answers has one shape, ``{"error": {"code", "message"}}``: ours,
+the admin layer's (translated here, in one place), FastAPI's validation errors and the
+router's own 404/405. The dashboard's paths get an HTML page instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ConfigError, ConflictError, EndpointError, NotFoundError
+
+API_PREFIX = "/api/"
+
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered as is: its status, code and message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def unauthorized(message: str = "a valid bearer token is required") -> ApiError:
+    return ApiError(401, "unauthorized", message)
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": 'Bearer realm="fluxora-webhooks"'} if status == 401 else None
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
+    errors: list[Any] = list(exc.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return 400, "bad_request", "the request body is not valid JSON"
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
+        parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
+    return 422, "validation_error", "; ".join(parts) or "the request is not valid"
+
+
+def install(app: FastAPI, html_error: Any) -> None:
+    """Register the handlers; ``html_error(request, status, message)`` renders the
+    dashboard's error page."""
+
+    def answer(request: Request, status: int, code: str, message: str) -> Response:
+        if request.url.path.startswith(API_PREFIX):
+            return error_response(status, code, message)
+        result: Response = html_error(request, status, message)
+        return result
+
+    @app.exception_handler(ApiError)
+    async def _ours(request: Request, exc: ApiError) -> Response:
+        return answer(request, exc.status, exc.code, exc.message)
+
+    @app.exception_handler(NotFoundError)
+    async def _not_found(request: Request, exc: NotFoundError) -> Response:
+        return answer(request, 404, "not_found", str(exc))
+
+    @app.exception_handler(ConflictError)
+    async def _conflict(request: Request, exc: ConflictError) -> Response:
+        return answer(request, 409, "conflict", str(exc))
+
+    @app.exception_handler(ConfigError)
+    async def _invalid(request: Request, exc: ConfigError) -> Response:
+        return answer(request, 422, "validation_error", str(exc))
+
+    @app.exception_handler(EndpointError)
+    async def _refused(request: Request, exc: EndpointError) -> Response:
+        return answer(request, 422, "validation_error", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return answer(request, *_validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        code = _CODES.get(exc.status_code, "error")
+        message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+        if exc.status_code == 404:
+            message = "no such resource"
+        return answer(request, exc.status_code, code, message)

@@ -1,0 +1,220 @@
+"""The API's request and response bodies (SPEC 15), from which FastAPI validates requests
+and writes the OpenAPI document. Responses list their fields exactly: whatever else the
+admin layer returns is dropped, so nothing unlisted (a secret above all) can leak."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+T = TypeVar("T")
+Status = Literal["pending", "retrying", "parked", "delivered", "dead_letter"]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(examples=["not_found"])
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Page(BaseModel, Generic[T]):
+    data: list[T]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null: no more")
+
+
+# -- endpoints ----------------------------------------------------------------------------
+
+
+class EndpointIn(_In):
+    url: str = Field(description="the consumer's https URL")
+    tenant: str | None = Field(None, description="default: the token's tenant, or '' (admin)")
+    event_types: list[str] = Field(default_factory=lambda: ["*"], max_length=100)
+    description: str = Field("", max_length=1000)
+    headers: dict[str, str] = Field(default_factory=dict)
+    rate_limit: int | None = Field(None, ge=1, le=1_000_000, description="retries per second")
+    ordered: bool = False
+    secret: str | None = Field(None, description="default: a new whsec_ secret")
+
+
+class EndpointPatch(_In):
+    url: str | None = None
+    event_types: list[str] | None = Field(None, max_length=100)
+    description: str | None = Field(None, max_length=1000)
+    headers: dict[str, str] | None = None
+    rate_limit: int | None = Field(None, ge=1, le=1_000_000, description="null: WEBHOOK_RETRY_RPS")
+    ordered: bool | None = None
+
+
+class Endpoint(BaseModel):
+    id: str
+    tenant: str | None
+    url: str
+    event_types: list[str]
+    description: str
+    headers: dict[str, str]
+    rate_limit: int | None
+    ordered: bool
+    state: Literal["enabled", "disabled"]
+    disabled_reason: Literal["manual", "gone", "failing"] | None
+    disabled_at: str | None
+    failing_since: str | None
+    created_at: str | None
+    updated_at: str | None
+    builtin: bool
+
+
+class EndpointCreated(Endpoint):
+    secret: str = Field(description="shown this once")
+
+
+class RotateIn(_In):
+    secret: str | None = Field(None, description="default: a new whsec_ secret")
+    keep_previous: str = Field("24h", description="how long the old secret signs too; 0: not")
+
+
+class Secret(BaseModel):
+    id: str
+    secret: str = Field(description="shown this once")
+
+
+class RecoverIn(_In):
+    since: str = Field(description="ISO 8601, or a duration ago such as 2h")
+    until: str | None = Field(None, description="default: now")
+
+
+class Requeued(BaseModel):
+    requeued: int
+
+
+# -- events and deliveries ---------------------------------------------------------------
+
+
+class EventIn(_In):
+    tenant: str | None = Field(None, description="default: the token's tenant, or '' (admin)")
+    stream_id: str = Field(min_length=1, max_length=500)
+    event_type: str = Field(min_length=1, max_length=200)
+    payload: JsonValue
+
+
+class Event(BaseModel):
+    id: int
+    tenant: str | None
+    stream_id: str
+    event_type: str
+    payload: Any
+    created_at: str | None
+
+
+class EventAccepted(Event):
+    delivery_id: str = Field(
+        description="the built-in default endpoint's delivery id (as enqueue returns); each"
+        " endpoint's delivery has its own id, listed by GET /events/{id}"
+    )
+
+
+class Delivery(BaseModel):
+    delivery_id: str
+    event_id: int
+    endpoint_id: str
+    tenant: str | None
+    stream_id: str
+    event_type: str
+    status: Status
+    attempt_count: int
+    created_at: str | None
+    last_attempt_at: str | None
+    next_attempt_at: str | None
+
+
+class Attempt(BaseModel):
+    attempt: int
+    at: str | None
+    status_code: int | None
+    duration_ms: float | None
+    error: str | None
+    response_body: str | None
+    outcome: Literal["delivered", "retry", "dead_letter"]
+    replay: bool
+
+
+class DeliveryDetail(Delivery):
+    payload: Any
+    attempts: list[Attempt]
+
+
+class EventDetail(Event):
+    deliveries: list[Delivery]
+
+
+# -- statistics ---------------------------------------------------------------------------
+
+
+class Backlog(BaseModel):
+    pending: int
+    due: int
+    parked: int
+    oldest_due_age_seconds: float
+    capped_at: int
+
+
+class DeadLetters(BaseModel):
+    waiting: int
+
+
+class Outcome(BaseModel):
+    attempts: int
+    p50_ms: float | None
+    p95_ms: float | None
+
+
+class Breaker(BaseModel):
+    state: Literal["closed", "open", "half-open"]
+    failures: int
+
+
+class EndpointHealth(BaseModel):
+    id: str
+    tenant: str | None
+    state: Literal["enabled", "disabled"]
+    disabled_reason: str | None
+    attempts: int
+    success_rate: float | None
+    p50_ms: float | None
+    p95_ms: float | None
+    pending: int
+    breaker: Breaker | None
+
+
+class Bucket(BaseModel):
+    at: str | None
+    delivered: int
+    retry: int
+    dead_letter: int
+    latency_p50_ms: float | None
+    latency_p95_ms: float | None
+    backlog: int
+    dead_letters: int
+
+
+class RedisReading(BaseModel):
+    configured: bool
+    reachable: bool
+    error: str | None
+
+
+class Stats(BaseModel):
+    window_seconds: int
+    backlog: Backlog
+    dead_letters: DeadLetters
+    recent: dict[str, Outcome]
+    endpoints: list[EndpointHealth]
+    redis: RedisReading
+    series: list[Bucket] | None = None

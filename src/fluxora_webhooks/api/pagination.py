@@ -1,0 +1,40 @@
+"""Opaque cursors for keyset pagination: the last key of a page, encoded with the list it
+belongs to, so a cursor of one list is refused by another (400). Never an OFFSET."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from .errors import ApiError
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+
+
+def encode(kind: str, key: str | int) -> str:
+    return base64.urlsafe_b64encode(f"{kind}:{key}".encode()).decode().rstrip("=")
+
+
+def decode(kind: str, cursor: str | None) -> str | None:
+    """The key in ``cursor`` (None for the first page), or 400 for a cursor that is not
+    one of this list's."""
+    if cursor is None or cursor == "":
+        return None
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (binascii.Error, ValueError):
+        text = ""
+    found, sep, key = text.partition(":")
+    if found != kind or not sep or not key:
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
+    return key
+
+
+def decode_int(kind: str, cursor: str | None) -> int | None:
+    key = decode(kind, cursor)
+    if key is None:
+        return None
+    if not key.isascii() or not key.isdigit():
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
+    return int(key)

@@ -1,0 +1,152 @@
+"""``/api/v1/endpoints``: list, create, show, update, remove, disable, enable, rotate the
+secret and recover dead letters."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Request, Response
+
+from ... import endpoints
+from ...settings import parse_duration_ms
+from ..deps import Conn, Reader, Writer, api_state, scoped
+from ..models import (
+    Endpoint,
+    EndpointCreated,
+    EndpointIn,
+    EndpointPatch,
+    ErrorBody,
+    Page,
+    RecoverIn,
+    Requeued,
+    RotateIn,
+    Secret,
+)
+from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode, encode
+
+router = APIRouter(
+    prefix="/endpoints",
+    tags=["endpoints"],
+    responses={
+        403: {"model": ErrorBody, "description": "read-only token, or another tenant"},
+        404: {"model": ErrorBody, "description": "no such endpoint (for this token)"},
+    },
+)
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+
+
+@router.get("", response_model=Page[Endpoint], summary="List endpoints")
+async def list_endpoints(
+    who: Reader,
+    conn: Conn,
+    tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
+    limit: Limit = DEFAULT_LIMIT,
+    cursor: str | None = None,
+) -> dict[str, Any]:
+    scope = scoped(who, tenant)
+    wanted = limit + 1 if limit < MAX_LIMIT else limit
+    found = await endpoints.list_endpoints(
+        conn, tenant=scope, limit=wanted, after=decode("endpoints", cursor)
+    )
+    page = found[:limit]
+    more = len(found) > limit or (wanted == limit and len(found) == limit)
+    return {
+        "data": [e.as_json() for e in page],
+        "next_cursor": encode("endpoints", page[-1].id) if more and page else None,
+    }
+
+
+@router.post("", status_code=201, response_model=EndpointCreated, summary="Create an endpoint")
+async def create_endpoint(
+    request: Request, who: Writer, conn: Conn, body: EndpointIn
+) -> dict[str, Any]:
+    tenant = scoped(who, body.tenant)
+    endpoint, secret = await endpoints.create(
+        conn,
+        url=body.url,
+        tenant=tenant if tenant is not None else "",
+        event_types=body.event_types,
+        secret=body.secret,
+        description=body.description,
+        headers=body.headers,
+        rate_limit=body.rate_limit,
+        ordered=body.ordered,
+        allowed_networks=api_state(request).config.allowed_networks,
+    )
+    return {**endpoint.as_json(), "secret": secret}
+
+
+@router.get("/{endpoint_id}", response_model=Endpoint, summary="Show an endpoint")
+async def get_endpoint(endpoint_id: str, who: Reader, conn: Conn) -> dict[str, Any]:
+    return (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+
+
+@router.patch("/{endpoint_id}", response_model=Endpoint, summary="Update an endpoint")
+async def update_endpoint(
+    request: Request, endpoint_id: str, who: Writer, conn: Conn, body: EndpointPatch
+) -> dict[str, Any]:
+    given = body.model_fields_set
+    changes = endpoints.Changes(
+        url=body.url,
+        event_types=body.event_types,
+        description=body.description,
+        headers=body.headers,
+        rate_limit=body.rate_limit,
+        clear_rate_limit="rate_limit" in given and body.rate_limit is None,
+        ordered=body.ordered,
+    )
+    updated = await endpoints.update(
+        conn,
+        endpoint_id,
+        changes,
+        tenant=who.tenant,
+        allowed_networks=api_state(request).config.allowed_networks,
+    )
+    return updated.as_json()
+
+
+@router.delete("/{endpoint_id}", status_code=204, summary="Remove an endpoint")
+async def remove_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> Response:
+    """Its pending deliveries become dead letters (reason `endpoint_removed`)."""
+    await endpoints.remove(conn, endpoint_id, tenant=who.tenant)
+    return Response(status_code=204)
+
+
+@router.post("/{endpoint_id}/disable", response_model=Endpoint, summary="Disable an endpoint")
+async def disable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
+    """Its deliveries are parked: kept, not attempted, until it is enabled."""
+    return (await endpoints.disable(conn, endpoint_id, tenant=who.tenant)).as_json()
+
+
+@router.post("/{endpoint_id}/enable", response_model=Endpoint, summary="Enable an endpoint")
+async def enable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
+    """Every parked delivery is due again."""
+    return (await endpoints.enable(conn, endpoint_id, tenant=who.tenant)).as_json()
+
+
+@router.post("/{endpoint_id}/rotate-secret", response_model=Secret, summary="Rotate the secret")
+async def rotate_secret(
+    endpoint_id: str,
+    who: Writer,
+    conn: Conn,
+    body: Annotated[RotateIn | None, Body()] = None,
+) -> dict[str, Any]:
+    """A new secret, shown this once; the old one keeps signing for `keep_previous`."""
+    wanted = body or RotateIn.model_validate({})
+    keep = wanted.keep_previous.strip()
+    keep_ms = 0 if keep == "0" else parse_duration_ms(keep, "keep_previous")
+    endpoint, secret = await endpoints.rotate_secret(
+        conn, endpoint_id, secret=wanted.secret, keep_previous_ms=keep_ms, tenant=who.tenant
+    )
+    return {"id": endpoint.id, "secret": secret}
+
+
+@router.post("/{endpoint_id}/recover", response_model=Requeued, summary="Recover dead letters")
+async def recover(endpoint_id: str, who: Writer, conn: Conn, body: RecoverIn) -> dict[str, Any]:
+    """Re-queue every delivery of the endpoint dead-lettered in the window (same delivery
+    id, attempts counted afresh)."""
+    await endpoints.get(conn, endpoint_id, tenant=who.tenant)
+    since = await endpoints.moment(conn, body.since, "since")
+    until = await endpoints.moment(conn, body.until, "until") if body.until else None
+    count = await endpoints.recover(conn, endpoint_id, since=since, until=until, tenant=who.tenant)
+    return {"requeued": count}

@@ -1,0 +1,65 @@
+"""``/api/v1/events``: enqueue over HTTP, list, and one event with its deliveries."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from ... import deliveries
+from ...errors import NotFoundError
+from ..deps import Conn, Reader, Writer, scoped
+from ..models import ErrorBody, Event, EventAccepted, EventDetail, EventIn, Page
+from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, encode
+
+router = APIRouter(
+    prefix="/events",
+    tags=["events"],
+    responses={
+        403: {"model": ErrorBody, "description": "read-only token, or another tenant"},
+        404: {"model": ErrorBody, "description": "no such event (for this token)"},
+    },
+)
+
+
+@router.post("", status_code=202, response_model=EventAccepted, summary="Enqueue an event")
+async def enqueue_event(who: Writer, conn: Conn, body: EventIn) -> dict[str, Any]:
+    """For producers outside the database: the event is committed to the outbox and
+    delivered to its tenant's endpoints like any other."""
+    tenant = scoped(who, body.tenant)
+    return await deliveries.enqueue_event(
+        conn,
+        tenant=tenant if tenant is not None else "",
+        stream_id=body.stream_id,
+        event_type=body.event_type,
+        payload=body.payload,
+    )
+
+
+@router.get("", response_model=Page[Event], summary="List events, newest first")
+async def list_events(
+    who: Reader,
+    conn: Conn,
+    tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
+    stream_id: str | None = None,
+    event_type: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    cursor: str | None = None,
+) -> dict[str, Any]:
+    found, after = await deliveries.list_events(
+        conn,
+        tenant=who.tenant,
+        tenant_filter=scoped(who, tenant),
+        stream_id=stream_id,
+        event_type=event_type,
+        limit=limit,
+        before=decode_int("events", cursor),
+    )
+    return {"data": found, "next_cursor": None if after is None else encode("events", after)}
+
+
+@router.get("/{event_id}", response_model=EventDetail, summary="One event and its deliveries")
+async def get_event(event_id: str, who: Reader, conn: Conn) -> dict[str, Any]:
+    if not event_id.isascii() or not event_id.isdigit() or len(event_id) > 18:
+        raise NotFoundError(f"no event {event_id[:40]!r}")
+    return await deliveries.get_event(conn, int(event_id), tenant=who.tenant)

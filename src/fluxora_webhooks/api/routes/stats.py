@@ -1,0 +1,53 @@
+"""``/api/v1/stats``: backlog, dead letters, recent outcomes and per-endpoint health."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import psycopg
+from fastapi import APIRouter, Query, Request
+
+from ... import deliveries
+from ...settings import parse_duration_ms
+from ..deps import ApiState, Conn, Reader, api_state
+from ..models import Stats
+
+router = APIRouter(prefix="/stats", tags=["stats"])
+
+
+async def read_stats(
+    state: ApiState,
+    conn: psycopg.AsyncConnection[Any],
+    tenant: str | None,
+    window_ms: int,
+    *,
+    with_series: bool,
+) -> dict[str, Any]:
+    """The statistics of a scope, with each endpoint's breaker read from Redis (the API
+    and the dashboard show the same)."""
+    out = await deliveries.stats(conn, tenant=tenant, window_ms=window_ms)
+    config = state.config
+    urls = [e["url"] for e in out["endpoints"]]
+    states, problem = await deliveries.breaker_states(config.redis_url, config.redis_prefix, urls)
+    for item in out["endpoints"]:
+        item["breaker"] = states.get(item.pop("url"))
+    out["redis"] = {
+        "configured": config.redis_url is not None,
+        "reachable": config.redis_url is not None and problem is None,
+        "error": problem,
+    }
+    if with_series:
+        out["series"] = await deliveries.series(conn, tenant=tenant, window_ms=window_ms)
+    return out
+
+
+@router.get("", response_model=Stats, summary="Backlog, outcomes and endpoint health")
+async def get_stats(
+    request: Request,
+    who: Reader,
+    conn: Conn,
+    window: Annotated[str, Query(description="the recent window: 1m to 7d")] = "1h",
+    series: Annotated[bool, Query(description="add the window in 30 buckets")] = False,
+) -> dict[str, Any]:
+    window_ms = deliveries.check_window(parse_duration_ms(window, "window"))
+    return await read_stats(api_state(request), conn, who.tenant, window_ms, with_series=series)

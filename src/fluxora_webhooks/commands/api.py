@@ -1,0 +1,82 @@
+"""``fluxora-webhooks api``: the management API and the dashboard on their own, on
+``WEBHOOK_API_HOST:WEBHOOK_API_PORT`` (default 127.0.0.1:8080), until SIGTERM/SIGINT.
+``run`` serves the same beside its dispatcher when ``WEBHOOK_API_PORT`` is set."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from ..errors import ConfigError
+from .common import engines, run_async
+
+NAME = "api"
+HELP = "serve the management API and the dashboard"
+DESCRIPTION = (
+    "The REST API under /api/v1 (OpenAPI document at /api/v1/openapi.json) and the "
+    "dashboard at /, on WEBHOOK_API_HOST:WEBHOOK_API_PORT (default 127.0.0.1:8080). Every "
+    "request needs a token from `fluxora-webhooks tokens create`. Needs DATABASE_URL (the "
+    "embedded engines otherwise); REDIS_URL only for the breaker readings."
+)
+API_EXTRA = "fluxora-webhooks[api]"
+DEFAULT_PORT = 8080
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    return None
+
+
+def require_api_extra(variable: str = "WEBHOOK_API_PORT") -> None:
+    """Stop at once, naming the extra, when FastAPI or uvicorn is missing."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "jinja2") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            variable, f"the API needs {API_EXTRA} ({', '.join(missing)} not installed)"
+        )
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import asyncio
+    import signal
+
+    from .. import logs
+    from ..settings import Settings
+
+    settings = Settings.from_env(env)
+    logs.configure(settings.log_format)
+    require_api_extra()
+    database_url, _ = engines(env, redis=False)
+    redis_url = settings.redis_url  # only what is configured: readings, never the gate
+    for url in (database_url, redis_url):
+        logs.add_sensitive_url(url)
+
+    from ..api import ApiConfig, ApiServer
+
+    config = ApiConfig.from_settings(settings, database_url=database_url, redis_url=redis_url)
+    port = settings.api_port if settings.api_port is not None else DEFAULT_PORT
+
+    async def main() -> int:
+        import psycopg
+
+        from ..migrations import check_schema
+
+        async with await psycopg.AsyncConnection.connect(
+            database_url, autocommit=True, connect_timeout=10
+        ) as conn:
+            await check_schema(conn)  # a missing or other schema: exit 3, saying what to run
+        server = ApiServer(config, settings.api_host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await server.start()
+        print(f"fluxora-webhooks api: serving on {server.url} (API under /api/v1)", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
+        return 0
+
+    return run_async(main())

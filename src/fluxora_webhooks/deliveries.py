@@ -1,0 +1,445 @@
+"""Events, deliveries and their attempts, replay and statistics (SPEC 15): the admin layer
+the API and the dashboard call (``sql/deliveries.sql``), beside :mod:`.endpoints`.
+
+Every function takes ``tenant``: ``None`` acts for every tenant (an admin), a string
+restricts the call to that tenant in the SQL itself, so another tenant's event or delivery
+is not found (:class:`NotFoundError`). Filters are separate keywords (``tenant_filter``,
+...): ``None`` filters nothing. Lists are pages, newest first: ``before`` is the ``seq``
+of the last item of the previous page, and each call returns (items, the next ``before``
+or None).
+
+A delivery's status: ``pending`` (not attempted yet), ``retrying`` (attempted, or replayed,
+and due again), ``parked`` (its endpoint is disabled), ``delivered`` or ``dead_letter``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .endpoints import OPERATOR_TENANT
+from .errors import ConfigError, ConflictError, NotFoundError
+from .outbox import enqueue, promote_heads
+from .queries import query
+
+STATUSES = ("pending", "retrying", "parked", "delivered", "dead_letter")
+MAX_PAGE = 1000
+# Counts in statistics stop here (as the service's gauges do): bounded work per request.
+STATS_COUNT_CAP = 100_000
+MAX_WINDOW_MS = 7 * 86_400_000
+# How long a replay waits for a batch that is sending the same delivery right now.
+REPLAY_LOCK_TIMEOUT = "5s"
+
+
+def _scope(tenant: str | None) -> dict[str, Any]:
+    return {"scoped": tenant is not None, "tenant": tenant if tenant is not None else ""}
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _tenant(value: str) -> str | None:
+    return None if value == OPERATOR_TENANT else value
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_PAGE:
+        raise ConfigError("limit", f"must be from 1 to {MAX_PAGE}")
+
+
+async def _rows(
+    conn: psycopg.AsyncConnection[Any], name: str, params: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query(name), params)
+    return list(await cur.fetchall())
+
+
+def _page(
+    rows: list[dict[str, Any]], limit: int, key: str
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Rows fetched with ``limit + 1``: the page, and the cursor when there is more."""
+    more = len(rows) > limit
+    page = rows[:limit]
+    return page, (int(page[-1][key]) if more and page else None)
+
+
+# -- events -----------------------------------------------------------------------------
+
+
+def event_json(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "id": int(row["id"]),
+        "tenant": _tenant(row["tenant"]),
+        "stream_id": row["stream_id"],
+        "event_type": row["event_type"],
+        "payload": row["payload"],
+        "created_at": _iso(row["created_at"]),
+    }
+
+
+async def enqueue_event(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant: str,
+    stream_id: str,
+    event_type: str,
+    payload: Any,
+) -> dict[str, Any]:
+    """Enqueue an event (as a producer's ``enqueue`` does, in one transaction); returns it
+    with its id and ``delivery_id`` (the built-in default endpoint's, as enqueue returns)."""
+    try:
+        async with conn.transaction():
+            delivery_id = await enqueue(
+                conn, tenant=tenant, stream_id=stream_id, event_type=event_type, payload=payload
+            )
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at"
+                " FROM webhook_outbox WHERE delivery_id = %s::uuid",
+                (delivery_id,),
+            )
+            row = await cur.fetchone()
+    except ValueError as exc:
+        raise ConfigError("event", str(exc)) from None
+    assert row is not None
+    return {**event_json(row), "delivery_id": delivery_id}
+
+
+async def list_events(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant: str | None = None,
+    tenant_filter: str | None = None,
+    stream_id: str | None = None,
+    event_type: str | None = None,
+    limit: int = 100,
+    before: int | None = None,
+) -> tuple[list[dict[str, Any]], int | None]:
+    _check_limit(limit)
+    rows = await _rows(
+        conn,
+        "event_list",
+        {
+            **_scope(tenant),
+            "f_tenant": tenant_filter,
+            "stream_id": stream_id,
+            "event_type": event_type,
+            "before": before,
+            "limit": limit + 1,
+        },
+    )
+    page, cursor = _page(rows, limit, "id")
+    return [event_json(r) for r in page], cursor
+
+
+async def get_event(
+    conn: psycopg.AsyncConnection[Any], event_id: int, *, tenant: str | None = None
+) -> dict[str, Any]:
+    """The event with its deliveries (one per endpoint it was routed to)."""
+    rows = await _rows(conn, "event_get", {"id": event_id, **_scope(tenant)})
+    if not rows:
+        raise NotFoundError(f"no event {event_id}")
+    found, _ = await list_deliveries(conn, tenant=tenant, event_id=event_id, limit=MAX_PAGE)
+    return {**event_json(rows[0]), "deliveries": found}
+
+
+# -- deliveries ---------------------------------------------------------------------------
+
+
+def delivery_json(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "delivery_id": row["delivery_id"],
+        "event_id": int(row["event_id"]),
+        "endpoint_id": row["endpoint_id"],
+        "tenant": _tenant(row["tenant"]),
+        "stream_id": row["stream_id"],
+        "event_type": row["event_type"],
+        "status": row["status"],
+        "attempt_count": int(row["attempt_count"]),
+        "created_at": _iso(row["created_at"]),
+        "last_attempt_at": _iso(row["last_attempt_at"]),
+        "next_attempt_at": _iso(row["next_attempt_at"]),
+        "seq": int(row["seq"]),
+    }
+
+
+async def list_deliveries(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant: str | None = None,
+    tenant_filter: str | None = None,
+    endpoint_id: str | None = None,
+    status: str | None = None,
+    stream_id: str | None = None,
+    event_type: str | None = None,
+    event_id: int | None = None,
+    limit: int = 100,
+    before: int | None = None,
+) -> tuple[list[dict[str, Any]], int | None]:
+    _check_limit(limit)
+    if status is not None and status not in STATUSES:
+        raise ConfigError("status", f"must be one of {', '.join(STATUSES)}")
+    rows = await _rows(
+        conn,
+        "delivery_list",
+        {
+            **_scope(tenant),
+            "f_tenant": tenant_filter,
+            "endpoint_id": endpoint_id,
+            "status": status,
+            "stream_id": stream_id,
+            "event_type": event_type,
+            "event": event_id,
+            "before": before,
+            "limit": limit + 1,
+        },
+    )
+    page, cursor = _page(rows, limit, "seq")
+    return [delivery_json(r) for r in page], cursor
+
+
+def _valid_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return True
+
+
+def _status(current: Mapping[str, Any]) -> str:
+    if not current["processed"]:
+        if current["hold"] == "parked":
+            return "parked"
+        return "retrying" if current["attempt"] > 1 or current["replay"] else "pending"
+    return {"delivered": "delivered", "dead_letter": "dead_letter"}.get(
+        current["outcome"], "retrying"
+    )
+
+
+async def get_delivery(
+    conn: psycopg.AsyncConnection[Any], delivery_id: str, *, tenant: str | None = None
+) -> dict[str, Any]:
+    """The delivery with its payload and every attempt (time, status code, duration,
+    error, response body as kept)."""
+    if not _valid_uuid(delivery_id):
+        raise NotFoundError(f"no delivery {delivery_id[:64]!r}")
+    rows = await _rows(conn, "delivery_rows", {"delivery_id": delivery_id, **_scope(tenant)})
+    if not rows:
+        raise NotFoundError(f"no delivery {delivery_id!r}")
+    first, current = rows[0], rows[-1]
+    attempts = [
+        {
+            "attempt": int(r["attempt"]),
+            "at": _iso(r["processed_at"]),
+            "status_code": r["status_code"],
+            "duration_ms": r["duration_ms"],
+            "error": r["error"],
+            "response_body": r["response_body"],
+            "outcome": r["outcome"],
+            "replay": bool(r["replay"]),
+        }
+        for r in rows
+        if r["processed"] and r["outcome"] in ("delivered", "retry", "dead_letter")
+    ]
+    return {
+        "delivery_id": first["delivery_id"],
+        "event_id": int(first["event_id"]),
+        "endpoint_id": first["endpoint_id"],
+        "tenant": _tenant(first["tenant"]),
+        "stream_id": first["stream_id"],
+        "event_type": first["event_type"],
+        "status": _status(current),
+        "attempt_count": len(attempts),
+        "created_at": _iso(first["enqueued_at"]),
+        "last_attempt_at": attempts[-1]["at"] if attempts else None,
+        "next_attempt_at": None if current["processed"] else _iso(current["due_at"]),
+        "payload": first["payload"],
+        "attempts": attempts,
+    }
+
+
+async def replay(
+    conn: psycopg.AsyncConnection[Any], delivery_id: str, *, tenant: str | None = None
+) -> dict[str, Any]:
+    """Send the delivery again under its delivery id, whatever its status: a pending one
+    is due now (a parked one stays parked until its endpoint is enabled; an ordered
+    stream's waiting one keeps its place), a finished one (delivered or dead-lettered) gets
+    a new attempt, and its dead letter is marked replayed. Returns the delivery."""
+    if not _valid_uuid(delivery_id):
+        raise NotFoundError(f"no delivery {delivery_id[:64]!r}")
+    params = {"delivery_id": delivery_id, **_scope(tenant)}
+    async with conn.transaction():
+        await conn.execute(f"SET LOCAL lock_timeout = '{REPLAY_LOCK_TIMEOUT}'")
+        await conn.execute(query("delivery_lock"), params)
+        current = await _current_locked(conn, params)
+        if current["endpoint_state"] is None:
+            raise ConflictError(f"the endpoint of {delivery_id} was removed; it cannot be sent")
+        pairs: list[tuple[str, str]] = []
+        if not current["processed"]:
+            if current["hold"] is None and current["lease"] is None and current["later"]:
+                await conn.execute(query("delivery_due_now"), {"id": current["id"]})
+            if current["hold"] == "waiting":
+                pairs.append((current["endpoint_id"], current["stream_id"]))
+        else:
+            rows = await _rows(conn, "delivery_requeue", {"id": current["id"]})
+            pairs = [(current["endpoint_id"], r["stream_id"]) for r in rows if r["stream_seq"]]
+        await promote_heads(conn, pairs)
+    return await get_delivery(conn, delivery_id, tenant=tenant)
+
+
+async def _current_locked(
+    conn: psycopg.AsyncConnection[Any], params: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The current row, locked; read again when a batch that held it added a newer one."""
+    seen: int | None = None
+    for _ in range(5):
+        try:
+            rows = await _rows(conn, "delivery_current_for_update", params)
+        except psycopg.errors.LockNotAvailable:
+            raise ConflictError("the delivery is being sent right now; try again") from None
+        if not rows:
+            raise NotFoundError(f"no delivery {params['delivery_id']!r}")
+        if rows[0]["id"] == seen:
+            return rows[0]
+        seen = rows[0]["id"]
+    return rows[0]
+
+
+# -- statistics ---------------------------------------------------------------------------
+
+
+def _ms(value: Any) -> float | None:
+    return None if value is None else round(float(value), 2)
+
+
+def check_window(window_ms: int) -> int:
+    if not 60_000 <= window_ms <= MAX_WINDOW_MS:
+        raise ConfigError("window", "must be from 1m to 7d")
+    return window_ms
+
+
+async def stats(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant: str | None = None,
+    window_ms: int = 3_600_000,
+    endpoints_limit: int = MAX_PAGE,
+) -> dict[str, Any]:
+    """Backlog, dead letters, recent outcomes and per-endpoint health of the scope (breaker
+    states are added by :func:`breaker_states`, which needs Redis)."""
+    check_window(window_ms)
+    scope = _scope(tenant)
+    backlog = (await _rows(conn, "stats_backlog", {**scope, "cap": STATS_COUNT_CAP}))[0]
+    outcomes = await _rows(conn, "stats_outcomes", {**scope, "window_ms": window_ms})
+    health = await _rows(
+        conn,
+        "stats_endpoints",
+        {**scope, "window_ms": window_ms, "cap": STATS_COUNT_CAP, "limit": endpoints_limit},
+    )
+    by_outcome = {r["outcome"]: r for r in outcomes}
+    return {
+        "window_seconds": window_ms // 1000,
+        "backlog": {
+            "pending": int(backlog["pending"]),
+            "due": int(backlog["due"]),
+            "parked": int(backlog["parked"]),
+            "oldest_due_age_seconds": round(max(0.0, float(backlog["oldest_due_age_s"] or 0)), 3),
+            "capped_at": STATS_COUNT_CAP,
+        },
+        "dead_letters": {"waiting": int(backlog["dead_letters"])},
+        "recent": {
+            o: {
+                "attempts": int(by_outcome[o]["attempts"]) if o in by_outcome else 0,
+                "p50_ms": _ms(by_outcome[o]["p50_ms"]) if o in by_outcome else None,
+                "p95_ms": _ms(by_outcome[o]["p95_ms"]) if o in by_outcome else None,
+            }
+            for o in ("delivered", "retry", "dead_letter")
+        },
+        "endpoints": [_health(r) for r in health],
+    }
+
+
+def _health(row: Mapping[str, Any]) -> dict[str, Any]:
+    attempts = int(row["attempts"])
+    return {
+        "id": row["id"],
+        "tenant": _tenant(row["tenant"]),
+        "state": row["state"],
+        "disabled_reason": row["disabled_reason"],
+        "attempts": attempts,
+        "success_rate": round(int(row["delivered"]) / attempts, 4) if attempts else None,
+        "p50_ms": _ms(row["p50_ms"]),
+        "p95_ms": _ms(row["p95_ms"]),
+        "pending": int(row["pending"]),
+        "breaker": None,
+        "url": row["url"],  # for the breaker lookup; removed before it is shown
+    }
+
+
+async def series(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant: str | None = None,
+    window_ms: int = 3_600_000,
+    buckets: int = 30,
+) -> list[dict[str, Any]]:
+    """The window in ``buckets`` equal parts: attempts by outcome, enqueue-to-delivery
+    latency (p50, p95), the backlog at each part's end and the dead letters."""
+    check_window(window_ms)
+    if not 2 <= buckets <= 200:
+        raise ConfigError("buckets", "must be from 2 to 200")
+    rows = await _rows(
+        conn, "stats_series", {**_scope(tenant), "window_ms": window_ms, "buckets": buckets}
+    )
+    return [
+        {
+            "at": _iso(r["at"]),
+            "delivered": int(r["delivered"]),
+            "retry": int(r["retry"]),
+            "dead_letter": int(r["dead_letter"]),
+            "latency_p50_ms": _ms(r["p50_ms"]),
+            "latency_p95_ms": _ms(r["p95_ms"]),
+            "backlog": max(0, int(r["backlog"] or 0)),
+            "dead_letters": int(r["dead_letters"]),
+        }
+        for r in rows
+    ]
+
+
+async def breaker_states(
+    redis_url: str | None, prefix: str, urls: Sequence[str], timeout_s: float = 2.0
+) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Each URL's shared circuit breaker from Redis: ({url: state}, None), or ({}, why)
+    when Redis is not configured or cannot be read (shown, never an error)."""
+    if not redis_url:
+        return {}, "REDIS_URL is not set"
+    if not urls:
+        return {}, None
+    from .logs import scrub
+    from .redis_connect import client_for
+    from .redis_gate import read_breaker_state
+
+    client = client_for(
+        redis_url, socket_connect_timeout=timeout_s / 2, socket_timeout=timeout_s / 2
+    )
+    unique = sorted(set(urls))
+    try:
+        async with asyncio.timeout(timeout_s):
+            found = await asyncio.gather(*(read_breaker_state(client, u, prefix) for u in unique))
+    except Exception as exc:  # unreachable, auth, timeout: say so
+        text = scrub(str(exc)).strip()
+        return {}, f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    finally:
+        await client.aclose()
+    return {
+        url: {"state": s.state, "failures": s.failures}
+        for url, s in zip(unique, found, strict=True)
+    }, None

@@ -1,0 +1,292 @@
+-- Events, deliveries, attempts, replay and statistics (SPEC 15), used by deliveries.py: the
+-- admin layer behind the API and the dashboard. Tenant scoping is in every query: a block
+-- that takes %(tenant)s compares it when %(scoped)s is true, so another tenant's rows are
+-- simply not found. A filter parameter that is NULL filters nothing.
+--
+-- An event is a row a producer wrote (event_id IS NULL; not the operator's own events). A
+-- delivery is one (event, endpoint): the rows sharing a delivery_id; its first row is the
+-- one with attempt 1 that is no replay (the routed row, or the event row itself for the
+-- built-in default endpoint), its current row the one with the highest id. Lists page by
+-- id, newest first (keyset: %(before)s is the last id of the previous page).
+
+-- name: event_list
+SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at
+FROM webhook_outbox
+WHERE event_id IS NULL AND tenant <> '!operator'
+  AND (NOT %(scoped)s OR tenant = %(tenant)s)
+  AND (%(f_tenant)s::text IS NULL OR tenant = %(f_tenant)s)
+  AND (%(stream_id)s::text IS NULL OR stream_id = %(stream_id)s)
+  AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: event_get
+SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at
+FROM webhook_outbox
+WHERE id = %(id)s AND event_id IS NULL AND tenant <> '!operator'
+  AND (NOT %(scoped)s OR tenant = %(tenant)s);
+
+-- name: delivery_list
+-- One row per delivery (its first row), with its current row's status and its attempts.
+-- %(event)s: only that event's deliveries (served by webhook_outbox_event_idx and the key).
+SELECT f.id AS seq, f.delivery_id::text AS delivery_id, COALESCE(f.event_id, f.id) AS event_id,
+       f.endpoint_id, f.tenant, f.stream_id, f.event_type, f.enqueued_at AS created_at,
+       s.attempt_count, s.last_attempt_at,
+       CASE WHEN NOT c.processed THEN
+                CASE WHEN c.hold = 'parked' THEN 'parked'
+                     WHEN c.attempt > 1 OR c.replay THEN 'retrying'
+                     ELSE 'pending' END
+            WHEN c.outcome = 'delivered' THEN 'delivered'
+            WHEN c.outcome = 'dead_letter' THEN 'dead_letter'
+            ELSE 'retrying' END AS status,
+       CASE WHEN NOT c.processed AND c.created_at < 'infinity' THEN c.created_at END AS next_attempt_at
+FROM webhook_outbox f
+CROSS JOIN LATERAL (
+    SELECT max(a.id) AS current_id,
+           count(*) FILTER (
+               WHERE a.processed AND a.outcome IN ('delivered', 'retry', 'dead_letter')
+           ) AS attempt_count,
+           max(a.processed_at) AS last_attempt_at
+    FROM webhook_outbox a
+    WHERE a.delivery_id = f.delivery_id AND a.endpoint_id IS NOT NULL
+) s
+JOIN webhook_outbox c ON c.id = s.current_id
+WHERE f.attempt = 1 AND NOT f.replay AND f.endpoint_id IS NOT NULL
+  AND f.outcome IS DISTINCT FROM 'routed' AND f.outcome IS DISTINCT FROM 'unrouted'
+  AND (NOT %(scoped)s OR f.tenant = %(tenant)s)
+  AND (%(event)s::bigint IS NULL OR f.event_id = %(event)s OR f.id = %(event)s)
+  AND (%(f_tenant)s::text IS NULL OR f.tenant = %(f_tenant)s)
+  AND (%(endpoint_id)s::text IS NULL OR f.endpoint_id = %(endpoint_id)s)
+  AND (%(stream_id)s::text IS NULL OR f.stream_id = %(stream_id)s)
+  AND (%(event_type)s::text IS NULL OR f.event_type = %(event_type)s)
+  AND (%(before)s::bigint IS NULL OR f.id < %(before)s)
+  AND (%(status)s::text IS NULL OR %(status)s = CASE
+        WHEN NOT c.processed THEN
+            CASE WHEN c.hold = 'parked' THEN 'parked'
+                 WHEN c.attempt > 1 OR c.replay THEN 'retrying'
+                 ELSE 'pending' END
+        WHEN c.outcome = 'delivered' THEN 'delivered'
+        WHEN c.outcome = 'dead_letter' THEN 'dead_letter'
+        ELSE 'retrying' END)
+ORDER BY f.id DESC
+LIMIT %(limit)s;
+
+-- name: delivery_rows
+-- Every row of one delivery, oldest first (webhook_outbox_delivery_idx).
+SELECT id, delivery_id::text AS delivery_id, COALESCE(event_id, id) AS event_id, endpoint_id,
+       tenant, stream_id, event_type, payload, enqueued_at,
+       -- psycopg reads no 'infinity': a parked or waiting row has no due time.
+       CASE WHEN created_at < 'infinity' THEN created_at END AS due_at, processed,
+       processed_at, outcome, status_code, error, response_body, duration_ms, attempt,
+       replay, hold, lease, stream_seq
+FROM webhook_outbox
+WHERE delivery_id = %(delivery_id)s::uuid AND endpoint_id IS NOT NULL
+  AND outcome IS DISTINCT FROM 'routed' AND outcome IS DISTINCT FROM 'unrouted'
+  AND (NOT %(scoped)s OR tenant = %(tenant)s)
+ORDER BY id;
+
+-- name: delivery_lock
+-- Replays of one delivery take turns (two at once must not both queue a new attempt).
+SELECT pg_advisory_xact_lock(hashtextextended(%(delivery_id)s, 125779117023609));
+
+-- name: delivery_current_for_update
+-- The delivery's current row, locked; a batch sending it right now is waited for
+-- (bounded by the caller's lock_timeout), then the row it left is the one read.
+SELECT o.id, o.processed, o.hold, o.lease, o.created_at > now() AS later, o.endpoint_id,
+       o.stream_id, o.stream_seq, e.state AS endpoint_state, e.ordered AS endpoint_ordered
+FROM webhook_outbox o
+LEFT JOIN webhook_endpoints e ON e.id = o.endpoint_id
+WHERE o.id = (
+    SELECT max(id) FROM webhook_outbox
+    WHERE delivery_id = %(delivery_id)s::uuid AND endpoint_id IS NOT NULL
+      AND outcome IS DISTINCT FROM 'routed' AND outcome IS DISTINCT FROM 'unrouted'
+      AND (NOT %(scoped)s OR tenant = %(tenant)s)
+)
+FOR UPDATE OF o;
+
+-- name: delivery_due_now
+-- A pending delivery due later is due now (and the dispatchers are woken: an UPDATE does
+-- not fire the insert trigger's notification).
+WITH moved AS (
+    UPDATE webhook_outbox SET created_at = now()
+    WHERE id = %(id)s AND NOT processed AND hold IS NULL AND lease IS NULL
+      AND created_at > now()
+    RETURNING id
+)
+SELECT pg_notify('webhook_outbox', '') FROM moved;
+
+-- name: delivery_requeue
+-- A finished delivery (delivered or dead-lettered) gets a new attempt under its delivery
+-- id, gated as a replay; parked while its endpoint is disabled, waiting behind its
+-- stream's head when the endpoint is ordered (promote_heads decides). Its dead letter, if
+-- still waiting, is marked replayed.
+WITH cur AS (SELECT * FROM webhook_outbox WHERE id = %(id)s AND processed),
+ep AS (SELECT * FROM webhook_endpoints WHERE id = (SELECT endpoint_id FROM cur)),
+queued AS (
+    INSERT INTO webhook_outbox
+        (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
+         endpoint_id, event_id, stream_seq, hold, created_at, traceparent, tracestate)
+    SELECT c.tenant, c.stream_id, c.event_type, c.payload, c.delivery_id, c.enqueued_at, true,
+           c.endpoint_id, COALESCE(c.event_id, c.id),
+           CASE WHEN ep.ordered THEN c.stream_seq END,
+           CASE WHEN ep.state = 'disabled' THEN 'parked'
+                WHEN ep.ordered AND c.stream_seq IS NOT NULL THEN 'waiting' END,
+           CASE WHEN ep.state = 'disabled' OR (ep.ordered AND c.stream_seq IS NOT NULL)
+                THEN 'infinity'::timestamptz ELSE now() END,
+           c.traceparent, c.tracestate
+    FROM cur c CROSS JOIN ep
+    RETURNING id, stream_id, stream_seq
+),
+revived AS (
+    UPDATE webhook_dead_letter SET state = 'replayed', state_changed_at = now()
+    WHERE delivery_id = (SELECT delivery_id FROM cur) AND state = 'dead'
+      AND EXISTS (SELECT 1 FROM queued)
+    RETURNING 1
+)
+SELECT q.id, q.stream_id, q.stream_seq, (SELECT count(*) FROM revived) AS revived
+FROM queued q;
+
+-- name: stats_backlog
+-- The scope's backlog: counts stop at the cap (webhook_outbox_due_idx and
+-- webhook_dead_letter_dead_idx serve them), as ops.read_backlog does for the service.
+SELECT
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_outbox
+        WHERE NOT processed AND (NOT %(scoped)s OR tenant = %(tenant)s) LIMIT %(cap)s
+    ) p) AS pending,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_outbox
+        WHERE NOT processed AND created_at <= now() AND (NOT %(scoped)s OR tenant = %(tenant)s)
+        LIMIT %(cap)s
+    ) d) AS due,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_outbox
+        WHERE NOT processed AND hold = 'parked' AND (NOT %(scoped)s OR tenant = %(tenant)s)
+        LIMIT %(cap)s
+    ) k) AS parked,
+    (SELECT EXTRACT(EPOCH FROM now() - min(created_at))::float8
+     FROM webhook_outbox
+     WHERE NOT processed AND created_at <= now()
+       AND (NOT %(scoped)s OR tenant = %(tenant)s)) AS oldest_due_age_s,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM webhook_dead_letter
+        WHERE state = 'dead' AND (NOT %(scoped)s OR tenant = %(tenant)s) LIMIT %(cap)s
+    ) x) AS dead_letters;
+
+-- name: stats_outcomes
+-- Attempts completed within the window, by outcome (webhook_outbox_processed_at_idx).
+SELECT outcome, count(*) AS attempts,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS p50_ms,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY duration_ms) AS p95_ms,
+       max(processed_at) AS last_at
+FROM webhook_outbox
+WHERE processed AND processed_at >= now() - %(window_ms)s * interval '1 millisecond'
+  AND outcome IN ('delivered', 'retry', 'dead_letter')
+  AND (NOT %(scoped)s OR tenant = %(tenant)s)
+GROUP BY outcome
+ORDER BY outcome;
+
+-- name: stats_endpoints
+-- Each endpoint of the scope (a page by id) with its attempts in the window, its success
+-- rate and attempt duration, and its pending deliveries (counted up to the cap, through
+-- webhook_outbox_endpoint_pending_idx).
+WITH eps AS (
+    SELECT id, tenant, url, state, disabled_reason, ordered
+    FROM webhook_endpoints
+    WHERE (NOT %(scoped)s OR tenant = %(tenant)s)
+      AND NOT (%(scoped)s AND tenant = '!operator')
+    ORDER BY id
+    LIMIT %(limit)s
+),
+recent AS (
+    SELECT endpoint_id,
+           count(*) AS attempts,
+           count(*) FILTER (WHERE outcome = 'delivered') AS delivered,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS p50_ms,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY duration_ms) AS p95_ms
+    FROM webhook_outbox
+    WHERE processed AND processed_at >= now() - %(window_ms)s * interval '1 millisecond'
+      AND outcome IN ('delivered', 'retry', 'dead_letter')
+      AND endpoint_id IN (SELECT id FROM eps)
+    GROUP BY endpoint_id
+)
+SELECT e.id, e.tenant, e.url, e.state, e.disabled_reason, e.ordered,
+       COALESCE(r.attempts, 0) AS attempts, COALESCE(r.delivered, 0) AS delivered,
+       r.p50_ms, r.p95_ms,
+       (SELECT count(*) FROM (
+           SELECT 1 FROM webhook_outbox o
+           WHERE o.endpoint_id = e.id AND NOT o.processed LIMIT %(cap)s
+       ) p) AS pending
+FROM eps e LEFT JOIN recent r ON r.endpoint_id = e.id
+ORDER BY e.id;
+
+-- name: stats_series
+-- The window in equal buckets, from the outbox history: attempts by outcome, the latency
+-- from enqueue to delivery (p50, p95), the backlog at each bucket's end, and dead letters.
+-- The backlog counts each delivery from its enqueue to its final row (delivered or dead
+-- letter) or, still pending, to now; history pruned by WEBHOOK_RETENTION is not counted.
+WITH w AS (
+    SELECT now() - %(window_ms)s * interval '1 millisecond' AS start,
+           %(window_ms)s / 1000.0 / %(buckets)s AS width_s
+),
+done AS (
+    SELECT o.processed_at, o.outcome, o.enqueued_at, o.replay,
+           LEAST(%(buckets)s - 1,
+                 floor(EXTRACT(EPOCH FROM o.processed_at - w.start) / w.width_s))::int AS b
+    FROM webhook_outbox o, w
+    WHERE o.processed AND o.processed_at >= w.start AND o.endpoint_id IS NOT NULL
+      AND o.outcome IN ('delivered', 'retry', 'dead_letter')
+      AND (NOT %(scoped)s OR o.tenant = %(tenant)s)
+),
+pending AS (
+    SELECT o.enqueued_at
+    FROM webhook_outbox o
+    WHERE NOT o.processed AND o.tenant <> '!operator'
+      AND (NOT %(scoped)s OR o.tenant = %(tenant)s)
+),
+arrivals AS (
+    SELECT GREATEST(0, LEAST(%(buckets)s - 1,
+               floor(EXTRACT(EPOCH FROM x.enqueued_at - w.start) / w.width_s)))::int AS b,
+           count(*) AS n
+    FROM (
+        SELECT enqueued_at FROM done WHERE outcome IN ('delivered', 'dead_letter')
+        UNION ALL SELECT enqueued_at FROM pending
+    ) x, w
+    GROUP BY 1
+),
+departures AS (
+    SELECT b, count(*) AS n FROM done WHERE outcome IN ('delivered', 'dead_letter') GROUP BY b
+),
+attempts AS (
+    SELECT b,
+           count(*) FILTER (WHERE outcome = 'delivered') AS delivered,
+           count(*) FILTER (WHERE outcome = 'retry') AS retry,
+           count(*) FILTER (WHERE outcome = 'dead_letter') AS dead_letter,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM processed_at - enqueued_at) * 1000)
+               FILTER (WHERE outcome = 'delivered' AND NOT replay) AS p50_ms,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM processed_at - enqueued_at) * 1000)
+               FILTER (WHERE outcome = 'delivered' AND NOT replay) AS p95_ms
+    FROM done GROUP BY b
+),
+dead AS (
+    SELECT LEAST(%(buckets)s - 1,
+                 floor(EXTRACT(EPOCH FROM d.dead_at - w.start) / w.width_s))::int AS b,
+           count(*) AS n
+    FROM webhook_dead_letter d, w
+    WHERE d.dead_at >= w.start AND (NOT %(scoped)s OR d.tenant = %(tenant)s)
+      AND NOT (%(scoped)s AND d.tenant = '!operator')
+    GROUP BY 1
+)
+SELECT g.b, w.start + (g.b + 1) * w.width_s * interval '1 second' AS at,
+       COALESCE(a.delivered, 0) AS delivered, COALESCE(a.retry, 0) AS retry,
+       COALESCE(a.dead_letter, 0) AS dead_letter, a.p50_ms, a.p95_ms,
+       (SUM(COALESCE(ar.n, 0) - COALESCE(dp.n, 0)) OVER (ORDER BY g.b))::bigint AS backlog,
+       COALESCE(dd.n, 0) AS dead_letters
+FROM w
+CROSS JOIN generate_series(0, %(buckets)s - 1) AS g(b)
+LEFT JOIN attempts a ON a.b = g.b
+LEFT JOIN arrivals ar ON ar.b = g.b
+LEFT JOIN departures dp ON dp.b = g.b
+LEFT JOIN dead dd ON dd.b = g.b
+ORDER BY g.b;

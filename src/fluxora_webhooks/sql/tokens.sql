@@ -1,0 +1,58 @@
+-- API tokens and dashboard sessions (SPEC 15), used by tokens.py. A token is found by the
+-- sha256 of what the client sent; only live (not revoked) tokens authenticate.
+
+-- name: token_insert
+INSERT INTO webhook_api_tokens (name, token_hash, tenant, read_only)
+VALUES (%(name)s, %(hash)s, %(tenant)s, %(read_only)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING id, name, tenant, read_only, created_at, last_used_at, revoked_at;
+
+-- name: token_list
+SELECT id, name, tenant, read_only, created_at, last_used_at, revoked_at
+FROM webhook_api_tokens
+ORDER BY name;
+
+-- name: token_revoke
+UPDATE webhook_api_tokens SET revoked_at = now()
+WHERE name = %(name)s AND revoked_at IS NULL
+RETURNING id, name, tenant, read_only, created_at, last_used_at, revoked_at;
+
+-- name: token_exists
+SELECT revoked_at IS NOT NULL FROM webhook_api_tokens WHERE name = %(name)s;
+
+-- name: token_lookup
+-- The live token with this hash; its last use is recorded at most once a minute.
+WITH found AS (
+    SELECT id, name, token_hash, tenant, read_only
+    FROM webhook_api_tokens
+    WHERE token_hash = %(hash)s AND revoked_at IS NULL
+),
+touched AS (
+    UPDATE webhook_api_tokens t SET last_used_at = now()
+    FROM found f
+    WHERE t.id = f.id AND (t.last_used_at IS NULL OR t.last_used_at < now() - interval '1 minute')
+    RETURNING t.id
+)
+SELECT id, name, token_hash, tenant, read_only, (SELECT count(*) FROM touched) AS touched
+FROM found;
+
+-- name: session_insert
+WITH expired AS (
+    -- Sign-ins clean up after themselves: no background job needed.
+    DELETE FROM webhook_api_sessions WHERE expires_at < now()
+)
+INSERT INTO webhook_api_sessions (id_hash, token_id, csrf, expires_at)
+VALUES (%(id_hash)s, %(token_id)s, %(csrf)s, now() + %(ttl_s)s * interval '1 second');
+
+-- name: session_lookup
+-- A session that has not expired, of a token that is still live.
+SELECT t.id, t.name, t.tenant, t.read_only, s.csrf
+FROM webhook_api_sessions s
+JOIN webhook_api_tokens t ON t.id = s.token_id AND t.revoked_at IS NULL
+WHERE s.id_hash = %(id_hash)s AND s.expires_at > now();
+
+-- name: session_delete
+DELETE FROM webhook_api_sessions WHERE id_hash = %(id_hash)s;
+
+-- name: session_delete_for_token
+DELETE FROM webhook_api_sessions WHERE token_id = %(token_id)s;

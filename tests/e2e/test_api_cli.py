@@ -1,0 +1,131 @@
+"""The API's commands as an operator runs them: ``tokens create|list|revoke`` (printed
+once, never listed), ``fluxora-webhooks api`` on WEBHOOK_API_PORT, and ``run`` serving the
+API beside its workers when WEBHOOK_API_PORT is set; each stops cleanly on SIGTERM, and no
+token reaches their logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.support.procs import command_env, dispatcher_env, run_command, start_dispatcher
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_for_api(url: str, token: str, timeout: float = 30) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(
+                    url + "/api/v1/stats", headers={"Authorization": f"Bearer {token}"}
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    body: dict[str, object] = await resp.json()
+                    return body
+            except aiohttp.ClientConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+
+async def test_tokens_create_list_revoke(database_url: str) -> None:
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("tokens", "create", "--name", "ops", "--json", env=env)
+    assert code == 0, out
+    made = json.loads(out)
+    assert made["name"] == "ops" and made["token"].startswith("fxa_") and made["tenant"] is None
+    code, out = await run_command(
+        "tokens", "create", "--name", "portal", "--tenant", "", "--read-only", "--json", env=env
+    )
+    assert code == 0 and json.loads(out)["tenant"] == "" and json.loads(out)["read_only"]
+    portal = json.loads(out)["token"]
+    code, out = await run_command("tokens", "create", "--name", "ops", env=env)
+    assert code == 1 and "exists already" in out
+    for args in (("tokens", "list"), ("tokens", "list", "--json")):
+        code, out = await run_command(*args, env=env)
+        assert code == 0 and "ops" in out and "portal" in out
+        assert made["token"] not in out and portal not in out and "token_hash" not in out
+    code, out = await run_command("tokens", "revoke", "ops", env=env)
+    assert code == 0 and "revoked ops" in out
+    code, out = await run_command("tokens", "revoke", "ops", env=env)
+    assert code == 1 and "revoked already" in out
+    code, out = await run_command("tokens", "revoke", "nobody", env=env)
+    assert code == 1 and "no token named" in out
+    code, out = await run_command("tokens", "create", "--name", "bad name", env=env)
+    assert code == 2 and "--name" in out
+
+
+async def test_the_api_command_serves_and_stops_on_sigterm(
+    database_url: str, tmp_path: Path
+) -> None:
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("tokens", "create", "--name", "ops", "--json", env=env)
+    assert code == 0, out
+    token = json.loads(out)["token"]
+    port = free_port()
+    log = tmp_path / "api.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "fluxora_webhooks", "api"),
+            env={**env, "WEBHOOK_API_PORT": str(port)},
+            stdout=sink,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    try:
+        stats = await wait_for_api(f"http://127.0.0.1:{port}", token)
+        assert stats["redis"] == {
+            "configured": False,
+            "reachable": False,
+            "error": "REDIS_URL is not set",
+        }
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    text = log.read_text()
+    assert f"serving on http://127.0.0.1:{port}/" in text
+    assert token not in text
+
+
+async def test_run_serves_the_api_beside_its_workers(
+    database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    code, out = await run_command(
+        "tokens", "create", "--name", "ops", "--json", env=command_env(DATABASE_URL=database_url)
+    )
+    assert code == 0, out
+    token = json.loads(out)["token"]
+    port = free_port()
+    env = dispatcher_env(
+        database_url,
+        redis_url,
+        "http://127.0.0.1:9/unused",
+        redis_prefix,
+        WEBHOOK_WORKERS="2",
+        WEBHOOK_API_PORT=str(port),
+    )
+    proc = await start_dispatcher(env, tmp_path / "run.log")
+    try:
+        stats = await wait_for_api(f"http://127.0.0.1:{port}", token)
+        assert stats["redis"] == {"configured": True, "reachable": True, "error": None}
+    finally:
+        started = time.monotonic()
+        proc.terminate()
+        assert await proc.wait(30) == 0, proc.log()
+    assert time.monotonic() - started < 15
+    assert "management API and dashboard on" in proc.log()
+    assert token not in proc.log()

@@ -1,0 +1,228 @@
+"""Events, deliveries, replay, recovery and statistics over the API (SPEC 15), delivered
+for real: events enqueued over HTTP reach loopback receivers through a running dispatcher;
+a replay keeps the delivery id (whatever the delivery's status); recovery re-queues an
+endpoint's dead letters; lists page through more rows than a page."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from fluxora_webhooks import endpoints
+from tests.support.api import LOOPBACK, Api, serving
+from tests.support.dispatch import make_settings, running_dispatcher, wait_until
+from tests.support.receiver import Received, Receiver
+
+pytestmark = pytest.mark.integration
+
+
+@pytest_asyncio.fixture
+async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
+    async with serving(database_url, redis_url, prefix) as running:
+        yield running
+
+
+@pytest_asyncio.fixture
+async def failing() -> AsyncIterator[Receiver]:
+    """A consumer that refuses for good (400) with markup in its body, until told."""
+    recv = Receiver()
+    recv.respond = lambda r: web.Response(status=400, text="<b>refused</b>")
+    await recv.start()
+    try:
+        yield recv
+    finally:
+        await recv.stop()
+
+
+def dispatcher_settings(**overrides: Any) -> Any:
+    base = make_settings("", allowed_networks=LOOPBACK, secret=b"")
+    return dataclasses.replace(base, **overrides)
+
+
+async def add_endpoint(api: Api, url: str, tenant: str, **extra: Any) -> str:
+    reply = await api.post("/api/v1/endpoints", json={"url": url, "tenant": tenant, **extra})
+    assert reply.status == 201, reply.text
+    return str(reply.body["id"])
+
+
+async def delivery(api: Api, delivery_id: str) -> dict[str, Any]:
+    reply = await api.get(f"/api/v1/deliveries/{delivery_id}")
+    assert reply.status == 200, reply.text
+    body: dict[str, Any] = reply.body
+    return body
+
+
+async def test_enqueue_over_http_delivered_then_replayed_and_recovered(
+    api: Api, database_url: str, receiver: Receiver, failing: Receiver
+) -> None:
+    good = await add_endpoint(api, receiver.url, "acme")
+    bad = await add_endpoint(api, failing.url, "acme")
+    accepted = await api.post(
+        "/api/v1/events",
+        token="acme",
+        json={"stream_id": "s-1", "event_type": "invoice.paid", "payload": {"n": 1}},
+    )
+    assert accepted.status == 202, accepted.text
+    event_id = accepted.body["id"]
+    assert accepted.body["tenant"] == "acme" and accepted.body["payload"] == {"n": 1}
+
+    async with running_dispatcher(dispatcher_settings(), database_url):
+        await receiver.wait_for(1)
+        await failing.wait_for(1)
+
+        async def settled() -> bool:
+            event = (await api.get(f"/api/v1/events/{event_id}")).body
+            return {d["status"] for d in event["deliveries"]} == {"delivered", "dead_letter"}
+
+        await wait_until(settled, what="both deliveries finished")
+        event = (await api.get(f"/api/v1/events/{event_id}")).body
+        by_endpoint = {d["endpoint_id"]: d for d in event["deliveries"]}
+        assert set(by_endpoint) == {good, bad}
+        delivered_id = by_endpoint[good]["delivery_id"]
+        dead_id = by_endpoint[bad]["delivery_id"]
+        assert receiver.received[0].delivery_id == delivered_id
+
+        shown = await delivery(api, delivered_id)
+        assert shown["status"] == "delivered" and shown["attempt_count"] == 1
+        assert shown["event_id"] == event_id and shown["payload"] == {"n": 1}
+        (first,) = shown["attempts"]
+        assert first["status_code"] == 200 and first["response_body"] == "ok"
+        assert first["duration_ms"] > 0 and first["at"] and first["error"] is None
+        dead = await delivery(api, dead_id)
+        assert dead["status"] == "dead_letter"
+        assert dead["attempts"][0]["status_code"] == 400
+        assert dead["attempts"][0]["response_body"] == "<b>refused</b>"
+
+        # Replay a delivered delivery: the same delivery id again, a new attempt.
+        replayed = await api.post(f"/api/v1/deliveries/{delivered_id}/replay")
+        assert replayed.status == 202 and replayed.body["delivery_id"] == delivered_id
+        await receiver.wait_for(2)
+        assert receiver.received[1].delivery_id == delivered_id
+
+        async def two_attempts() -> bool:
+            return bool((await delivery(api, delivered_id))["attempt_count"] == 2)
+
+        await wait_until(two_attempts, what="the replay recorded")
+        again = await delivery(api, delivered_id)
+        assert again["status"] == "delivered" and again["attempts"][1]["replay"] is True
+
+        # Recover the dead letter once the consumer is fixed: same delivery id.
+        failing.respond = None
+        recovered = await api.post(f"/api/v1/endpoints/{bad}/recover", json={"since": "1h"})
+        assert recovered.status == 200 and recovered.body == {"requeued": 1}
+        await failing.wait_for(2)
+        assert failing.received[1].delivery_id == dead_id
+
+        async def recovered_delivered() -> bool:
+            return bool((await delivery(api, dead_id))["status"] == "delivered")
+
+        await wait_until(recovered_delivered, what="the recovered delivery delivered")
+        nothing = await api.post(f"/api/v1/endpoints/{bad}/recover", json={"since": "1h"})
+        assert nothing.body == {"requeued": 0}
+
+    stats = await api.get("/api/v1/stats", params={"series": "true", "window": "15m"})
+    assert stats.status == 200, stats.text
+    body = stats.body
+    assert body["recent"]["delivered"]["attempts"] == 3
+    assert body["recent"]["dead_letter"]["attempts"] == 1
+    assert body["backlog"]["pending"] == 0 and body["dead_letters"]["waiting"] == 0
+    health = {h["id"]: h for h in body["endpoints"]}
+    assert health[good]["success_rate"] == 1.0 and health[good]["pending"] == 0
+    assert health[bad]["success_rate"] == 0.5
+    assert health[good]["breaker"] == {"state": "closed", "failures": 0}
+    assert body["redis"] == {"configured": True, "reachable": True, "error": None}
+    assert len(body["series"]) == 30
+    assert sum(b["delivered"] for b in body["series"]) == 3
+    assert sum(b["dead_letters"] for b in body["series"]) == 1
+    assert body["series"][-1]["backlog"] == 0
+    assert "url" not in health[good]  # the URL is only used to read the breaker
+
+
+async def test_replay_of_a_retrying_delivery_makes_it_due_now(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    answers = iter([503])
+
+    def respond(item: Received) -> web.Response:
+        return web.Response(status=next(answers, 200))
+
+    receiver.respond = respond
+    endpoint = await add_endpoint(api, receiver.url, "acme")
+    accepted = await api.post(
+        "/api/v1/events", json={"tenant": "acme", "stream_id": "s", "event_type": "t", "payload": 1}
+    )
+    event_id = accepted.body["id"]
+    # A retry an hour away: only the replay can bring it forward.
+    async with running_dispatcher(
+        dispatcher_settings(retry_schedule_ms=(3_600_000,)), database_url
+    ):
+        await receiver.wait_for(1)
+
+        async def retrying() -> bool:
+            found = (await api.get(f"/api/v1/events/{event_id}")).body["deliveries"]
+            return bool(found) and found[0]["status"] == "retrying"
+
+        await wait_until(retrying, what="a retry scheduled")
+        (item,) = (await api.get(f"/api/v1/events/{event_id}")).body["deliveries"]
+        assert item["endpoint_id"] == endpoint and item["next_attempt_at"] is not None
+        replayed = await api.post(f"/api/v1/deliveries/{item['delivery_id']}/replay")
+        assert replayed.status == 202
+        await receiver.wait_for(2)
+        assert receiver.received[1].delivery_id == item["delivery_id"]
+        assert receiver.received[1].attempt == 2  # the same retry, brought forward
+
+
+async def test_deliveries_and_events_page_and_filter(api: Api, database_url: str) -> None:
+    for i in range(23):
+        reply = await api.post(
+            "/api/v1/events",
+            json={
+                "tenant": "acme" if i % 2 else "bolt",
+                "stream_id": f"s-{i % 3}",
+                "event_type": "a.b" if i % 4 else "c.d",
+                "payload": {"i": i},
+            },
+        )
+        assert reply.status == 202
+    events = await api.all_pages("/api/v1/events", limit=5)
+    assert [e["payload"]["i"] for e in events] == list(range(22, -1, -1))  # newest first
+    acme = await api.all_pages("/api/v1/events", limit=4, tenant="acme")
+    assert len(acme) == 11 and {e["tenant"] for e in acme} == {"acme"}
+    stream = await api.all_pages("/api/v1/events", limit=3, stream_id="s-1", event_type="c.d")
+    assert {e["payload"]["i"] for e in stream} == {
+        i for i in range(23) if i % 3 == 1 and i % 4 == 0
+    }
+    none = await api.get("/api/v1/events", params={"tenant": ""})
+    assert none.body == {"data": [], "next_cursor": None}
+    # Deliveries exist once routed: route them (nothing to send: no endpoint is enabled).
+
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for tenant in ("acme", "bolt"):
+            created, _ = await endpoints.create(
+                conn, url="http://127.0.0.1:9/hook", tenant=tenant, allowed_networks=LOOPBACK
+            )
+            await endpoints.disable(conn, created.id)
+    more = await api.post(
+        "/api/v1/events",
+        json={"tenant": "acme", "stream_id": "late", "event_type": "x", "payload": 0},
+    )
+    async with running_dispatcher(dispatcher_settings(), database_url):
+
+        async def routed() -> bool:
+            found = await api.get(f"/api/v1/events/{more.body['id']}")
+            return bool(found.body["deliveries"])
+
+        await wait_until(routed, what="the late event routed")
+    parked = await api.all_pages("/api/v1/deliveries", limit=1, status="parked")
+    assert len(parked) == 1 and parked[0]["stream_id"] == "late"
+    assert parked[0]["status"] == "parked" and parked[0]["attempt_count"] == 0
+    for status in ("pending", "retrying", "delivered", "dead_letter"):
+        assert (await api.get("/api/v1/deliveries", params={"status": status})).body["data"] == []
+    bad = await api.get("/api/v1/deliveries", params={"status": "lost"})
+    assert bad.status == 422 and bad.error_code == "validation_error"

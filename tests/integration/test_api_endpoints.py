@@ -1,0 +1,220 @@
+"""The management API's endpoints resource, auth and error shape (SPEC 15), against the
+real database: every route and status code, 401 for no or a bad token, 403 for a
+read-only one, the OpenAPI document validated, and one error shape everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+import pytest_asyncio
+from openapi_spec_validator import validate
+
+from fluxora_webhooks import endpoints
+from tests.support.api import Api, serving
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+
+@pytest_asyncio.fixture
+async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
+    async with serving(database_url, redis_url, prefix) as running:
+        yield running
+
+
+async def test_endpoint_lifecycle_and_status_codes(api: Api, receiver: Receiver) -> None:
+    created = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": receiver.url,
+            "tenant": "acme",
+            "event_types": ["invoice.*"],
+            "description": "billing",
+            "headers": {"X-Team": "billing"},
+            "rate_limit": 5,
+        },
+    )
+    assert created.status == 201, created.text
+    endpoint = created.body
+    assert endpoint["id"].startswith("ep_") and endpoint["secret"].startswith("whsec_")
+    for key in ("tenant", "url", "event_types", "description", "headers", "rate_limit"):
+        assert key in endpoint
+    assert endpoint["tenant"] == "acme" and endpoint["state"] == "enabled"
+    path = f"/api/v1/endpoints/{endpoint['id']}"
+
+    shown = await api.get(path)
+    assert shown.status == 200 and "secret" not in shown.body
+    assert shown.body["event_types"] == ["invoice.*"]
+    listed = await api.get("/api/v1/endpoints")
+    assert [e["id"] for e in listed.body["data"]] == [endpoint["id"]]
+    assert endpoint["secret"] not in listed.text and endpoint["secret"] not in shown.text
+
+    patched = await api.call("PATCH", path, json={"description": "new", "rate_limit": None})
+    assert patched.status == 200 and patched.body["description"] == "new"
+    assert patched.body["rate_limit"] is None and patched.body["event_types"] == ["invoice.*"]
+
+    disabled = await api.post(f"{path}/disable")
+    assert disabled.status == 200 and disabled.body["state"] == "disabled"
+    assert disabled.body["disabled_reason"] == "manual"
+    enabled = await api.post(f"{path}/enable")
+    assert enabled.status == 200 and enabled.body["state"] == "enabled"
+
+    rotated = await api.post(f"{path}/rotate-secret")
+    assert rotated.status == 200 and set(rotated.body) == {"id", "secret"}
+    assert rotated.body["secret"] != endpoint["secret"]
+    given = await api.post(f"{path}/rotate-secret", json={"secret": "x" * 32, "keep_previous": "0"})
+    assert given.status == 200 and given.body["secret"] == "x" * 32
+
+    recovered = await api.post(f"{path}/recover", json={"since": "2h"})
+    assert recovered.status == 200 and recovered.body == {"requeued": 0}
+
+    removed = await api.call("DELETE", path)
+    assert removed.status == 204 and removed.text == ""
+    for method in ("GET", "PATCH", "DELETE"):
+        gone = await api.call(method, path, json={} if method == "PATCH" else None)
+        assert gone.status == 404 and gone.error_code == "not_found"
+    for action in ("disable", "enable", "rotate-secret"):
+        gone = await api.post(f"{path}/{action}")
+        assert gone.status == 404 and gone.error_code == "not_found"
+    gone = await api.post(f"{path}/recover", json={"since": "1h"})
+    assert gone.status == 404 and gone.error_code == "not_found"
+
+
+async def test_validation_and_conflicts_answer_422_400_and_409(
+    api: Api, receiver: Receiver
+) -> None:
+    bad = {
+        "no url": {"tenant": "acme"},
+        "a refused url": {"url": "http://10.0.0.1/hook"},
+        "a reserved header": {"url": receiver.url, "headers": {"Webhook-Id": "x"}},
+        "an unknown field": {"url": receiver.url, "colour": "red"},
+        "a wrong type": {"url": receiver.url, "event_types": "invoice.*"},
+        "a bad tenant": {"url": receiver.url, "tenant": "no spaces allowed"},
+        "a short secret": {"url": receiver.url, "secret": "short"},
+    }
+    for what, body in bad.items():
+        reply = await api.post("/api/v1/endpoints", json=body)
+        assert reply.status == 422, what
+        assert reply.error_code == "validation_error", what
+    broken = await api.post("/api/v1/endpoints", data="{not json")
+    assert broken.status == 400 and broken.error_code == "bad_request"
+    cursor = await api.get("/api/v1/endpoints", params={"cursor": "bm9wZQ"})
+    assert cursor.status == 400 and cursor.error_code == "invalid_cursor"
+    limit = await api.get("/api/v1/endpoints", params={"limit": "1001"})
+    assert limit.status == 422 and limit.error_code == "validation_error"
+    window = await api.post("/api/v1/endpoints/default/recover", json={"since": "yesterday-ish"})
+    assert window.status == 404  # no default endpoint here: found first, parsed after
+    # The built-in endpoint is configured from the environment: 409 for changes.
+    async with await psycopg.AsyncConnection.connect(api.database_url, autocommit=True) as conn:
+        await endpoints.sync_builtin(conn, "default", receiver.url)
+    for method, action, body in (
+        ("PATCH", "", {"description": "x"}),
+        ("POST", "/rotate-secret", None),
+        ("DELETE", "", None),
+    ):
+        reply = await api.call(method, f"/api/v1/endpoints/default{action}", json=body)
+        assert reply.status == 409 and reply.error_code == "conflict", action
+    window = await api.post("/api/v1/endpoints/default/recover", json={"since": "nonsense"})
+    assert window.status == 422 and window.error_code == "validation_error"
+
+
+# Every route of SPEC 15, with a body that passes validation where one is needed.
+EP = "/api/v1/endpoints/ep_x"
+DL = "/api/v1/deliveries/00000000-0000-0000-0000-000000000000"
+READS = [
+    "/api/v1/endpoints",
+    EP,
+    "/api/v1/events",
+    "/api/v1/events/1",
+    "/api/v1/deliveries",
+    DL,
+    "/api/v1/stats",
+    "/api/v1/openapi.json",
+]
+WRITES: list[tuple[str, str, object]] = [
+    ("POST", "/api/v1/endpoints", {"url": "https://example.com/hook"}),
+    ("PATCH", EP, {"description": "x"}),
+    ("DELETE", EP, None),
+    ("POST", f"{EP}/disable", None),
+    ("POST", f"{EP}/enable", None),
+    ("POST", f"{EP}/rotate-secret", None),
+    ("POST", f"{EP}/recover", {"since": "1h"}),
+    ("POST", "/api/v1/events", {"stream_id": "s", "event_type": "t", "payload": {}}),
+    ("POST", f"{DL}/replay", None),
+]
+
+
+async def test_no_bad_or_revoked_token_is_401_on_every_route(api: Api) -> None:
+    async with await psycopg.AsyncConnection.connect(api.database_url, autocommit=True) as conn:
+        from fluxora_webhooks import tokens
+
+        await tokens.revoke(conn, "bolt")
+    routes = [("GET", p, None) for p in READS] + WRITES
+    for method, path, body in routes:
+        for token in (None, "fxa_not-a-token", "bolt", ""):
+            reply = await api.call(method, path, token=token, json=body)
+            assert reply.status == 401, (method, path, token)
+            assert reply.error_code == "unauthorized"
+            assert reply.headers["www-authenticate"].startswith("Bearer")
+    basic = await api.get("/api/v1/endpoints", token=None, headers={"Authorization": "Basic eA=="})
+    assert basic.status == 401 and basic.error_code == "unauthorized"
+
+
+async def test_a_read_only_token_reads_and_gets_403_on_every_write(api: Api) -> None:
+    for path in READS:
+        reply = await api.get(path, token="reader")
+        assert reply.status in (200, 404), path
+    for method, path, body in WRITES:
+        for token in ("reader", "acme_reader"):
+            reply = await api.call(method, path, token=token, json=body)
+            assert reply.status == 403, (method, path, token)
+            assert reply.error_code == "read_only"
+
+
+async def test_unknown_routes_methods_and_the_openapi_document(api: Api) -> None:
+    for path in ("/api/v1/nothing", "/api/v2/endpoints", "/api/v1/endpoints/x/explode"):
+        reply = await api.get(path)
+        assert reply.status == 404 and reply.error_code == "not_found", path
+    wrong = await api.call("PUT", "/api/v1/endpoints")
+    assert wrong.status == 405 and wrong.error_code == "method_not_allowed"
+    doc = await api.get("/api/v1/openapi.json")
+    assert doc.status == 200
+    validate(doc.body)
+    paths = doc.body["paths"]
+    for path, methods in {
+        "/api/v1/endpoints": {"get", "post"},
+        "/api/v1/endpoints/{endpoint_id}": {"get", "patch", "delete"},
+        "/api/v1/endpoints/{endpoint_id}/disable": {"post"},
+        "/api/v1/endpoints/{endpoint_id}/enable": {"post"},
+        "/api/v1/endpoints/{endpoint_id}/rotate-secret": {"post"},
+        "/api/v1/endpoints/{endpoint_id}/recover": {"post"},
+        "/api/v1/events": {"get", "post"},
+        "/api/v1/events/{event_id}": {"get"},
+        "/api/v1/deliveries": {"get"},
+        "/api/v1/deliveries/{delivery_id}": {"get"},
+        "/api/v1/deliveries/{delivery_id}/replay": {"post"},
+        "/api/v1/stats": {"get"},
+    }.items():
+        assert set(paths[path]) == methods, path
+    assert not [p for p in paths if not p.startswith("/api/v1/")]  # no dashboard routes
+    assert doc.body["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    # Security headers on API answers too.
+    assert "frame-ancestors 'none'" in doc.headers["content-security-policy"]
+    assert doc.headers["x-frame-options"] == "DENY"
+
+
+async def test_endpoint_lists_page_through_more_than_a_page(api: Api, receiver: Receiver) -> None:
+    made = set()
+    for i in range(7):
+        reply = await api.post(
+            "/api/v1/endpoints", json={"url": receiver.url, "tenant": "acme" if i % 2 else "bolt"}
+        )
+        made.add(reply.body["id"])
+    paged = await api.all_pages("/api/v1/endpoints", limit=2)
+    assert {e["id"] for e in paged} == made and len(paged) == 7
+    acme = await api.all_pages("/api/v1/endpoints", limit=2, tenant="acme")
+    assert len(acme) == 3 and {e["tenant"] for e in acme} == {"acme"}
+    exact = await api.get("/api/v1/endpoints", params={"limit": 7})
+    assert len(exact.body["data"]) == 7 and exact.body["next_cursor"] is None
