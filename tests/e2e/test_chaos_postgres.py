@@ -30,6 +30,7 @@ from tests.support.chaos import (
     stop_processes,
     terminate_backends,
     tracebacks,
+    wait_ready,
 )
 from tests.support.dispatch import pending, wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
@@ -93,6 +94,8 @@ async def test_postgres_restarted_and_crashed_mid_run(
     procs = [await start_dispatcher(env, tmp_path / f"dispatcher-{i}.log") for i in range(3)]
     events = 1500
     try:
+        for proc in procs:  # started (schema checked) before the database goes away
+            await wait_ready(proc)
         await enqueue_events(database_url, ["ok"] * events)
         await consumer.wait_for(300)
         own_postgres.restart("fast")  # every connection is cut mid-batch

@@ -50,7 +50,10 @@ USER_SCRIPT = textwrap.dedent(
     database_url = embedded_database_url(home)
     redis_url = embedded_redis_url(home)
     with psycopg.connect(database_url, autocommit=True) as conn:
+        # Serialised: CREATE TABLE IF NOT EXISTS alone can still collide in the catalog.
+        conn.execute("SELECT pg_advisory_lock(42)")
         conn.execute("CREATE TABLE IF NOT EXISTS marks (tag text)")
+        conn.execute("SELECT pg_advisory_unlock(42)")
         conn.execute("INSERT INTO marks VALUES (%s)", (tag,))
         started = conn.execute("SELECT pg_postmaster_start_time()::text").fetchone()[0]
     print(json.dumps({"database_url": database_url, "redis_url": redis_url,
