@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
 from .errors import EndpointError
+from .httpclient import ConnectFailed, HttpClient, ProtocolError, Response
 from .logs import mask, url_secrets
 from .retry import Kind, parse_http_date, parse_retry_after
 from .urlpolicy import redacted
@@ -51,26 +50,13 @@ def clean_text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
 
 
-async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """Up to ``limit`` bytes of the body; a larger body is truncated, not an error."""
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await response.content.read(limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
-
-
 async def attempt(
-    session: aiohttp.ClientSession,
+    client: HttpClient,
     url: str,
     body: bytes,
     headers: dict[str, str],
     *,
-    timeout: aiohttp.ClientTimeout,
+    timeout_s: float,
     max_response_bytes: int,
     clock: Callable[[], float] = time.time,
     secrets: Sequence[str] = (),
@@ -83,11 +69,11 @@ async def attempt(
     URL's token-bearing parts and ``secrets`` (the signing secrets, see
     :func:`secret_texts`) are masked, whatever the consumer echoed back."""
     result = await _post(
-        session,
+        client,
         url,
         body,
         headers,
-        timeout=timeout,
+        timeout_s=timeout_s,
         max_response_bytes=max_response_bytes,
         clock=clock,
     )
@@ -130,12 +116,12 @@ def _scrubbed(result: AttemptResult, url: str, secrets: Sequence[str]) -> Attemp
 
 
 async def _post(
-    session: aiohttp.ClientSession,
+    client: HttpClient,
     url: str,
     body: bytes,
     headers: dict[str, str],
     *,
-    timeout: aiohttp.ClientTimeout,
+    timeout_s: float,
     max_response_bytes: int,
     clock: Callable[[], float],
 ) -> AttemptResult:
@@ -145,38 +131,9 @@ async def _post(
         return (time.perf_counter() - started) * 1000
 
     try:
-        async with session.post(
-            url, data=body, headers=headers, allow_redirects=False, timeout=timeout
-        ) as response:
-            status = response.status
-            kind = classify_status(status)
-            try:
-                raw = await read_capped(response, max_response_bytes)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                # The status is what counts; a body cut short is recorded, not retried.
-                raw = b""
-                body_error: str | None = f"response body unreadable: {type(exc).__name__}"
-            else:
-                body_error = None
-            retry_after = (
-                parse_retry_after(
-                    response.headers.get("Retry-After"), _consumer_now(response, clock)
-                )
-                if kind is Kind.RETRYABLE
-                else None
-            )
-            reason = ""
-            if kind is Kind.PERMANENT:
-                reason = "http_3xx" if status < 400 else "http_4xx"
-            return AttemptResult(
-                kind,
-                status=status,
-                error=body_error or (None if kind is Kind.DELIVERED else f"HTTP {status}"),
-                body=clean_text(raw),
-                duration_ms=elapsed(),
-                retry_after_ms=retry_after,
-                reason=reason,
-            )
+        response = await client.post(
+            url, body, headers, timeout_s=timeout_s, max_body=max_response_bytes
+        )
     except EndpointError as exc:
         return AttemptResult(
             Kind.PERMANENT, error=str(exc), duration_ms=elapsed(), reason="endpoint_refused"
@@ -185,22 +142,14 @@ async def _post(
         return AttemptResult(
             Kind.RETRYABLE, error="timeout", duration_ms=elapsed(), reason="timeout"
         )
-    except aiohttp.ClientConnectorError as exc:
-        refused = _endpoint_error(exc)
-        if refused is not None:
-            return AttemptResult(
-                Kind.PERMANENT,
-                error=str(refused),
-                duration_ms=elapsed(),
-                reason="endpoint_refused",
-            )
+    except ConnectFailed as exc:
         return AttemptResult(
             Kind.RETRYABLE,
-            error=f"connection failed to {redacted(url)}: {_os_error_text(exc)}",
+            error=f"connection failed to {redacted(url)}: {exc.strerror or 'unreachable'}",
             duration_ms=elapsed(),
             reason="connection_error",
         )
-    except (aiohttp.ClientError, OSError) as exc:
+    except (ProtocolError, OSError) as exc:
         return AttemptResult(
             Kind.RETRYABLE,
             error=f"{type(exc).__name__}: {scrub(_short(exc), url)}",
@@ -215,9 +164,29 @@ async def _post(
             duration_ms=elapsed(),
             reason="invalid_request",
         )
+    status = response.status
+    kind = classify_status(status)
+    retry_after = (
+        parse_retry_after(response.headers.get("retry-after"), _consumer_now(response, clock))
+        if kind is Kind.RETRYABLE
+        else None
+    )
+    reason = ""
+    if kind is Kind.PERMANENT:
+        reason = "http_3xx" if status < 400 else "http_4xx"
+    # The status is what counts; a body cut short is recorded, not retried.
+    return AttemptResult(
+        kind,
+        status=status,
+        error=response.body_error or (None if kind is Kind.DELIVERED else f"HTTP {status}"),
+        body=clean_text(response.body),
+        duration_ms=elapsed(),
+        retry_after_ms=retry_after,
+        reason=reason,
+    )
 
 
-def _consumer_now(response: aiohttp.ClientResponse, clock: Callable[[], float]) -> float:
+def _consumer_now(response: Response, clock: Callable[[], float]) -> float:
     """The moment of the response on the consumer's clock (its ``Date`` header).
 
     A ``Retry-After`` HTTP date is measured against it, so the delay (and the due time the
@@ -225,25 +194,8 @@ def _consumer_now(response: aiohttp.ClientResponse, clock: Callable[[], float]) 
     behind used to schedule such a retry hours late. Without a usable ``Date`` header,
     this process's clock.
     """
-    when = parse_http_date(response.headers.get("Date"))
+    when = parse_http_date(response.headers.get("date"))
     return clock() if when is None else when
-
-
-def _endpoint_error(exc: BaseException) -> EndpointError | None:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, EndpointError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    oserr = getattr(exc, "os_error", None)
-    return oserr if isinstance(oserr, EndpointError) else None
-
-
-def _os_error_text(exc: aiohttp.ClientConnectorError) -> str:
-    os_error = exc.os_error
-    return os_error.strerror or type(os_error).__name__
 
 
 def scrub(text: str, url: str) -> str:

@@ -23,15 +23,16 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-import aiohttp
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
 from .batch import Batch, Send, breaker_signal
+from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
+from .httpclient import HttpClient
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
 from .recording import DB_ERRORS, Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
@@ -41,7 +42,7 @@ from .targets import Target, Targets
 from .urlpolicy import loopback_rule, validate_url
 from .waker import Waker
 
-__all__ = ["Dispatcher", "Waker", "make_session"]
+__all__ = ["Dispatcher", "Waker", "make_client"]
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
@@ -72,7 +73,7 @@ class Dispatcher:
         *,
         conninfo: str,
         gate: DeliveryGate | None = None,
-        session: aiohttp.ClientSession | None = None,
+        client: HttpClient | None = None,
         policy: RetryPolicy | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -109,10 +110,9 @@ class Dispatcher:
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
         # One client per address policy: (built-in?, allow loopback, require loopback). A
-        # session given to the constructor (tests) serves every endpoint.
-        self._given_session = session
-        self._sessions: dict[tuple[bool, bool, bool], aiohttp.ClientSession] = {}
-        self._timeout = aiohttp.ClientTimeout(total=settings.timeout_ms / 1000)
+        # client given to the constructor (tests) serves every endpoint.
+        self._given_client = client
+        self._clients: dict[tuple[bool, bool, bool], HttpClient] = {}
         self._in_flight = 0
         self._stopping = asyncio.Event()
         self._waker = Waker(cap=settings.claim_loops)
@@ -174,8 +174,8 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(*background, *tasks, return_exceptions=True)
             await self._pool.close()
-            for session in self._sessions.values():
-                await session.close()
+            for client in self._clients.values():
+                await client.close()
 
     async def _configure_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Session limits of a claim connection. Its transaction idles while the batch's
@@ -451,13 +451,12 @@ class Dispatcher:
             )
             if target.headers:
                 headers = {**target.headers, **headers}
-            session = self._session_for(target)
             return await attempt(
-                session,
+                self._client_for(target),
                 target.url,
                 row.body,
                 headers,
-                timeout=self._timeout,
+                timeout_s=self.settings.timeout_ms / 1000,
                 max_response_bytes=self.settings.max_response_bytes,
                 clock=self._clock,
                 secrets=target.secret_texts,
@@ -470,20 +469,20 @@ class Dispatcher:
                 reason="internal_error",
             )
 
-    def _session_for(self, target: Target) -> aiohttp.ClientSession:
+    def _client_for(self, target: Target) -> HttpClient:
         """The built-in endpoints' URLs are the operator's own (an explicit loopback URL is
         allowed); registered endpoints go through the strict address policy. Plain http
         goes to loopback addresses only."""
-        if self._given_session is not None:
-            return self._given_session
+        if self._given_client is not None:
+            return self._given_client
         rule = loopback_rule(target.url)
         key = (target.builtin, target.builtin and rule.allow, rule.require)
-        session = self._sessions.get(key)
-        if session is None:
-            session = self._sessions[key] = make_session(
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = make_client(
                 self.settings, allow_loopback=key[1], require_loopback=key[2]
             )
-        return session
+        return client
 
     async def report(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
         """Tell the gate how the admitted attempts went, per URL."""
@@ -602,29 +601,18 @@ def _log_fields(row: Claimed, target: Target, result: AttemptResult) -> dict[str
     }
 
 
-def make_session(
+def make_client(
     settings: Settings, *, allow_loopback: bool = False, require_loopback: bool = False
-) -> aiohttp.ClientSession:
+) -> HttpClient:
     """The HTTP client: keep-alive, the connect-time address policy (resolved addresses are
     checked and the connection is pinned to them). ``allow_loopback``: an operator's own
     loopback URL (a built-in endpoint); ``require_loopback``: plain http, which may go only
-    to loopback addresses whatever the name resolves to."""
-    from .connector import make_connector
-
-    connector = make_connector(
-        allow_loopback=allow_loopback,
+    to loopback addresses whatever the name resolves to. Our own limits (per endpoint, and
+    WEBHOOK_MAX_CONNECTIONS in all) defer rows instead of queueing them in the client,
+    where the wait would eat into the request's timeout."""
+    resolver = SafeResolver(
+        allow_loopback,
+        settings.allowed_networks,
         require_loopback=require_loopback,
-        allowed_networks=settings.allowed_networks,
-        # Our own limits (per endpoint, and WEBHOOK_MAX_CONNECTIONS in all) defer rows
-        # instead of queueing them inside the client, where the wait would eat into the
-        # request's timeout.
-        limit=0,
     )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=settings.timeout_ms / 1000),
-        # Response bodies are kept as the attempt record, raw: ask for them uncompressed.
-        headers={"Accept-Encoding": "identity"},
-        auto_decompress=False,
-        raise_for_status=False,
-    )
+    return HttpClient(resolver)

@@ -8,7 +8,6 @@ import logging
 import socket
 from typing import Any
 
-import aiohttp
 import psycopg
 import pytest
 from aiohttp import web
@@ -16,8 +15,9 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from redis.asyncio import Redis
 
 from fluxora_webhooks import deadletters
-from fluxora_webhooks.connector import AddressRefused, make_connector
+from fluxora_webhooks.connector import AddressRefused, SafeResolver
 from fluxora_webhooks.gate import ALLOW
+from fluxora_webhooks.httpclient import HttpClient
 from fluxora_webhooks.outbox import enqueue
 from fluxora_webhooks.redis_gate import RedisGate, read_breaker_state
 from fluxora_webhooks.retry import RETRY_AFTER_CAP_MS, RetryPolicy
@@ -134,21 +134,17 @@ async def test_plain_http_is_never_sent_to_a_non_loopback_answer(receiver: Recei
     refused before any connection), while one that answers loopback is reached."""
     url = f"http://localhost:{receiver.port}/hook"
     for answer, reached in (("93.184.216.34", False), ("127.0.0.1", True)):
-        connector = make_connector(
-            allow_loopback=True, require_loopback=True, resolver=_Answers(answer)
-        )
+        client = HttpClient(SafeResolver(True, require_loopback=True, resolver=_Answers(answer)))
         try:
-            async with aiohttp.ClientSession(connector=connector) as session:
-                if reached:
-                    async with session.post(url, data=b"{}") as response:
-                        assert response.status == 200
-                else:
-                    with pytest.raises(aiohttp.ClientConnectorError) as caught:
-                        await session.post(url, data=b"{}", timeout=aiohttp.ClientTimeout(2))
-                    assert isinstance(caught.value.os_error, AddressRefused)
-                    assert "not a loopback address" in str(caught.value.os_error)
+            if reached:
+                response = await client.post(url, b"{}", {}, timeout_s=2, max_body=1024)
+                assert response.status == 200
+            else:
+                with pytest.raises(AddressRefused) as caught:
+                    await client.post(url, b"{}", {}, timeout_s=2, max_body=1024)
+                assert "not a loopback address" in str(caught.value)
         finally:
-            await connector.close()
+            await client.close()
     assert len(receiver.received) == 1
 
 

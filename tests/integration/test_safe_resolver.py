@@ -1,4 +1,4 @@
-"""The connect-time address policy, through aiohttp.
+"""The connect-time address policy, through the dispatcher's HTTP client.
 
 Host names resolve through a fake inner resolver that answers whatever each test chooses.
 Only loopback addresses are ever connected to: the table of refused ranges is checked at
@@ -13,13 +13,13 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from fluxora_webhooks.connector import AddressRefused, SafeResolver, make_connector
+from fluxora_webhooks.connector import AddressRefused, SafeResolver
 from fluxora_webhooks.errors import EndpointError
+from fluxora_webhooks.httpclient import HttpClient
 from fluxora_webhooks.urlpolicy import check_address
 
 pytestmark = pytest.mark.integration
@@ -197,13 +197,18 @@ async def server() -> AsyncIterator[Server]:
     await runner.cleanup()
 
 
-async def fetch(connector: aiohttp.BaseConnector, url: str) -> int:
-    async with (
-        aiohttp.ClientSession(connector=connector, connector_owner=False) as session,
-        session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response,
-    ):
-        await response.read()
-        return response.status
+def make_client(
+    *,
+    allow_loopback: bool,
+    resolver: AbstractResolver,
+    allowed_networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+) -> HttpClient:
+    return HttpClient(SafeResolver(allow_loopback, allowed_networks, resolver=resolver))
+
+
+async def fetch(client: HttpClient, url: str) -> int:
+    response = await client.post(url, b"{}", {}, timeout_s=5, max_body=65536)
+    return response.status
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "127.9.9.9", "::ffff:127.0.0.1", "::1"])
@@ -211,15 +216,13 @@ async def test_a_host_name_resolving_to_loopback_is_refused_before_connecting(
     server: Server, address: str
 ) -> None:
     port = server.port_v6 if address == "::1" else server.port_v4
-    connector = make_connector(allow_loopback=False, limit=4, resolver=ScriptedResolver([address]))
+    client = make_client(allow_loopback=False, resolver=ScriptedResolver([address]))
     try:
-        with pytest.raises(aiohttp.ClientConnectorError) as caught:
-            await fetch(connector, f"http://victim.example:{port}/")
+        with pytest.raises(AddressRefused) as caught:
+            await fetch(client, f"http://victim.example:{port}/")
     finally:
-        await connector.close()
-    assert isinstance(caught.value, aiohttp.ClientConnectorDNSError)
-    assert isinstance(caught.value.os_error, AddressRefused)
-    assert isinstance(caught.value.os_error, EndpointError)
+        await client.close()
+    assert isinstance(caught.value, EndpointError)
     assert "loopback" in str(caught.value)
     assert server.hits == []
 
@@ -228,28 +231,25 @@ async def test_a_host_name_resolving_to_loopback_is_refused_before_connecting(
 async def test_an_ip_literal_url_is_checked_at_the_socket(server: Server, host: str) -> None:
     port = server.port_v6 if host == "[::1]" else server.port_v4
     resolver = ScriptedResolver(["8.8.8.8"])  # must not be consulted for a literal
-    connector = make_connector(allow_loopback=False, limit=4, resolver=resolver)
+    client = make_client(allow_loopback=False, resolver=resolver)
     try:
-        with pytest.raises(aiohttp.ClientConnectorError) as caught:
-            await fetch(connector, f"http://{host}:{port}/")
+        with pytest.raises(AddressRefused) as caught:
+            await fetch(client, f"http://{host}:{port}/")
     finally:
-        await connector.close()
-    assert isinstance(caught.value.os_error, AddressRefused)
-    assert "loopback" in str(caught.value.os_error)
+        await client.close()
+    assert "loopback" in str(caught.value)
     assert server.hits == []
     assert resolver.lookups == []
 
 
 async def test_an_explicitly_loopback_consumer_is_reached(server: Server) -> None:
-    connector = make_connector(
-        allow_loopback=True, limit=4, resolver=ScriptedResolver(["127.0.0.1"])
-    )
+    client = make_client(allow_loopback=True, resolver=ScriptedResolver(["127.0.0.1"]))
     try:
-        assert await fetch(connector, f"http://localhost:{server.port_v4}/") == 200
-        assert await fetch(connector, f"http://127.0.0.1:{server.port_v4}/") == 200
-        assert await fetch(connector, f"http://[::1]:{server.port_v6}/") == 200
+        assert await fetch(client, f"http://localhost:{server.port_v4}/") == 200
+        assert await fetch(client, f"http://127.0.0.1:{server.port_v4}/") == 200
+        assert await fetch(client, f"http://[::1]:{server.port_v6}/") == 200
     finally:
-        await connector.close()
+        await client.close()
     assert [local for _, local in server.hits] == ["127.0.0.1", "127.0.0.1", "::1"]
 
 
@@ -258,16 +258,13 @@ async def test_only_the_allowed_addresses_of_an_answer_are_connected_to(server: 
     # on 127.0.0.1, so had the connector tried 127.0.0.2 the request would still have
     # succeeded: the resolver's answer is what must show the refusal.
     resolver = ScriptedResolver(["127.0.0.2", "127.0.0.1"])
-    connector = make_connector(
-        allow_loopback=False,
-        allowed_networks=[net("127.0.0.1/32")],
-        limit=4,
-        resolver=resolver,
+    client = make_client(
+        allow_loopback=False, allowed_networks=[net("127.0.0.1/32")], resolver=resolver
     )
     try:
-        assert await fetch(connector, f"http://mixed.example:{server.port_v4}/") == 200
+        assert await fetch(client, f"http://mixed.example:{server.port_v4}/") == 200
     finally:
-        await connector.close()
+        await client.close()
     assert server.hits == [(f"mixed.example:{server.port_v4}", "127.0.0.1")]
     safe = SafeResolver(
         False, [net("127.0.0.1/32")], resolver=ScriptedResolver(["127.0.0.2", "127.0.0.1"])
@@ -284,27 +281,27 @@ async def test_dns_rebinding_cannot_redirect_a_checked_connection(server: Server
     for a connection.
     """
     resolver = ScriptedResolver(["127.0.0.1"], ["127.0.0.2"])
-    connector = make_connector(
+    client = make_client(
         allow_loopback=False,
         allowed_networks=[net("127.0.0.1/32")],  # stands in for a public address
-        limit=4,
         resolver=resolver,
     )
     url = f"http://rebind.example:{server.port_v4}/hook"
     try:
-        assert await fetch(connector, url) == 200
+        assert await fetch(client, url) == 200
         assert resolver.lookups == ["rebind.example"]  # checked once, connected once
         # A new connection within the DNS cache lifetime reuses the answer that was checked.
-        assert await fetch(connector, url) == 200
+        client.close_idle()
+        assert await fetch(client, url) == 200
         assert resolver.lookups == ["rebind.example"]
         # Once the cache is gone the host resolves again, to the rebound address: refused.
-        connector.clear_dns_cache()
-        with pytest.raises(aiohttp.ClientConnectorError) as caught:
-            await fetch(connector, url)
-        assert isinstance(caught.value.os_error, AddressRefused)
-        assert caught.value.os_error.address == "127.0.0.2"
+        client.close_idle()
+        client.clear_dns_cache()
+        with pytest.raises(AddressRefused) as caught:
+            await fetch(client, url)
+        assert caught.value.address == "127.0.0.2"
         assert resolver.lookups == ["rebind.example", "rebind.example"]
     finally:
-        await connector.close()
+        await client.close()
     # Both requests reached the checked address, with the host name kept for virtual hosts.
     assert server.hits == [(f"rebind.example:{server.port_v4}", "127.0.0.1")] * 2

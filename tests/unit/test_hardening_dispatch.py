@@ -9,7 +9,6 @@ import base64
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -51,12 +50,12 @@ async def test_the_dispatcher_connects_by_the_rule_of_the_normalised_host(
     dispatcher = Dispatcher(make_settings(url), conninfo="")
     target = dispatcher.targets.get("default")
     assert target is not None
-    session = dispatcher._session_for(target)
+    client = dispatcher._client_for(target)
     try:
-        resolver: Any = session.connector.safe_resolver  # type: ignore[union-attr]
+        resolver = client.resolver
         assert (resolver.allow_loopback, resolver.require_loopback) == (allow, require)
     finally:
-        await session.close()
+        await client.close()
 
 
 def test_the_dispatcher_refuses_an_empty_key() -> None:

@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "errors", "queries", "logs", "gate", "host", "tracing", "waker", "terminal"),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics", "redis_connect"),
     ("settings", "connector", "retry", "deadletters", "retention", "partitions"),
+    ("httpclient",),
     ("delivery", "redis_gate", "inbox", "endpoints"),
     ("targets", "tokens"),
     ("batch",),

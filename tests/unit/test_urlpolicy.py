@@ -8,19 +8,15 @@ import ipaddress
 import logging
 import socket
 
-import aiohttp
 import pytest
 import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from fluxora_webhooks.connector import (
-    DNS_CACHE_TTL_SECONDS,
-    AddressRefused,
-    SafeConnector,
-    SafeResolver,
-    make_connector,
-)
+from fluxora_webhooks.connector import AddressRefused, SafeResolver
+from fluxora_webhooks.dispatcher import make_client
 from fluxora_webhooks.errors import EndpointError, FluxoraError
+from fluxora_webhooks.httpclient import DNS_CACHE_S
+from fluxora_webhooks.settings import Settings
 from fluxora_webhooks.urlpolicy import (
     check_address,
     check_url_address,
@@ -395,23 +391,23 @@ async def test_safe_resolver_defaults_to_the_threaded_resolver() -> None:
     await resolver.close()
 
 
-# --- make_connector ---------------------------------------------------------------------------
+# --- the dispatcher's clients ------------------------------------------------------------------
 
 
-async def test_make_connector_builds_a_bounded_keep_alive_connector() -> None:
-    inner = FakeResolver("8.8.8.8")
-    connector = make_connector(
-        allow_loopback=False, allowed_networks=[net("10.0.0.0/8")], limit=7, resolver=inner
+async def test_each_client_checks_addresses_with_the_configured_policy() -> None:
+    settings = Settings(
+        webhook_url="https://h.example/", secret=b"x" * 32, allowed_networks=(net("10.0.0.0/8"),)
     )
+    strict = make_client(settings)
+    loopback = make_client(settings, allow_loopback=True, require_loopback=True)
     try:
-        assert isinstance(connector, SafeConnector)
-        assert isinstance(connector, aiohttp.TCPConnector)
-        assert connector.limit == 7
-        assert not connector.force_close
-        assert connector.use_dns_cache
-        assert connector.safe_resolver.allowed_networks == (net("10.0.0.0/8"),)
-        assert connector.safe_resolver.allow_loopback is False
-        assert DNS_CACHE_TTL_SECONDS <= 60
+        assert strict.resolver.allowed_networks == (net("10.0.0.0/8"),)
+        assert strict.resolver.check("10.1.2.3") is None
+        assert strict.resolver.check("127.0.0.1") is not None
+        assert strict.resolver.check("8.8.8.8") is None
+        assert loopback.resolver.check("127.0.0.1") is None
+        assert loopback.resolver.check("8.8.8.8") is not None  # plain http: loopback only
+        assert DNS_CACHE_S <= 60
     finally:
-        await connector.close()
-    assert not inner.closed  # the caller's resolver stays the caller's
+        await strict.close()
+        await loopback.close()

@@ -3,6 +3,7 @@ secret and recover dead letters."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request, Response
@@ -23,6 +24,8 @@ from ..models import (
     Secret,
 )
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode, encode
+
+log = logging.getLogger("fluxora_webhooks.api")
 
 router = APIRouter(
     prefix="/endpoints",
@@ -138,6 +141,8 @@ async def rotate_secret(
     endpoint, secret = await endpoints.rotate_secret(
         conn, endpoint_id, secret=wanted.secret, keep_previous_ms=keep_ms, tenant=who.tenant
     )
+    # An audit line names who rotated which endpoint's secret; never the secret itself.
+    log.info("secret of endpoint %s rotated by token %r", endpoint.id, who.name)
     return {"id": endpoint.id, "secret": secret}
 
 

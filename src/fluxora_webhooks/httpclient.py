@@ -1,0 +1,397 @@
+"""The dispatcher's HTTP/1.1 client: one POST per attempt over pooled keep-alive
+connections, with nothing a webhook does not need.
+
+A general-purpose client spends most of a webhook's CPU on what a webhook never uses
+(cookies, redirects, proxies, streaming APIs, per-request header objects); this one writes
+the request as one buffer and parses the response with httptools (llhttp, the parser of
+Node.js and uvicorn), about a fifth of the CPU per request (docs/performance.md). What it
+keeps is what SPEC sections 4 and 7 require:
+
+- every connection goes to an address the address policy allowed: names are resolved
+  through :class:`~fluxora_webhooks.connector.SafeResolver` (checked, and the connection
+  pinned to the checked address: no second resolution to rebind), IP literals are checked
+  as they are, and each address is checked again just before connecting;
+- redirects are never followed (a 3xx is an answer like any other);
+- one timeout bounds the whole attempt, connecting included;
+- the response body is read up to a cap, the rest never (the connection is then closed);
+- a response head is bounded (64 KiB a line, 1 MiB in all) so a hostile consumer cannot
+  make it grow without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import socket
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import cast
+
+import httptools
+import yarl
+
+from .connector import SafeResolver, refuse_address
+from .errors import EndpointError
+from .urlpolicy import parse_ip
+
+# A response head line longer than this, or a head longer than MAX_HEAD, is refused as
+# unparseable (aiohttp's client takes lines of up to 8190 bytes; a little more room costs
+# nothing and refuses the same 100 KB lines).
+MAX_LINE = 8190
+MAX_HEAD = 1 << 20
+# Idle keep-alive connections are kept this long (consumers usually close theirs after
+# 60-75 s; closing ours first avoids sending on a connection being closed), and at most
+# this many per origin.
+KEEPALIVE_S = 15.0
+MAX_IDLE_PER_ORIGIN = 256
+DNS_CACHE_S = 10.0
+
+
+class ProtocolError(Exception):
+    """The consumer's answer is not an HTTP/1.1 response we can read."""
+
+
+class ConnectFailed(OSError):
+    """No connection could be made to any allowed address of the endpoint."""
+
+
+@dataclass
+class Response:
+    """One answer: its status, its headers (lowercase names, first occurrence), its body up
+    to the cap, and, when the body was cut short by the peer, why."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    body_error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Origin:
+    scheme: str
+    host: str  # as connected to: an IP literal, or the IDNA-encoded name
+    port: int
+    host_header: str
+    target: str  # path and query
+    literal: bool
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.scheme, self.host, self.port
+
+
+@lru_cache(maxsize=4096)
+def _origin(url: str) -> _Origin:
+    parsed = yarl.URL(url)
+    host = parsed.raw_host or ""
+    scheme = parsed.scheme.lower()
+    port = parsed.port or (443 if scheme == "https" else 80)
+    literal = parse_ip(host) is not None
+    shown = f"[{host}]" if literal and ":" in host else host
+    default = (scheme == "https" and port == 443) or (scheme == "http" and port == 80)
+    target = parsed.raw_path_qs or "/"
+    return _Origin(scheme, host, port, shown if default else f"{shown}:{port}", target, literal)
+
+
+def request_head(origin: _Origin, headers: Mapping[str, str], length: int) -> bytes:
+    lines = [f"POST {origin.target} HTTP/1.1", f"host: {origin.host_header}"]
+    lines.append(f"content-length: {length}")
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"the header {name[:40]!r} holds a line break")
+        lines.append(f"{name}: {value}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: one request at a time."""
+
+    def __init__(self, origin: _Origin) -> None:
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.reusable = False
+        self.idle_since = 0.0
+        self._waiter: asyncio.Future[Response] | None = None
+        self._reset_message()
+
+    def _reset_message(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._status = 0
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._head_done = False
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._cap = 0
+        self._eof_ends_body = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop hands over its own transport class, not asyncio.Transport.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiter is None or self._waiter.done():
+            self.reusable = False  # bytes nobody asked for: never reuse this connection
+            self._close()
+            return
+        if not self._head_done:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:
+                self._fail(ProtocolError("the response head is larger than 1 MiB"))
+                return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(ProtocolError("the consumer asked to switch protocols"))
+        except (httptools.HttpParserError, ValueError) as exc:
+            cause = exc.__cause__ or exc.__context__
+            self._fail(cause if isinstance(cause, ProtocolError) else ProtocolError(str(exc)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        if self._head_done:
+            if exc is None and self._eof_ends_body:
+                self._finish()  # a body delimited by the end of the connection
+                return
+            why = type(exc).__name__ if exc is not None else "ConnectionClosed"
+            self._finish(body_error=f"response body unreadable: {why}")
+            return
+        waiter.set_exception(
+            ConnectionResetError(
+                errno.ECONNRESET, "the connection closed before a complete response head"
+            )
+            if exc is None
+            else exc
+        )
+
+    # -- httptools callbacks ----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_LINE:
+            raise ProtocolError("a response header line is longer than 8190 bytes")
+        key = name.decode("latin-1").lower()
+        self._headers.setdefault(key, value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        self._status = self._parser.get_status_code()
+        no_length = "content-length" not in self._headers
+        chunked = "chunked" in self._headers.get("transfer-encoding", "").lower()
+        bodiless = self._status in (204, 304) or 100 <= self._status < 200
+        self._eof_ends_body = no_length and not chunked and not bodiless
+
+    def on_body(self, body: bytes) -> None:
+        room = self._cap - self._size
+        if len(body) >= room:
+            self._chunks.append(body[:room])
+            self._size = self._cap
+            self.reusable = False
+            self._finish()  # the cap: the rest is never read
+            self._close()
+            return
+        self._chunks.append(body)
+        self._size += len(body)
+
+    def on_message_complete(self) -> None:
+        self.reusable = self._parser.should_keep_alive()
+        self._finish()
+
+    # -- one request ------------------------------------------------------------------
+
+    async def request(self, data: bytes, max_body: int) -> Response:
+        assert self.transport is not None
+        self._reset_message()
+        self._cap = max_body
+        self.reusable = False
+        self._waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        return await self._waiter
+
+    def partial(self, body_error: str) -> Response | None:
+        """What came of the response so far, if its head is complete."""
+        if not self._head_done:
+            return None
+        return Response(self._status, self._headers, b"".join(self._chunks), body_error)
+
+    def _finish(self, body_error: str | None = None) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(
+                Response(self._status, self._headers, b"".join(self._chunks), body_error)
+            )
+
+    def _fail(self, exc: BaseException) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        self.reusable = False
+        self._close()
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    @property
+    def silent(self) -> bool:
+        """Nothing of a response has come on this request (yet)."""
+        return self._head_bytes == 0
+
+    @property
+    def closed(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+
+@dataclass
+class _DnsEntry:
+    expires: float
+    addresses: list[str] = field(default_factory=list)
+
+
+class HttpClient:
+    """POSTs webhooks. ``resolver`` is the address policy (a :class:`SafeResolver`);
+    ``ssl_context`` verifies https consumers (the system's trust store by default)."""
+
+    def __init__(
+        self, resolver: SafeResolver, *, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        self.resolver = resolver
+        self._ssl = ssl_context or ssl.create_default_context()
+        self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = {}
+        self._dns: dict[tuple[str, int], _DnsEntry] = {}
+        self._closed = False
+        self.opened = 0  # connections opened (keep-alive makes this small)
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        timeout_s: float,
+        max_body: int,
+    ) -> Response:
+        """POST ``body`` to ``url`` once. Raises :class:`~fluxora_webhooks.errors.
+        EndpointError` (the address policy refused it), :class:`ConnectFailed`,
+        ``TimeoutError``, :class:`ProtocolError` or another ``OSError``."""
+        origin = _origin(url)
+        data = request_head(origin, headers, len(body)) + body
+        conn: _Connection | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = self._idle_connection(origin)
+                if conn is not None:
+                    try:
+                        response = await conn.request(data, max_body)
+                    except ConnectionError:
+                        if not conn.silent:
+                            raise
+                        # The consumer closed an idle connection as we reused it (it had not
+                        # seen the request, or not answered it): once more, on a new one.
+                        conn = None
+                if conn is None:
+                    conn = await self._connect(origin)
+                    response = await conn.request(data, max_body)
+        except TimeoutError:
+            if conn is None:
+                raise
+            conn.reusable = False
+            conn._close()
+            partial = conn.partial("response body unreadable: TimeoutError")
+            if partial is None:
+                raise
+            return partial  # the head came in time: its status is the answer
+        except BaseException:
+            if conn is not None:
+                conn.reusable = False
+                conn._close()
+            raise
+        self._release(conn)
+        return response
+
+    async def close(self) -> None:
+        self._closed = True
+        self.close_idle()
+        await self.resolver.close()
+
+    def close_idle(self) -> None:
+        """Close the idle keep-alive connections (the next request connects anew)."""
+        for pool in self._idle.values():
+            for conn in pool:
+                conn._close()
+        self._idle.clear()
+
+    def clear_dns_cache(self) -> None:
+        self._dns.clear()
+
+    def _idle_connection(self, origin: _Origin) -> _Connection | None:
+        pool = self._idle.get(origin.key)
+        now = time.monotonic()
+        while pool:
+            conn = pool.pop()
+            if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
+                return conn
+            conn._close()
+        return None
+
+    def _release(self, conn: _Connection) -> None:
+        if not conn.reusable or conn.closed or self._closed:
+            conn._close()
+            return
+        pool = self._idle.setdefault(conn.origin.key, collections.deque())
+        if len(pool) >= MAX_IDLE_PER_ORIGIN:
+            conn._close()
+            return
+        conn.idle_since = time.monotonic()
+        pool.append(conn)
+
+    async def _addresses(self, origin: _Origin) -> list[str]:
+        if origin.literal:
+            return [origin.host]
+        key = (origin.host, origin.port)
+        entry = self._dns.get(key)
+        now = time.monotonic()
+        if entry is not None and entry.expires > now:
+            return entry.addresses
+        try:
+            answers = await self.resolver.resolve(origin.host, origin.port, family=socket.AF_UNSPEC)
+        except EndpointError:
+            raise
+        except OSError as exc:  # no such name, a resolver timeout, no address
+            raise ConnectFailed(exc.errno or errno.EHOSTUNREACH, exc.strerror or str(exc)) from exc
+        addresses = list(dict.fromkeys(str(a["host"]) for a in answers))
+        # Every cached answer was checked before it was cached; a short lifetime only keeps
+        # up with legitimate DNS changes.
+        self._dns[key] = _DnsEntry(now + DNS_CACHE_S, addresses)
+        return addresses
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
+        for address in await self._addresses(origin):
+            reason = self.resolver.check(address)  # the last word: this very address
+            if reason is not None:
+                raise refuse_address(origin.host, address, reason)
+            try:
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(origin),
+                    host=address,
+                    port=origin.port,
+                    ssl=self._ssl if origin.scheme == "https" else None,
+                    server_hostname=origin.host if origin.scheme == "https" else None,
+                )
+            except OSError as exc:
+                last = exc
+                continue
+            self.opened += 1
+            return conn
+        strerror = (last.strerror if last is not None else None) or "no address to connect to"
+        raise ConnectFailed(last.errno if last is not None else errno.EHOSTUNREACH, strerror)
