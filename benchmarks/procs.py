@@ -159,3 +159,61 @@ class CpuMeter:
             spent = sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in procs.items())
             self.result[group] = round(100 * spent / wall, 1)
         return self.result
+
+
+def process_tree(pid: int) -> list[int]:
+    """The pid and every descendant's (a ``run`` supervisor and its workers)."""
+    if psutil is None:
+        return [pid]
+    try:
+        parent = psutil.Process(pid)
+        return [pid, *(c.pid for c in parent.children(recursive=True))]
+    except psutil.Error:
+        return [pid]
+
+
+class RssSampler:
+    """Resident memory of processes, sampled every ``interval`` seconds while it runs.
+
+    ``peak_mb`` is each process's highest sample; ``first_mb``/``last_mb`` the first and last
+    sample, so a run shows whether memory stays flat or grows while a backlog drains.
+    """
+
+    def __init__(self, pids: list[int], interval: float = 0.25) -> None:
+        self.pids = pids
+        self.interval = interval
+        self.samples: dict[int, list[float]] = {pid: [] for pid in pids}
+        self._task: asyncio.Task[None] | None = None
+
+    def _sample(self) -> None:
+        if psutil is None:
+            return
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                self.samples[pid].append(psutil.Process(pid).memory_info().rss / 2**20)
+
+    async def _loop(self) -> None:
+        while True:
+            self._sample()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._sample()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> dict[str, Any]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._sample()
+        kept = {pid: s for pid, s in self.samples.items() if s}
+        if not kept:
+            return {}
+        return {
+            "processes": len(kept),
+            "peak_mb": round(max(max(s) for s in kept.values()), 1),
+            "per_process_peak_mb": [round(max(s), 1) for s in kept.values()],
+            "first_mb": [round(s[0], 1) for s in kept.values()],
+            "last_mb": [round(s[-1], 1) for s in kept.values()],
+        }

@@ -54,7 +54,7 @@ from benchlib import (
     percentile,
     run,
 )
-from procs import Child, Children, CpuMeter
+from procs import Child, Children, CpuMeter, RssSampler, process_tree
 from report import render_chart, render_cpu_table, render_table, targets
 
 HERE = Path(__file__).resolve().parent
@@ -77,14 +77,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gate_samples": 2000,
         "repeat": 2,
         "tuned": "WEBHOOK_BATCH_SIZE=100",
-        "tuned_processes": 2,
+        "celery_configs": ["prefork:2", "prefork:8", "threads:32"],
+        "memory_backlogs": [100_000, 1_000_000],
+        "memory_seconds": 10.0,
     },
     "quick": {
         "events": 15_000,
         "raw_requests": 15_000,
         "raw_concurrency": [64],
         "processes": [1, 2, 4],
-        "pgq_configs": ["10:1", "100:1"],
+        "pgq_configs": ["10:1", "100:1", "100:2"],
         "latency_rate": 200,
         "latency_seconds": 5.0,
         "claim_rows": [0, 1_000_000],
@@ -93,7 +95,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gate_samples": 500,
         "repeat": 1,
         "tuned": "WEBHOOK_BATCH_SIZE=100",
-        "tuned_processes": 2,
+        "celery_configs": ["prefork:2", "threads:32"],
+        "memory_backlogs": [100_000, 1_000_000],
+        "memory_seconds": 6.0,
     },
     # For the smoke test: every section, a few hundred events, seconds.
     "tiny": {
@@ -110,11 +114,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gate_samples": 20,
         "repeat": 1,
         "tuned": "WEBHOOK_BATCH_SIZE=50",
-        "tuned_processes": 1,
+        "celery_configs": ["prefork:2"],
+        "memory_backlogs": [2_000],
+        "memory_seconds": 1.0,
     },
 }
 
-SECTIONS = ("raw", "ours", "pgqueuer", "latency", "claim", "gate")
+SECTIONS = ("raw", "ours", "pgqueuer", "celery", "latency", "memory", "claim", "gate")
 
 
 def _ints(text: str) -> list[int]:
@@ -152,7 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tuned",
         help="environment of the 'ours, tuned' run (default WEBHOOK_BATCH_SIZE=100; '' skips)",
     )
-    parser.add_argument("--tuned-processes", type=int, help="processes of the tuned run")
+    parser.add_argument(
+        "--celery-configs", help="Celery pool:concurrency list, e.g. prefork:2,threads:32"
+    )
+    parser.add_argument(
+        "--memory-backlogs", type=_ints, help="pending rows of the memory runs, e.g. 100000"
+    )
     parser.add_argument("--repeat", type=int, help="runs per throughput point; the best counts")
     parser.add_argument("--profile", action="store_true", help="py-spy the 1-process run")
     parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"))
@@ -201,7 +212,13 @@ class Bench:
         self.repeat: int = args.repeat or preset["repeat"]
         tuned_text = args.tuned if args.tuned is not None else preset["tuned"]
         self.tuned = dict(item.split("=", 1) for item in tuned_text.split(",") if item.strip())
-        self.tuned_processes: int = args.tuned_processes or preset["tuned_processes"]
+        self.celery_configs: list[str] = (
+            args.celery_configs.split(",") if args.celery_configs else preset["celery_configs"]
+        )
+        self.memory_backlogs: list[int] = args.memory_backlogs or preset["memory_backlogs"]
+        self.memory_seconds: float = preset["memory_seconds"]
+        # The raw limit is the best of one client process and one per CPU (issue 16).
+        self.raw_processes: list[int] = sorted({1, os.cpu_count() or 1})
         self.admin_url: str = args.database_url or DEFAULT_PG
         self.redis_url: str = args.redis_url or DEFAULT_REDIS
         self.results_dir: Path = args.results
@@ -319,40 +336,55 @@ class Bench:
 
     async def section_raw(self) -> dict[str, Any]:
         runs = []
-        for conc in self.raw_concurrency:
-            runs.append(await self.best_of(f"raw c={conc}", lambda i, c=conc: self.raw_run(c)))
+        for procs in self.raw_processes:
+            for conc in self.raw_concurrency:
+                runs.append(
+                    await self.best_of(
+                        f"raw {procs}x c={conc}",
+                        lambda i, c=conc, n=procs: self.raw_run(c, n),
+                    )
+                )
         best = max(runs, key=lambda r: r["rate"])
         return {"runs": runs, "best": best}
 
-    async def raw_run(self, conc: int) -> dict[str, Any]:
+    async def raw_run(self, conc: int, processes: int = 1) -> dict[str, Any]:
+        """``processes`` client processes, each ``conc`` connections, sharing the requests."""
         await self.reset()
         meter = CpuMeter({"receiver": [self.receiver.pid]})
         meter.start()
-        client = await self.children.script(
-            f"raw-c{conc}",
-            "rawhttp.py",
-            "--url",
-            self.receiver_url + "/raw",
-            "--requests",
-            str(self.raw_requests),
-            "--concurrency",
-            str(conc),
-        )
-        await asyncio.wait_for(client.proc.wait(), 300)
+        clients = [
+            await self.children.script(
+                f"raw-{processes}x-c{conc}-{i}",
+                "rawhttp.py",
+                "--url",
+                self.receiver_url + "/raw",
+                "--requests",
+                str(self.raw_requests // processes),
+                "--concurrency",
+                str(conc),
+            )
+            for i in range(processes)
+        ]
+        for client in clients:
+            await asyncio.wait_for(client.proc.wait(), 300)
         cpu = meter.stop()
-        client_side = json.loads(client.log().strip().splitlines()[-1])
-        cpu["client"] = round(100 * client_side["cpu_s"] / client_side["seconds"], 1)
+        sides = [json.loads(c.log().strip().splitlines()[-1]) for c in clients]
+        client_cpu_s = sum(side["cpu_s"] for side in sides)
+        cpu["client"] = round(100 * client_cpu_s / max(side["seconds"] for side in sides), 1)
         stats = await self.stats()
         rate = self.rate(stats)
-        self.log(f"raw c={conc}: {rate:,.0f} req/s")
+        self.log(f"raw {processes}x c={conc}: {rate:,.0f} req/s")
         return {
             "concurrency": conc,
+            "processes": processes,
             "rate": rate,
-            "client_rate": client_side["rate"],
-            "errors": client_side["errors"],
+            "client_rate": sum(side["rate"] for side in sides),
+            "errors": sum(side["errors"] for side in sides),
             "connections": stats["connections"],
             "cpu_pct": cpu,
-            "client_cpu_us_per_request": round(1e6 * client_side["cpu_s"] / self.raw_requests, 1),
+            "client_cpu_us_per_request": round(1e6 * client_cpu_s / stats["count"], 1)
+            if stats["count"]
+            else None,
         }
 
     # -- our dispatcher --------------------------------------------------------------
@@ -375,7 +407,13 @@ class Bench:
             raise RuntimeError(f"fluxora-webhooks migrate failed:\n{child.log()[-3000:]}")
 
     def dispatcher_env(
-        self, database_url: str, path: str, metrics_port: int, extra: dict[str, str] | None = None
+        self,
+        database_url: str,
+        path: str,
+        metrics_port: int,
+        extra: dict[str, str] | None = None,
+        *,
+        default_workers: bool = False,
     ) -> dict[str, str]:
         keep = ("DATABASE_URL", "REDIS_URL", "WEBHOOK_", "LOG_FORMAT", "FLUXORA_")
         env = {k: v for k, v in os.environ.items() if not k.startswith(keep)}
@@ -393,6 +431,9 @@ class Bench:
                 "WEBHOOK_WORKERS": "1",
             }
         )
+        if default_workers:
+            # One `run` as a user starts it: WEBHOOK_WORKERS left at its default.
+            del env["WEBHOOK_WORKERS"]
         env.update(self.overrides)
         env.update(extra or {})
         return env
@@ -406,11 +447,14 @@ class Bench:
         gate: bool = True,
         tag: str = "",
         extra: dict[str, str] | None = None,
+        default_workers: bool = False,
     ) -> list[Child]:
         procs: list[tuple[Child, int]] = []
         for i in range(count):
             port = free_port()
-            env = self.dispatcher_env(database_url, path, port, extra)
+            env = self.dispatcher_env(
+                database_url, path, port, extra, default_workers=default_workers
+            )
             argv = (
                 [sys.executable, "-m", "fluxora_webhooks", "run"]
                 if gate
@@ -420,8 +464,19 @@ class Bench:
             procs.append((child, port))
         for child, port in procs:
             await self.wait_ready(child, port)
+        if default_workers:
+            await self.wait_workers([c for c, _ in procs], os.cpu_count() or 1)
         await asyncio.sleep(0.5)  # claim loops connect after /readyz answers
         return [c for c, _ in procs]
+
+    async def wait_workers(self, procs: list[Child], workers: int, timeout: float = 30) -> None:
+        """Until each supervisor has its worker processes (they start after it answers)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(len(process_tree(p.pid)) > workers for p in procs):
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"workers did not start: {[process_tree(p.pid) for p in procs]}")
 
     async def wait_ready(self, child: Child, port: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -458,17 +513,28 @@ class Bench:
         gate: bool = True,
         profile: bool = False,
         extra: dict[str, str] | None = None,
+        default_workers: bool = False,
     ) -> dict[str, Any]:
         database_url = await self.ours_database()
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
             await c.execute("TRUNCATE webhook_outbox, webhook_dead_letter")
             await c.execute("VACUUM ANALYZE webhook_outbox")
         tag = ("" if gate else "-nogate") + ("-tuned" if extra else "")
+        tag += "-defaultworkers" if default_workers else ""
         procs = await self.start_dispatchers(
-            processes, database_url, "/ours", gate=gate, tag=tag, extra=extra
+            processes,
+            database_url,
+            "/ours",
+            gate=gate,
+            tag=tag,
+            extra=extra,
+            default_workers=default_workers,
         )
         await self.reset()
-        meter = CpuMeter({"dispatchers": [p.pid for p in procs], "receiver": [self.receiver.pid]})
+        pids = [pid for p in procs for pid in process_tree(p.pid)]
+        meter = CpuMeter({"dispatchers": pids, "receiver": [self.receiver.pid]})
+        rss = RssSampler(pids)
+        rss.start()
         spy = None
         n = self.events
         timeout = max(60.0, n / 300)
@@ -482,6 +548,7 @@ class Bench:
             left = await self.wait_drained(database_url, 30)
             drained_at = time.time()
         finally:
+            memory = await rss.stop()
             if spy is not None:
                 await spy.stop(60, signal.SIGINT)  # py-spy writes its file on SIGINT
             codes = [await p.stop() for p in procs]
@@ -489,6 +556,9 @@ class Bench:
         rate = self.rate(stats)
         result = {
             "processes": processes,
+            "default_workers": default_workers,
+            "os_processes": len(pids),
+            "memory": memory,
             "gate": gate,
             "env": {**self.overrides, **(extra or {})},
             "events": n,
@@ -577,12 +647,17 @@ class Bench:
         )
         out: dict[str, Any] = {"runs": runs, "gate_off_1p": nogate}
         out["best"] = max(runs, key=lambda r: r["rate"])
+        # What a user who starts one `fluxora-webhooks run` gets: every default (the
+        # supervisor and its default workers), then the same with batch 100.
+        out["defaults"] = await self.best_of(
+            "ours, one run, defaults",
+            lambda i: self.one_dispatch_run(1, default_workers=True),
+        )
         if self.tuned:
-            tuned = await self.best_of(
-                "ours tuned",
-                lambda i: self.one_dispatch_run(self.tuned_processes, extra=self.tuned),
+            out["tuned"] = await self.best_of(
+                "ours, one run, tuned",
+                lambda i: self.one_dispatch_run(1, extra=self.tuned, default_workers=True),
             )
-            out["tuned"] = tuned
         return out
 
     # -- the peer --------------------------------------------------------------------
@@ -680,6 +755,145 @@ class Bench:
             "worker_cpu_us_per_event": round(10_000 * cpu.get("workers", 0) / rate, 1)
             if rate > 0
             else None,
+        }
+
+    # -- the second peer: Celery ----------------------------------------------------
+
+    async def section_celery(self) -> dict[str, Any]:
+        try:
+            import celery
+        except ImportError:
+            return {"skipped": "celery is not installed (pip install -e '.[bench]')"}
+        runs = []
+        for config in self.celery_configs:
+            runs.append(
+                await self.best_of(f"celery {config}", lambda i, c=config: self.celery_run(c))
+            )
+        best = max(runs, key=lambda r: r["rate"])
+        return {"version": celery.__version__, "runs": runs, "best": best}
+
+    def celery_env(self, queue: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "PYTHONPATH": str(HERE),
+                "BENCH_CELERY_BROKER": self.redis_url,
+                "BENCH_CELERY_QUEUE": queue,
+                "BENCH_CELERY_URL": self.receiver_url + "/celery",
+                "BENCH_CELERY_ACKS_LATE": "1",
+            }
+        )
+        return env
+
+    async def celery_run(self, config: str) -> dict[str, Any]:
+        """N tasks sent first, then one worker with ``pool:concurrency`` drains them."""
+        pool, concurrency = config.split(":")
+        queue = f"{self.prefix}celery:{config}"
+        env = self.celery_env(queue)
+        n = self.events
+        sender = await self.children.spawn(
+            f"celery-send-{pool}{concurrency}",
+            [sys.executable, str(HERE / "celery_peer.py"), "--send", str(n)],
+            env,
+        )
+        if await asyncio.wait_for(sender.proc.wait(), 300) != 0:
+            raise RuntimeError(f"sending Celery tasks failed:\n{sender.log()[-3000:]}")
+        await self.reset()
+        worker = await self.children.spawn(
+            f"celery-{pool}{concurrency}",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "celery_peer",
+                "worker",
+                f"--pool={pool}",
+                f"--concurrency={concurrency}",
+                "--loglevel=WARNING",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-Q",
+                queue,
+            ],
+            env,
+        )
+        meter: CpuMeter | None = None
+        try:
+            # The meter starts once the pool's processes exist; the receiver's first and
+            # last receipt give the rate either way.
+            deadline = time.monotonic() + 30
+            while pool == "prefork" and len(process_tree(worker.pid)) <= int(concurrency):
+                if time.monotonic() > deadline or worker.proc.returncode is not None:
+                    raise RuntimeError(f"the Celery worker did not start:\n{worker.log()[-3000:]}")
+                await asyncio.sleep(0.05)
+            meter = CpuMeter({"workers": process_tree(worker.pid), "receiver": [self.receiver.pid]})
+            meter.start()
+            stats = await self.wait_count(n, max(120.0, n / 100))
+            cpu = meter.stop()
+        finally:
+            await worker.stop(30)
+            from redis.asyncio import Redis
+
+            client = Redis.from_url(self.redis_url)
+            try:
+                await client.delete(queue, f"{queue}\x06\x163", f"{queue}\x06\x166")
+            finally:
+                await client.aclose()
+        rate = self.rate(stats)
+        self.log(f"celery {pool} x{concurrency}: {rate:,.0f} tasks/s")
+        return {
+            "pool": pool,
+            "concurrency": int(concurrency),
+            "acks_late": True,
+            "rate": rate,
+            "received": stats["count"],
+            "cpu_pct": cpu,
+            "worker_cpu_us_per_event": round(10_000 * cpu.get("workers", 0) / rate, 1)
+            if rate > 0
+            else None,
+        }
+
+    # -- memory with a backlog ----------------------------------------------------------
+
+    async def section_memory(self) -> dict[str, Any]:
+        """Resident memory of one default `run` while a backlog of N rows drains."""
+        points = []
+        for backlog in self.memory_backlogs:
+            points.append(await self.memory_run(backlog))
+        return {"points": points}
+
+    async def memory_run(self, backlog: int) -> dict[str, Any]:
+        database_url = await self.ours_database()
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await c.execute("TRUNCATE webhook_outbox, webhook_dead_letter")
+        await self.insert_events(database_url, backlog)
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await c.execute("VACUUM ANALYZE webhook_outbox")
+        await self.reset()
+        procs = await self.start_dispatchers(
+            1, database_url, "/memory", tag=f"-memory{backlog}", default_workers=True
+        )
+        pids = process_tree(procs[0].pid)
+        rss = RssSampler(pids)
+        rss.start()
+        try:
+            await asyncio.sleep(self.memory_seconds)
+        finally:
+            memory = await rss.stop()
+            await procs[0].stop()
+        stats = await self.stats()
+        self.log(
+            f"memory with {backlog:,} pending: peak {memory.get('peak_mb')} MB per process,"
+            f" {stats['count']:,} delivered meanwhile"
+        )
+        return {
+            "backlog": backlog,
+            "seconds": self.memory_seconds,
+            "delivered": stats["count"],
+            "rate": self.rate(stats),
+            "memory": memory,
         }
 
     # -- latency ---------------------------------------------------------------------

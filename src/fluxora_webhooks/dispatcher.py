@@ -32,7 +32,7 @@ from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, DeliveryGate, OpenGate
-from .httpclient import HttpClient
+from .httpclient import HttpClient, warm_ssl_context
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
 from .recording import DB_ERRORS, Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
@@ -154,6 +154,9 @@ class Dispatcher:
             reconnect_timeout=_POOL_RECONNECT_S,
         )
         await self._pool.open(wait=False)
+        # The trust store for https consumers, loaded in a thread now rather than on the
+        # event loop at the first https request (where it stalled every request in flight).
+        await warm_ssl_context()
         background = [
             asyncio.create_task(self._listen(), name="fluxora-listen"),
             asyncio.create_task(self.completer.run(), name="fluxora-completer"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import socket
 import ssl
@@ -134,6 +135,12 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop hands over its own transport class, not asyncio.Transport.
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # A request is one write, but the kernel must not hold it back behind a segment
+            # the consumer has not acknowledged yet (Nagle's algorithm and delayed ACKs).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         if self._waiter is None or self._waiter.done():
@@ -256,6 +263,19 @@ class _DnsEntry:
     addresses: list[str] = field(default_factory=list)
 
 
+@lru_cache(maxsize=1)
+def default_ssl_context() -> ssl.SSLContext:
+    """The system's trust store, loaded once per process. Loading it takes tens of
+    milliseconds (more on a busy machine), so it is not done on the event loop per client:
+    the dispatcher warms it in a thread at start (:func:`warm_ssl_context`), and plain-http
+    consumers never need it."""
+    return ssl.create_default_context()
+
+
+async def warm_ssl_context() -> None:
+    await asyncio.to_thread(default_ssl_context)
+
+
 class HttpClient:
     """POSTs webhooks. ``resolver`` is the address policy (a :class:`SafeResolver`);
     ``ssl_context`` verifies https consumers (the system's trust store by default)."""
@@ -264,7 +284,7 @@ class HttpClient:
         self, resolver: SafeResolver, *, ssl_context: ssl.SSLContext | None = None
     ) -> None:
         self.resolver = resolver
-        self._ssl = ssl_context or ssl.create_default_context()
+        self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = {}
         self._dns: dict[tuple[str, int], _DnsEntry] = {}
         self._closed = False
@@ -385,7 +405,7 @@ class HttpClient:
                     lambda: _Connection(origin),
                     host=address,
                     port=origin.port,
-                    ssl=self._ssl if origin.scheme == "https" else None,
+                    ssl=(self._ssl or default_ssl_context()) if origin.scheme == "https" else None,
                     server_hostname=origin.host if origin.scheme == "https" else None,
                 )
             except OSError as exc:
