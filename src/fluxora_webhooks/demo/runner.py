@@ -61,7 +61,7 @@ _HOLD_TIMES = 3
 STEPS = (
     "Fan-out",
     "Isolation and auto-disable",
-    "Back: enabled, parked deliveries sent",
+    "Re-enable",
     "Recovery",
     "Per-stream ordering",
 )
@@ -103,6 +103,7 @@ class StepReport:
     number: int
     title: str
     checks: list[Check] = field(default_factory=list)
+    shown: str = ""  # what the step showed, in one line of figures
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,14 @@ class _DemoRun:
         self.before = checks.percentiles(
             checks.latencies(self.ledger, checks.unordered(healthy), {e.key for e in events})
         )
-        self._end([*checks.fan_out(events, self.cast), checks.own_secrets(self.cast)])
+        sent = sum(
+            len(checks.expected(p, events) & checks.received(c)) for p, c in self.cast.items()
+        )
+        self._end(
+            [*checks.fan_out(events, self.cast), checks.own_secrets(self.cast)],
+            f"{len(events)} events -> {sent} deliveries to {len(self.cast)} endpoints of"
+            f" {len(TENANTS)} tenants, by subscription, each signed with its endpoint's secret",
+        )
 
     async def _outage(self, writes: list[Write]) -> None:
         o = self.options
@@ -361,6 +369,10 @@ class _DemoRun:
             "SELECT count(*) FROM webhook_dead_letter WHERE endpoint_id = %s", (ledger_id,)
         )
         healthy = {p: c for p, c in self.cast.items() if p != LEDGER}
+        during = checks.percentiles(
+            checks.latencies(self.ledger, checks.unordered(healthy), {e.key for e in events})
+        )
+        p99 = "-" if during is None else checks.ms(during.p99)
         self._end(
             [
                 checks.isolation(
@@ -385,7 +397,9 @@ class _DemoRun:
                     tenant=LEDGER.tenant,
                     reason="failing",
                 ),
-            ]
+            ],
+            f"ledger hung {self.cast[LEDGER].hung} requests, the others' p99 stayed {p99};"
+            f" disabled (failing), {parked} deliveries parked, the operator told",
         )
 
     async def _back(self) -> None:
@@ -423,7 +437,9 @@ class _DemoRun:
                     tenant=LEDGER.tenant,
                     reason=None,
                 ),
-            ]
+            ],
+            f"{len(parked & self.cast[LEDGER].accepted.keys())}/{len(parked)} parked deliveries"
+            " sent with their delivery ids; the operator told",
         )
 
     async def _recovery(self, writes: list[Write]) -> None:
@@ -462,7 +478,11 @@ class _DemoRun:
             (billing_id,),
         )
         self.notes[BILLING] = f"{len(dead_ids)} dead letters, then recovered"
-        self._end([*found, checks.recovered(dead_ids, requeued, billing, left)])
+        self._end(
+            [*found, checks.recovered(dead_ids, requeued, billing, left)],
+            f"{len(dead_ids)} dead letters (the operator told of each) -> recover re-queued"
+            f" {requeued} -> {len(dead_ids & billing.accepted.keys())} delivered, same ids",
+        )
 
     async def _ordering(self, first_stream: int) -> None:
         writes = streams.burst(
@@ -484,7 +504,12 @@ class _DemoRun:
         await self._write(writes, rate=_BURST_RATE)
         await self._until(self._settled, "the ordered deliveries")
         self.notes[SYNC] = f"{held.refused} retries of one stream's head, in order"
-        self._end(checks.ordering(self.cast[SYNC], held, ids, self._step_events))
+        found = checks.ordering(self.cast[SYNC], held, ids, self._step_events)
+        self._end(
+            found,
+            f"one stream's head refused {held.refused} times; the other streams flowed"
+            f" meanwhile, each stream in order",
+        )
 
     async def _finish(self) -> None:
         """The whole run's checks, and the figures of the summary."""
@@ -523,6 +548,11 @@ class _DemoRun:
             dead=dead,
             table_agrees=await _table_agrees(self.admin, self.ledger),
         )
+        whole.shown = (
+            f"{report.committed} writes committed, {report.rolled_back} rolled back (never"
+            f" sent); {report.deliveries} deliveries, every signature verified; nothing"
+            " pending or dead"
+        )
         report.steps.append(whole)
         self.display.step(0, whole.title, "")
         self.display.checks(whole.checks)
@@ -538,9 +568,10 @@ class _DemoRun:
         self.report.steps.append(StepReport(number, STEPS[number - 1]))
         self.display.step(number, STEPS[number - 1], text)
 
-    def _end(self, found: list[Check]) -> None:
+    def _end(self, found: list[Check], shown: str) -> None:
         self.display.update(self._progress())
         self.report.steps[-1].checks.extend(found)
+        self.report.steps[-1].shown = shown
         self.display.checks(found)
 
     async def _write(self, writes: list[Write], *, rate: float) -> None:
