@@ -27,11 +27,11 @@ class Part:
         return f"{self.tenant.removeprefix(TENANT_PREFIX)}/{self.name}"
 
 
-LEDGER = Part("ledger", ACME, ("*",), "goes down; auto-disabled; parked; re-enabled")
-ALERTS = Part("alerts", ACME, ("stream.paused", "stream.cancelled"), "two exact event types")
-SYNC = Part("sync", GLOBEX, ("stream.*",), "ordered per stream; a head retries", ordered=True)
-CRM = Part("crm", GLOBEX, ("stream.created", "stream.cancelled"), "two exact event types")
-BILLING = Part("billing", INITECH, ("*",), "some 503s; rejects a while; recovered", refuse_every=7)
+LEDGER = Part("ledger", ACME, ("*",), "goes down: auto-disabled, parked, re-enabled")
+ALERTS = Part("alerts", ACME, ("stream.paused", "stream.cancelled"), "healthy")
+SYNC = Part("sync", GLOBEX, ("stream.*",), "one stream's head retries", ordered=True)
+CRM = Part("crm", GLOBEX, ("stream.created", "stream.cancelled"), "healthy")
+BILLING = Part("billing", INITECH, ("*",), "503s, then 422s: recovered", refuse_every=7)
 PARTS = (LEDGER, ALERTS, SYNC, CRM, BILLING)
 
 

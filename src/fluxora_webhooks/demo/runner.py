@@ -289,8 +289,11 @@ class _DemoRun:
                 try:
                     await step()
                 except _StepFailed as exc:
-                    self.report.problems.append(str(exc))
-                    self.display.checks([Check(str(exc), False)])
+                    # The step's own checks cannot be made: it fails with what stopped it.
+                    stopped = Check(str(exc), False)
+                    self.report.steps[-1].checks.append(stopped)
+                    self.report.steps[-1].shown = f"stopped: {exc}"
+                    self.display.checks([stopped])
                     break
         finally:
             await _stop(dispatcher, self._dispatching, self.report.problems)
@@ -548,10 +551,11 @@ class _DemoRun:
             dead=dead,
             table_agrees=await _table_agrees(self.admin, self.ledger),
         )
+        failures = sum(c.signature_failures for c in (*self.cast.values(), self.operator))
         whole.shown = (
-            f"{report.committed} writes committed, {report.rolled_back} rolled back (never"
-            f" sent); {report.deliveries} deliveries, every signature verified; nothing"
-            " pending or dead"
+            f"{report.committed} writes committed, {report.rolled_back} rolled back;"
+            f" {report.deliveries} deliveries; {failures} signature failures; {pending}"
+            f" pending, {dead} dead letters"
         )
         report.steps.append(whole)
         self.display.step(0, whole.title, "")
