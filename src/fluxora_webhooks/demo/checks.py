@@ -299,17 +299,7 @@ def ordering(
         if isinstance(payload, dict) and payload.get("id") in by_stream:
             by_stream[str(payload["id"])].append((accepted.at, int(payload["version"])))
     start, end = held.first_refused_at, held.accepted_at
-    during = (
-        sum(
-            1
-            for s in streams
-            if s != held.stream
-            for at, _ in by_stream[s]
-            if start is not None and end is not None and start <= at <= end
-        )
-        if start is not None and end is not None
-        else 0
-    )
+    during = delivered_while_held(consumer, held, streams)
     mine = sorted(by_stream[held.stream])
     in_order = all(
         [v for _, v in sorted(by_stream[s])] == sorted(v for _, v in by_stream[s]) for s in streams
@@ -333,6 +323,19 @@ def ordering(
             f" {len(consumer.order_violations)} out of order",
         ),
     ]
+
+
+def delivered_while_held(consumer: Consumer, held: HoldBack, streams: Sequence[str]) -> int:
+    """The other streams' events accepted while the held stream's head was retrying."""
+    start, end = held.first_refused_at, held.accepted_at
+    if start is None or end is None:
+        return 0
+    others = set(streams) - {held.stream}
+    return sum(
+        1
+        for a in consumer.accepted.values()
+        if isinstance(a.payload, dict) and a.payload.get("id") in others and start <= a.at <= end
+    )
 
 
 # -- the whole run --------------------------------------------------------------------------

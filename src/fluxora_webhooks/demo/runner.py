@@ -401,8 +401,8 @@ class _DemoRun:
                     reason="failing",
                 ),
             ],
-            f"ledger hung {self.cast[LEDGER].hung} requests, the others' p99 stayed {p99};"
-            f" disabled (failing), {parked} deliveries parked, the operator told",
+            f"{self.cast[LEDGER].hung} requests hung at ledger; the others' p99 {p99};"
+            f" ledger {_state(endpoint)}, {parked} deliveries parked, {dead} dead letters",
         )
 
     async def _back(self) -> None:
@@ -441,8 +441,8 @@ class _DemoRun:
                     reason=None,
                 ),
             ],
-            f"{len(parked & self.cast[LEDGER].accepted.keys())}/{len(parked)} parked deliveries"
-            " sent with their delivery ids; the operator told",
+            f"ledger {_state(endpoint)}; {len(parked & self.cast[LEDGER].accepted.keys())}"
+            f"/{len(parked)} parked deliveries sent under their delivery ids",
         )
 
     async def _recovery(self, writes: list[Write]) -> None:
@@ -483,8 +483,9 @@ class _DemoRun:
         self.notes[BILLING] = f"{len(dead_ids)} dead letters, then recovered"
         self._end(
             [*found, checks.recovered(dead_ids, requeued, billing, left)],
-            f"{len(dead_ids)} dead letters (the operator told of each) -> recover re-queued"
-            f" {requeued} -> {len(dead_ids & billing.accepted.keys())} delivered, same ids",
+            f"{len(dead_ids)} dead letters -> recover re-queued {requeued} ->"
+            f" {len(dead_ids & billing.accepted.keys())}/{len(dead_ids)} delivered under their"
+            " delivery ids",
         )
 
     async def _ordering(self, first_stream: int) -> None:
@@ -510,8 +511,9 @@ class _DemoRun:
         found = checks.ordering(self.cast[SYNC], held, ids, self._step_events)
         self._end(
             found,
-            f"one stream's head refused {held.refused} times; the other streams flowed"
-            f" meanwhile, each stream in order",
+            f"the head of {held.stream} refused {held.refused} times;"
+            f" {checks.delivered_while_held(self.cast[SYNC], held, ids)} events of the other"
+            f" streams delivered meanwhile; {len(self.cast[SYNC].order_violations)} out of order",
         )
 
     async def _finish(self) -> None:
@@ -701,6 +703,11 @@ class _DemoRun:
     async def _count(self, sql: str, params: Any) -> int:
         cur = await self.admin.execute(sql, params)
         return _count(await cur.fetchone())
+
+
+def _state(endpoint: endpoints.Endpoint) -> str:
+    reason = f" ({endpoint.disabled_reason})" if endpoint.disabled_reason else ""
+    return f"{endpoint.state}{reason}"
 
 
 def _cuts(total: int) -> tuple[int, int]:
