@@ -296,6 +296,9 @@ class _DemoRun:
                     self.display.checks([stopped])
                     break
         finally:
+            for writer in self._writers:  # a step that stopped early: its writers go too
+                writer.cancel()
+            await asyncio.gather(*self._writers, return_exceptions=True)
             await _stop(dispatcher, self._dispatching, self.report.problems)
             dispatcher_log.setLevel(level)
 
@@ -308,7 +311,7 @@ class _DemoRun:
             " same transaction (a few roll back). Each event goes to every endpoint of its"
             " tenant that subscribes to its type, as a delivery of its own.",
         )
-        await self._write(writes, rate=self.options.rate)
+        self._write(writes, rate=self.options.rate)
         await self._until(self._settled, "the fan-out's deliveries")
         events = self._step_events
         healthy = {p: c for p, c in self.cast.items() if p != LEDGER}
@@ -335,7 +338,7 @@ class _DemoRun:
             " deliveries parked.",
         )
         self.cast[LEDGER].set_mode("hang")
-        await self._write(writes, rate=o.rate)
+        self._write(writes, rate=o.rate)
 
         async def disabled_and_parked() -> bool:
             if not await self._healthy_done():
@@ -461,7 +464,7 @@ class _DemoRun:
         assert row is not None
         since: datetime = row[0]
         billing.set_mode("reject")
-        await self._write(writes, rate=self.options.rate)
+        self._write(writes, rate=self.options.rate)
         await self._until(self._settled, "billing's dead letters")
         events = self._step_events
         owed = checks.expected(BILLING, events)
@@ -505,7 +508,7 @@ class _DemoRun:
             f" streams, {_BURST_UPDATES + 1} events each; sync answers 503 to the first of"
             f" {ids[0]} {_HOLD_TIMES} times.",
         )
-        await self._write(writes, rate=_BURST_RATE)
+        self._write(writes, rate=_BURST_RATE)
         await self._until(self._settled, "the ordered deliveries")
         self.notes[SYNC] = f"{held.refused} retries of one stream's head, in order"
         found = checks.ordering(self.cast[SYNC], held, ids, self._step_events)
@@ -580,7 +583,7 @@ class _DemoRun:
         self.report.steps[-1].shown = shown
         self.display.checks(found)
 
-    async def _write(self, writes: list[Write], *, rate: float) -> None:
+    def _write(self, writes: list[Write], *, rate: float) -> None:
         """Start the writers of a step (in the background; :meth:`_until` waits for them)."""
         self._step_planned = len(writes)
         first = writes[0].seq if writes else 0
@@ -622,8 +625,6 @@ class _DemoRun:
             if writers_done and await done():
                 break
             if time.monotonic() > self._deadline:
-                for writer in self._writers:
-                    writer.cancel()
                 raise _StepFailed(
                     f"timed out after {self.options.timeout_s:g} s waiting for {what}"
                     + (f" ({self._note})" if self._note else "")
