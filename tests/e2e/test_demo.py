@@ -354,6 +354,26 @@ def test_fan_out_check_finds_a_missing_and_a_cross_tenant_delivery() -> None:
     assert not demo_checks.fan_out(events, cast)[2].ok
 
 
+def test_own_secrets_check_finds_a_shared_secret() -> None:
+    cast = {p: Consumer(p.label, endpoints.new_secret()) for p in PARTS}
+    body = b'{"id": "s1", "version": 1}'
+
+    def sign(consumer: Consumer) -> None:
+        headers = Signer(consumer.secret.encode()).headers(
+            delivery_id="d", event_type="stream.created", attempt=1, body=body,
+            timestamp=int(time.time()),
+        )  # fmt: skip
+        consumer.sample = (body, headers)
+
+    for consumer in cast.values():
+        sign(consumer)
+    assert demo_checks.own_secrets(cast).ok
+    cast[SYNC].use_secret(cast[LEDGER].secret)  # two endpoints, one secret
+    sign(cast[SYNC])
+    shared = demo_checks.own_secrets(cast)
+    assert not shared.ok and "2 verified" in shared.detail
+
+
 def test_ordering_check_finds_a_later_event_first_and_a_stalled_stream() -> None:
     consumer = Consumer("globex/sync", "", ordered=True)
     held = consumer.hold_back("a", 3)

@@ -123,11 +123,12 @@ def fan_out(events: Sequence[Committed], cast: Mapping[Part, Consumer]) -> list[
 
 
 def own_secrets(cast: Mapping[Part, Consumer]) -> Check:
-    """Each endpoint's deliveries verify with its own secret and with no other's."""
+    """Each endpoint's deliveries verify with its own secret and with no other's: one
+    request of every endpoint that received any is tried with every other secret."""
     crossed = sampled = 0
     for part, consumer in cast.items():
         if consumer.sample is None:
-            continue
+            continue  # nothing it subscribes to was written yet
         sampled += 1
         body, headers = consumer.sample
         for other_part, other in cast.items():
@@ -136,8 +137,9 @@ def own_secrets(cast: Mapping[Part, Consumer]) -> Check:
     failures = sum(c.signature_failures for c in cast.values())
     return Check(
         "each endpoint's consumer verifies with its own secret; no other secret fits",
-        sampled == len(cast) and crossed == 0 and failures == 0,
-        f"{sampled} secrets, {crossed} verified another's request, {failures} failures",
+        sampled >= 2 and crossed == 0 and failures == 0,
+        f"requests of {sampled} endpoints tried with the {len(cast) - 1} other secrets:"
+        f" {crossed} verified; {failures} failures",
     )
 
 
