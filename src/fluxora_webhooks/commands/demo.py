@@ -26,7 +26,7 @@ endpoint. Payment-stream writes (create, update, pause, cancel) each enqueue a s
 event for their tenant in the same transaction, a few of them rolled back. In five steps:
 fan-out (each event to every subscribed endpoint of its tenant, no other); isolation and
 auto-disable (one endpoint hangs, the others keep their speed, it is disabled after
-WEBHOOK_DISABLE_AFTER, its deliveries parked, the operator told); back (enabled, the parked
+WEBHOOK_DISABLE_AFTER, its deliveries parked, the operator told); re-enable (the parked
 deliveries sent); recovery (dead letters re-queued with recover, same delivery ids);
 per-stream ordering (a retrying head delays only its own stream). Every step is checked;
 the summary lists the checks, and the demo exits 0 only when all of them held. Then it
