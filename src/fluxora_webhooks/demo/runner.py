@@ -9,9 +9,9 @@ stream events, waits until what it shows has happened (or the run's timeout), an
 1. Fan-out: every event reaches each endpoint of its tenant that subscribes to it.
 2. Isolation and auto-disable: acme/ledger hangs; the others keep receiving; ledger is
    disabled after ``WEBHOOK_DISABLE_AFTER``, its deliveries parked; the operator is told.
-3. Back: ledger answers again and is enabled; its parked deliveries are delivered.
-4. Recovery: initech/billing rejects everything for a while (dead letters); ``recover``
-   re-queues them and they are delivered with their delivery ids.
+3. Re-enable: ledger answers again and is enabled; its parked deliveries are delivered.
+4. Recovery: initech/billing rejects every second request for a while (dead letters);
+   ``recover`` re-queues them and they are delivered with their delivery ids.
 5. Ordering: globex/sync is ordered; one stream's head is refused three times while the
    other streams flow.
 """
