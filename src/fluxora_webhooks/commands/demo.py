@@ -20,23 +20,31 @@ NAME = "demo"
 HELP = "the whole system end to end on local engines"
 
 DESCRIPTION = """\
-The original system end to end: payment-stream writes (create, update, pause, cancel), each
-enqueuing a stream.* webhook event in the same transaction, a few of them rolled back; the
-dispatcher, with the Redis rate limit, delivers to a local consumer that verifies every
-signature, de-duplicates by delivery id and answers 503 to some first attempts. Ends with a
-summary, and exits 0 only when every committed event was delivered and verified, nothing
-from a rolled-back write was sent, and nothing was dead-lettered. Then it starts the
-management API and dashboard (WEBHOOK_API_PORT, default 8080, or a free port) and prints
-their URL and an admin token; with --serve on a terminal they keep running until Ctrl-C.
+Many endpoints end to end. Three tenants of a payment-streams application, five endpoints
+(each with its own secret, event-type subscription and verifying consumer) and an operator
+endpoint. Payment-stream writes (create, update, pause, cancel) each enqueue a stream.*
+event for their tenant in the same transaction, a few of them rolled back. In five steps:
+fan-out (each event to every subscribed endpoint of its tenant, no other); isolation and
+auto-disable (one endpoint hangs, the others keep their speed, it is disabled after
+WEBHOOK_DISABLE_AFTER, its deliveries parked, the operator told); re-enable (the parked
+deliveries sent); recovery (dead letters re-queued with recover, same delivery ids);
+per-stream ordering (a retrying head delays only its own stream). Every step is checked;
+the summary lists the checks, and the demo exits 0 only when all of them held. Then it
+starts the management API and dashboard (WEBHOOK_API_PORT, default 8080, or a free port)
+and prints their URL and an admin token; with --serve on a terminal they keep running
+until Ctrl-C.
 
 Runs on the embedded PostgreSQL and Redis in $FLUXORA_HOME (default ./.fluxora) unless
-DATABASE_URL / REDIS_URL are set. The demo clears and rewrites only its own rows (the table
-demo_streams and the outbox rows of its streams), and refuses a database whose outbox holds
-other pending events.
+DATABASE_URL / REDIS_URL are set. The demo clears and rewrites only what is its own (the
+table demo_streams, the tenants fluxora-demo-* and their endpoints, the outbox and
+dead-letter rows of its streams and tenants and the operator events about them), and
+refuses a database whose outbox holds other pending events.
 """
 
 
 MAX_RATE = 1_000_000.0
+# Each step needs a few writes of every tenant.
+MIN_EVENTS = 30
 MAX_EVENTS = 1_000_000
 MAX_TIMEOUT_S = 86_400
 _DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?", re.ASCII)
@@ -55,10 +63,10 @@ def _rate(text: str) -> float:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--events",
-        type=int_option("--events", low=1, high=MAX_EVENTS),
+        type=int_option("--events", low=MIN_EVENTS, high=MAX_EVENTS),
         default=300,
         metavar="N",
-        help="stream writes (300)",
+        help=f"stream writes, shared by the steps ({MIN_EVENTS} or more; 300)",
     )
     parser.add_argument(
         "--seed",
@@ -140,8 +148,9 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, redis_url, home = found.database_url, found.redis_url, found.home
 
     console.print(
-        f"[bold]fluxora-webhooks demo[/]: {options.events} payment-stream writes"
-        f" (seed {options.seed}), each enqueuing its webhook event in the same transaction."
+        f"[bold]fluxora-webhooks demo[/]: many endpoints. {options.events} payment-stream"
+        f" writes (seed {options.seed}) for 3 tenants, each enqueuing its webhook event in the"
+        " same transaction; five steps, each checked."
     )
     from ..embedded import EmbeddedEngines, describe
 
