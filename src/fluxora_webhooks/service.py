@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -31,6 +32,8 @@ from .migrations import check_schema
 from .ops import BACKLOG_COUNT_CAP, read_backlog, set_backlog_gauges
 from .redis_gate import gate_for
 from .settings import Settings, database_url_secrets
+from .telemetry import AttemptTracer
+from .telemetry import from_env as tracer_from_env
 
 log = logging.getLogger("fluxora_webhooks.service")
 
@@ -52,9 +55,13 @@ class Service:
         database_url: str,
         redis_url: str | None,
         clock: Callable[[], float] = time.time,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
-        self.clock = clock  # the dispatcher's wall clock (see Dispatcher)
+        self.clock = clock
+        # The OTEL_* variables are read from here (the process's environment by default).
+        self.env: Mapping[str, str] = os.environ if env is None else env
+        self.tracer: AttemptTracer | None = None  # the dispatcher's wall clock (see Dispatcher)
         self.database_url = database_url
         self.redis_url = redis_url
         self.dispatcher: Dispatcher | None = None
@@ -94,11 +101,16 @@ class Service:
         background: Any = None
         task: asyncio.Task[None] | None = None
         try:
+            self.tracer = tracer_from_env(self.env)
             await self.check()
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)
             self.dispatcher = Dispatcher(
-                self.settings, conninfo=self.database_url, gate=gate, clock=self.clock
+                self.settings,
+                conninfo=self.database_url,
+                gate=gate,
+                clock=self.clock,
+                tracer=self.tracer,
             )
             if self._stop_requested.is_set():
                 return
@@ -133,6 +145,8 @@ class Service:
             await gate.close()
             if self._web is not None:
                 await self._web.cleanup()
+            if self.tracer is not None:
+                await self._flush_spans(self.tracer)
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
@@ -153,6 +167,15 @@ class Service:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _flush_spans(self, tracer: AttemptTracer) -> None:
+        """The last spans go out (bounded: an exporter that cannot reach its collector
+        does not hold the exit), in a thread: the exporters block."""
+        try:
+            await asyncio.to_thread(tracer.shutdown)
+        except Exception as exc:
+            log.warning("spans not flushed (%s)", type(exc).__name__)
+        self.tracer = None
 
     def stop(self) -> None:
         """First call: drain and stop. A second call: stop at once."""

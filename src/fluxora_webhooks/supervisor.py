@@ -49,6 +49,7 @@ from .migrations import check_schema
 from .queries import query
 from .service import DRAIN_GRACE_S, start_api
 from .settings import Settings
+from .telemetry import check_env as check_telemetry_env
 
 log = logging.getLogger("fluxora_webhooks.supervisor")
 
@@ -151,6 +152,7 @@ class Supervisor:
             logs.add_sensitive_url(url)
         slots: list[asyncio.Task[None]] = []
         try:
+            check_telemetry_env(self.env)
             await self._check_database()
             if self._stopping.is_set():
                 return
