@@ -29,7 +29,14 @@ from .errors import ConfigError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
 from .migrations import check_schema
-from .ops import BACKLOG_COUNT_CAP, read_backlog, set_backlog_gauges
+from .ops import (
+    BACKLOG_COUNT_CAP,
+    METRIC_ENDPOINTS,
+    read_backlog,
+    read_endpoint_health,
+    set_backlog_gauges,
+    set_endpoint_gauges,
+)
 from .redis_gate import gate_for
 from .settings import Settings, database_url_secrets
 from .telemetry import AttemptTracer
@@ -279,6 +286,9 @@ class Service:
                         )
                     async with asyncio.timeout(max(self.gauge_interval_s, 5.0)):
                         set_backlog_gauges(await read_backlog(conn, BACKLOG_COUNT_CAP))
+                        if not metrics.IN_WORKER:  # under a supervisor, it reads them
+                            health = await read_endpoint_health(conn, METRIC_ENDPOINTS)
+                            set_endpoint_gauges(health)
                 except Exception as exc:  # the gauges keep their values; the loop goes on
                     metrics.BACKLOG_REFRESH_ERRORS.inc()
                     if isinstance(exc, psycopg.Error | OSError | TimeoutError):

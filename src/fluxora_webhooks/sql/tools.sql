@@ -39,3 +39,63 @@ WHERE processed AND processed_at >= %(after)s
   AND (%(endpoint)s::text IS NULL OR endpoint_id = %(endpoint)s)
 ORDER BY processed_at, id
 LIMIT %(limit)s;
+
+-- name: endpoint_health
+-- The endpoints, worst first, %(limit)s of them: disabled by the dispatcher (gone,
+-- failing), then the longest failure streak, then the largest backlog. Pending deliveries
+-- are counted up to %(cap)s per endpoint (webhook_outbox_endpoint_pending_idx), so a reading
+-- costs at most that many index entries per endpoint however large a backlog grows; the
+-- window totals cover every endpoint, not only those returned.
+SELECT e.id, e.tenant, e.state, e.disabled_reason, e.disabled_at, e.failing_since,
+       EXTRACT(EPOCH FROM now() - e.failing_since)::float8 AS failing_for_s,
+       p.pending, p.parked,
+       count(*) OVER () AS endpoints_total,
+       count(*) FILTER (WHERE e.state = 'disabled') OVER () AS disabled_total,
+       count(*) FILTER (WHERE e.state = 'enabled' AND e.failing_since IS NOT NULL) OVER ()
+         AS failing_total,
+       sum(p.pending) OVER () AS pending_total
+FROM webhook_endpoints e
+CROSS JOIN LATERAL (
+    SELECT count(*) AS pending, count(*) FILTER (WHERE x.hold = 'parked') AS parked
+    FROM (
+        SELECT o.hold FROM webhook_outbox o
+        WHERE o.endpoint_id = e.id AND NOT o.processed
+        LIMIT %(cap)s
+    ) x
+) p
+ORDER BY (e.state = 'disabled' AND e.disabled_reason <> 'manual') DESC,
+         e.failing_since ASC NULLS LAST, p.pending DESC, (e.state = 'disabled') DESC, e.id
+LIMIT %(limit)s;
+
+-- name: endpoint_last_errors
+-- The last failure of each of %(ids)s: the attempt before its newest pending retry (among
+-- its newest pending rows, through webhook_outbox_endpoint_pending_idx and the delivery
+-- id), or its newest dead letter (webhook_dead_letter_endpoint_idx), whichever is later.
+SELECT e.id, f.status_code, f.error, f.at
+FROM unnest(%(ids)s::text[]) AS e(id)
+CROSS JOIN LATERAL (
+    SELECT c.status_code, c.error, c.at
+    FROM (
+        (SELECT prev.status_code, prev.error, prev.processed_at AS at
+         FROM (
+             SELECT r.delivery_id, r.attempt FROM webhook_outbox r
+             WHERE r.endpoint_id = e.id AND NOT r.processed
+             ORDER BY r.id DESC
+             LIMIT 200
+         ) r
+         JOIN webhook_outbox prev
+           ON prev.delivery_id = r.delivery_id AND prev.attempt = r.attempt - 1
+          AND prev.processed AND prev.outcome = 'retry'
+         WHERE r.attempt > 1
+         ORDER BY prev.processed_at DESC
+         LIMIT 1)
+        UNION ALL
+        (SELECT d.last_status, d.last_error, d.dead_at
+         FROM webhook_dead_letter d
+         WHERE d.endpoint_id = e.id AND d.state = 'dead'
+         ORDER BY d.dead_at DESC, d.id DESC
+         LIMIT 1)
+    ) c
+    ORDER BY c.at DESC
+    LIMIT 1
+) f;
