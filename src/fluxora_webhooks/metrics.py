@@ -1,8 +1,10 @@
 """The Prometheus series, all in one place.
 
-Labels never carry a URL or a secret: there is one consumer per process, so no series
-names it. Counters are exposed with the ``_total`` suffix (``fluxora_webhook_deliveries``
-is scraped as ``fluxora_webhook_deliveries_total``).
+Labels never carry a URL or a secret. The per-endpoint series name endpoints by id, and
+only the worst few of the last reading plus one ``_other`` (:class:`EndpointCollector`), so
+their number stays bounded however many endpoints there are. Counters are exposed with the
+``_total`` suffix (``fluxora_webhook_deliveries`` is scraped as
+``fluxora_webhook_deliveries_total``).
 
 Who writes what:
 
@@ -12,9 +14,10 @@ Who writes what:
   transitions;
 - the service, in the background (``service.py``): the backlog gauges (outbox pending and
   due, oldest due age, dead letters waiting), read every few seconds from the partial
-  indexes with capped counts, the breaker state read from Redis, and the retention
-  counters;
-- the supervisor (``supervisor.py``): workers wanted and dispatching, worker restarts.
+  indexes with capped counts, the worst endpoints' health, the breaker state read from
+  Redis, and the retention counters;
+- the supervisor (``supervisor.py``): workers wanted and dispatching, worker restarts, and
+  (instead of a worker) the worst endpoints' health, read at a scrape.
 
 Every label value that can occur is created at import, so each series exists (at 0) from
 the first scrape and ``rate()``/``increase()`` see the first event.
