@@ -137,14 +137,28 @@ class EndpointHealth:
 
 
 async def read_endpoint_health(
-    conn: psycopg.AsyncConnection[Any], limit: int, cap: int = ENDPOINT_COUNT_CAP
+    conn: psycopg.AsyncConnection[Any],
+    limit: int,
+    cap: int = ENDPOINT_COUNT_CAP,
+    *,
+    timeout_ms: int | None = None,
 ) -> EndpointHealth:
     """The ``limit`` worst endpoints (disabled by the dispatcher, then the longest failure
     streak, then the largest backlog) and totals over every endpoint. Pending deliveries
     are counted up to ``cap`` per endpoint from the partial index of pending deliveries:
-    a reading's cost is bounded by the number of endpoints times ``cap`` index entries."""
+    a reading's cost is bounded by the number of endpoints times ``cap`` index entries.
+    ``timeout_ms``: the server gives up on the reading after that long (a background
+    reading must not run on when a huge backlog makes it slow)."""
     cur = conn.cursor(row_factory=dict_row)
-    await cur.execute(query("endpoint_health"), {"limit": max(limit, 1), "cap": cap})
+    params = {"limit": max(limit, 1), "cap": cap}
+    if timeout_ms is None:
+        await cur.execute(query("endpoint_health"), params)
+    else:
+        async with conn.transaction():
+            await cur.execute(
+                "SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),)
+            )
+            await cur.execute(query("endpoint_health"), params)
     rows = await cur.fetchall()
     if not rows:
         return EndpointHealth([], 0, 0, 0, 0, cap)

@@ -46,6 +46,8 @@ log = logging.getLogger("fluxora_webhooks.service")
 
 DRAIN_GRACE_S = 5.0
 GAUGE_REFRESH_S = 5.0
+# The reading of the endpoints' health for the per-endpoint series gives up after this.
+ENDPOINT_READING_TIMEOUT_MS = 3_000
 # With WEBHOOK_RETENTION set: a prune at start-up, then one per interval.
 RETENTION_INTERVAL_S = 600.0
 # A partitioned outbox's partitions ahead are checked this often (they last intervals).
@@ -286,9 +288,6 @@ class Service:
                         )
                     async with asyncio.timeout(max(self.gauge_interval_s, 5.0)):
                         set_backlog_gauges(await read_backlog(conn, BACKLOG_COUNT_CAP))
-                        if not metrics.IN_WORKER:  # under a supervisor, it reads them
-                            health = await read_endpoint_health(conn, METRIC_ENDPOINTS)
-                            set_endpoint_gauges(health)
                 except Exception as exc:  # the gauges keep their values; the loop goes on
                     metrics.BACKLOG_REFRESH_ERRORS.inc()
                     if isinstance(exc, psycopg.Error | OSError | TimeoutError):
@@ -298,6 +297,8 @@ class Service:
                     if conn is not None:
                         await conn.close()
                     conn = None
+                if conn is not None and not metrics.IN_WORKER:  # else the supervisor reads it
+                    await _refresh_endpoint_gauges(conn)
                 await self._refresh_breaker_state()
                 await asyncio.sleep(self.gauge_interval_s)
         finally:
@@ -411,6 +412,22 @@ class Service:
             except Exception as exc:  # the partitions ahead last intervals: try again later
                 log.warning("outbox partitions not checked (%s)", type(exc).__name__)
             await asyncio.sleep(self.partitions_interval_s)
+
+
+async def _refresh_endpoint_gauges(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The per-endpoint series from one reading, bounded on the server (the backlog gauges
+    do not depend on it: a failed reading keeps the last one)."""
+    try:
+        health = await read_endpoint_health(
+            conn, METRIC_ENDPOINTS, timeout_ms=ENDPOINT_READING_TIMEOUT_MS
+        )
+    except (psycopg.Error, OSError) as exc:
+        log.debug("endpoint health not read: %s", type(exc).__name__)
+        return
+    except Exception:  # never let the gauges' task die
+        log.exception("endpoint health not read")
+        return
+    set_endpoint_gauges(health)
 
 
 async def _try_lock(conn: psycopg.AsyncConnection[Any], key: int) -> bool:

@@ -48,7 +48,7 @@ from .errors import ConfigError, SchemaError
 from .migrations import check_schema
 from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
 from .queries import query
-from .service import DRAIN_GRACE_S, GAUGE_REFRESH_S, start_api
+from .service import DRAIN_GRACE_S, ENDPOINT_READING_TIMEOUT_MS, GAUGE_REFRESH_S, start_api
 from .settings import Settings
 from .telemetry import check_env as check_telemetry_env
 
@@ -373,11 +373,14 @@ class Supervisor:
                 return
             self._endpoints_read_at = time.monotonic()
             try:
-                async with asyncio.timeout(3.0):
+                async with asyncio.timeout(ENDPOINT_READING_TIMEOUT_MS / 1000 + 2):
                     async with await psycopg.AsyncConnection.connect(
                         self.database_url, autocommit=True, connect_timeout=3
                     ) as conn:
-                        set_endpoint_gauges(await read_endpoint_health(conn, METRIC_ENDPOINTS))
+                        health = await read_endpoint_health(
+                            conn, METRIC_ENDPOINTS, timeout_ms=ENDPOINT_READING_TIMEOUT_MS
+                        )
+                        set_endpoint_gauges(health)
             except Exception as exc:  # the last reading stays
                 log.debug("endpoint health not read: %s", type(exc).__name__)
 

@@ -6,7 +6,9 @@ failure streak and last error, in text and ``--json``; the per-endpoint series n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import aiohttp
 import psycopg
 import pytest
 from prometheus_client import generate_latest
@@ -14,7 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fluxora_webhooks import metrics
 from fluxora_webhooks.ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
-from tests.support.procs import command_env, run_command
+from tests.e2e.test_observability import free_port
+from tests.support.dispatch import wait_until
+from tests.support.procs import command_env, dispatcher_env, dispatchers, run_command
+from tests.support.scrape import scrape, total
 
 pytestmark = pytest.mark.e2e
 
@@ -149,3 +154,35 @@ async def test_per_endpoint_series_are_bounded_and_never_stale(database_url: str
     assert "ep_gone" not in pending and "ep_h6" in pending
     assert len(pending) == METRIC_ENDPOINTS + 1
     assert "ep_gone" not in _samples("fluxora_webhook_endpoint_failing_seconds")
+
+
+async def test_a_running_service_serves_the_bounded_per_endpoint_series(
+    database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    await _seed(database_url)
+    port = free_port()
+    env = dispatcher_env(
+        database_url, redis_url, "http://127.0.0.1:9/unused", redis_prefix,
+        WEBHOOK_METRICS_PORT=str(port),
+    )  # fmt: skip
+    async with dispatchers(1, env, tmp_path) as (service,):
+
+        async def read() -> bool:
+            try:
+                samples = await scrape(port)
+            except (aiohttp.ClientError, OSError):
+                return False
+            found = {
+                dict(labels)["endpoint"]: value
+                for (name, labels), value in samples.items()
+                if name == "fluxora_webhook_endpoint_pending"
+            }
+            if not found:
+                return False
+            assert len(found) == METRIC_ENDPOINTS + 1, found
+            assert found["ep_big"] == 30 and found[metrics.OTHER_ENDPOINTS] == 10
+            disabled = total(samples, "fluxora_webhook_endpoints", state="disabled")
+            assert disabled == 2
+            return True
+
+        await wait_until(read, timeout=30, what=f"the per-endpoint series\n{service.log()}")

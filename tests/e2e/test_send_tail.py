@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -196,18 +197,25 @@ def test_send_refuses_bad_input_and_says_when_nothing_routes_it(
 
 def test_tail_on_a_terminal_shows_stored_text_as_data(capsys: pytest.CaptureFixture[str]) -> None:
     from fluxora_webhooks.commands.tail import _pretty_printer
+    from fluxora_webhooks.tooling import Attempt
 
     show = _pretty_printer()
     show(
-        {
-            "at": "2026-12-01T11:00:00.123456+00:00", "delivery_id": "d-1", "tenant": "acme",
-            "endpoint_id": "ep_1", "event_type": "stream.[bold]x[/bold]", "stream_id": "s",
-            "attempt": 3, "outcome": "retry", "status_code": 503, "duration_ms": 12.5,
-            "error": "HTTP 503 \x1b[31mred\x1b]0;title\x07",
-        }
+        Attempt(
+            id=1, at=datetime(2026, 12, 1, 11, 0, 0, 123456, tzinfo=UTC), delivery_id="d-1",
+            tenant="acme", endpoint_id="ep_1", event_type="stream.[bold]x[/bold]",
+            stream_id="s", attempt=3, outcome="retry", status_code=503, duration_ms=12.5,
+            error="HTTP 503 \x1b[31mred\x1b]0;title\x07",
+        )
     )  # fmt: skip
     out = capsys.readouterr().out
-    assert "11:00:00.123" in out and "retry" in out and "503" in out and "12.5 ms" in out
+    shown = datetime(2026, 12, 1, 11, 0, 0, 123456, tzinfo=UTC).astimezone()
+    assert (
+        shown.strftime("%H:%M:%S.123") in out
+        and "retry" in out
+        and "503" in out
+        and "12.5 ms" in out
+    )
     assert "ep_1" in out and "d-1 #3" in out
     assert "stream.[bold]x[/bold]" in out  # literal, never markup
     assert "\x1b" not in out and "\\x1b[31mred" in out and "\\x07" in out

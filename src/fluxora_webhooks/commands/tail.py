@@ -17,11 +17,11 @@ import json
 import math
 import signal
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from ..errors import ConfigError, NotFoundError
 from ..settings import MAX_BIGINT
+from ..tooling import Attempt
 from .common import engines, int_option, run_async
 
 NAME = "tail"
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             printer = _json_line if as_json else _pretty_printer()
             while not stop.is_set():
                 for attempt in await cursor.poll(conn):
-                    printer(attempt.as_json())
+                    printer(attempt)
                     shown += 1
                     if args.limit is not None and shown >= args.limit:
                         return 0
@@ -113,11 +113,11 @@ def _scope(tenant: str | None, endpoint: str | None) -> str:
     return ", ".join(parts) or "every tenant"
 
 
-def _json_line(attempt: dict[str, Any]) -> None:
-    print(json.dumps(attempt), flush=True)
+def _json_line(attempt: Attempt) -> None:
+    print(json.dumps(attempt.as_json()), flush=True)
 
 
-def _pretty_printer() -> Any:
+def _pretty_printer() -> Callable[[Attempt], None]:
     from rich.console import Console
     from rich.text import Text
 
@@ -125,19 +125,19 @@ def _pretty_printer() -> Any:
 
     console = Console(highlight=False, soft_wrap=True)
 
-    def show(a: dict[str, Any]) -> None:
+    def show(a: Attempt) -> None:
         # Stored text (event types, errors) is data: never markup, controls made visible.
         line = Text()
-        line.append(a["at"][11:23], style="dim")
-        line.append(f"  {a['outcome']:<11}", style=_OUTCOME_STYLE.get(a["outcome"], ""))
-        line.append(f" {a['status_code'] if a['status_code'] is not None else '-':>3}")
-        duration = a["duration_ms"]
-        line.append(f" {'-' if duration is None else f'{duration:,.1f} ms':>10}")
-        line.append(f"  {bounded(visible(str(a['endpoint_id'])), 32)}", style="cyan")
-        line.append(f"  {bounded(visible(a['event_type']), 40)}")
-        line.append(f"  {a['delivery_id']} #{a['attempt']}", style="dim")
-        if a["error"] and a["outcome"] != "delivered":
-            line.append(f"  {bounded(visible(a['error']), 100)}", style="red")
+        line.append(a.at.astimezone().strftime("%H:%M:%S.%f")[:-3], style="dim")
+        line.append(f"  {a.outcome:<11}", style=_OUTCOME_STYLE.get(a.outcome, ""))
+        line.append(f" {a.status_code if a.status_code is not None else '-':>3}")
+        duration = "-" if a.duration_ms is None else f"{a.duration_ms:,.1f} ms"
+        line.append(f" {duration:>10}")
+        line.append(f"  {bounded(visible(str(a.endpoint_id)), 32)}", style="cyan")
+        line.append(f"  {bounded(visible(a.event_type), 40)}")
+        line.append(f"  {a.delivery_id} #{a.attempt}", style="dim")
+        if a.error and a.outcome != "delivered":
+            line.append(f"  {bounded(visible(a.error), 100)}", style="red")
         console.print(line)
 
     return show
