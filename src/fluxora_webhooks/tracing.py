@@ -23,6 +23,7 @@ _TRACEPARENT = re.compile(
     r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^\x00-\x20\x7f-\xff]*)?",
     re.ASCII,
 )
+_VERSION_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", re.ASCII)
 _ZERO_TRACE = "0" * 32
 _ZERO_PARENT = "0" * 16
 # A tracestate list member: key=value, keys simple or multi-tenant (tenant@system).
@@ -54,6 +55,11 @@ def traceparent_header(value: object) -> str | None:
     reader of version 00 does), else None. Never raises."""
     if not isinstance(value, str) or len(value) > _MAX_TRACEPARENT_CHARS:
         return None
+    if len(value) == 55 and value[:3] == "00-" and _VERSION_00.fullmatch(value):
+        # The common case, checked in one match: a version 00 header as written.
+        if value[3:35] == _ZERO_TRACE or value[36:52] == _ZERO_PARENT:
+            return None
+        return value
     match = _TRACEPARENT.fullmatch(value.strip(" \t"))
     if match is None:
         return None
