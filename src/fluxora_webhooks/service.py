@@ -67,10 +67,10 @@ class Service:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
-        self.clock = clock
+        self.clock = clock  # the dispatcher's wall clock (see Dispatcher)
         # The OTEL_* variables are read from here (the process's environment by default).
         self.env: Mapping[str, str] = os.environ if env is None else env
-        self.tracer: AttemptTracer | None = None  # the dispatcher's wall clock (see Dispatcher)
+        self.tracer: AttemptTracer | None = None
         self.database_url = database_url
         self.redis_url = redis_url
         self.dispatcher: Dispatcher | None = None

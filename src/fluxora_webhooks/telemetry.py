@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from ._version import __version__
 from .errors import ConfigError
 from .outbox import Claimed
+from .tracing import passthrough
 
 if TYPE_CHECKING:
     from .delivery import AttemptResult
@@ -166,7 +167,16 @@ class AttemptTracer:
     def start(self, row: Claimed, target: Target, headers: MutableMapping[str, str]) -> Any:
         """Start the attempt's span, child of the row's stored context (a malformed one is
         ignored: a fresh trace), and put ``traceparent``/``tracestate`` naming it into
-        ``headers``."""
+        ``headers``. Never raises: a tracing failure must not fail a delivery (the stored
+        context is then passed through, and None returned)."""
+        try:
+            return self._start(row, target, headers)
+        except Exception:
+            log.exception("attempt span not started; the stored trace context is passed on")
+            headers.update(passthrough(row.traceparent, row.tracestate))
+            return None
+
+    def _start(self, row: Claimed, target: Target, headers: MutableMapping[str, str]) -> Any:
         parent = None
         if row.traceparent:
             carrier = {"traceparent": row.traceparent}
@@ -193,7 +203,14 @@ class AttemptTracer:
     def end(self, span: Any, result: AttemptResult | None, outcome: str) -> None:
         """End the span with the attempt's status code and outcome (``delivered``,
         ``retry``, ``dead_letter``, ``parked``; ``cancelled`` when the request was
-        abandoned). The error's type is the attempt's reason, never the consumer's text."""
+        abandoned). The error's type is the attempt's reason, never the consumer's text.
+        Never raises."""
+        try:
+            self._end(span, result, outcome)
+        except Exception:
+            log.exception("attempt span not ended")
+
+    def _end(self, span: Any, result: AttemptResult | None, outcome: str) -> None:
         try:
             span.set_attribute("fluxora.outcome", outcome)
             if result is not None and result.status is not None:

@@ -104,3 +104,26 @@ def test_unknown_exporter_or_protocol_is_an_error_naming_the_variable() -> None:
         otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
     assert otlp_protocol({}) == "http/protobuf"
     assert otlp_protocol({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}) == "grpc"
+
+
+def test_a_failing_tracer_never_fails_the_attempt(caplog: pytest.LogCaptureFixture) -> None:
+    from fluxora_webhooks.outbox import Claimed
+    from fluxora_webhooks.signing import Signer
+    from fluxora_webhooks.targets import Target
+    from fluxora_webhooks.telemetry import AttemptTracer
+
+    class Broken:
+        def get_tracer(self, *args: object) -> Broken:
+            return self
+
+        def start_span(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("exporter exploded")
+
+    tracer = AttemptTracer(Broken())
+    row = Claimed(1, "d-1", "stream.updated", b"{}", 1, traceparent=VALID, tracestate="a=1")
+    target = Target("ep_1", "acme", "https://x.example/h?token=t", Signer(b"k" * 32))
+    headers: dict[str, str] = {}
+    assert tracer.start(row, target, headers) is None
+    assert headers == {"traceparent": VALID, "tracestate": "a=1"}  # passed through
+    tracer.end(object(), None, "cancelled")  # a span that cannot be ended: logged only
+    assert "attempt span not started" in caplog.text and "attempt span not ended" in caplog.text
