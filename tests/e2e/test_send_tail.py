@@ -129,6 +129,9 @@ async def test_send_prints_the_delivery_ids_and_tail_shows_their_attempts_in_sco
         acme_lines = await lines_of(acme)
         bolt_lines = await lines_of(bolt_only)
         all_lines = await lines_of(everyone)
+        async with tail(env) as endless:  # no --limit, no --for: until SIGTERM
+            endless.terminate()
+            assert await asyncio.wait_for(endless.wait(), 30) == 0
 
     received = receiver.by_delivery()
     assert [r.attempt for r in received[acme_delivery]] == [1, 2]
@@ -179,6 +182,8 @@ def test_send_refuses_bad_input_and_says_when_nothing_routes_it(
     assert code == 2 and "--for" in out
     code, out = cli("tail", "--endpoint", "ep_missing", "--for", "1")
     assert code == 1 and "no endpoint 'ep_missing'" in out
+    code, out = cli("tail", "--for", "0.3", "--json")  # nothing happens: ends, exit 0
+    assert code == 0 and "tailing attempts of every tenant" in out and "{" not in out
 
     # No dispatcher running: enqueued, not routed within --wait (exit 1, and it says so).
     code, out = cli("send", "--event", "stream.updated", "--payload", "{}", "--wait", "0.3",

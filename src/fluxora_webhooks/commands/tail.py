@@ -80,6 +80,13 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             loop.add_signal_handler(sig, stop.set)
         if args.duration is not None:
             loop.call_later(args.duration, stop.set)
+        try:
+            return await tail(stop)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    async def tail(stop: asyncio.Event) -> int:
         shown = 0
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             await check_schema(conn)
