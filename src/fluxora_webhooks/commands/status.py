@@ -157,7 +157,8 @@ def render(snapshot: dict[str, Any]) -> None:
             _num(times.get("p95")),
         )
     console.print(table)
-    _render_endpoints(console, snapshot["endpoints"])
+    if snapshot.get("endpoints") is not None:
+        _render_endpoints(console, snapshot["endpoints"])
 
     consumer = snapshot["consumer"]
     if consumer is None:
