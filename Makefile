@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench,embedded,api]'
+	$(BIN)/pip install --quiet -e '.[dev,bench,embedded,api,otel]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -27,7 +27,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
-from .batch import Batch, Send, breaker_signal
+from .batch import GONE, Batch, Send, breaker_signal
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
@@ -39,6 +39,8 @@ from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer, standard_key
 from .targets import Target, Targets
+from .telemetry import AttemptTracer
+from .tracing import passthrough
 from .urlpolicy import loopback_rule, validate_url
 from .waker import Waker
 
@@ -76,6 +78,7 @@ class Dispatcher:
         client: HttpClient | None = None,
         policy: RetryPolicy | None = None,
         clock: Callable[[], float] = time.time,
+        tracer: AttemptTracer | None = None,
     ) -> None:
         env: dict[str, tuple[str, Signer]] = {}
         env_secrets: dict[str, tuple[str, ...]] = {}
@@ -109,6 +112,9 @@ class Dispatcher:
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
+        # With the otel extra and OTEL_* set: one span per attempt. None: a valid stored
+        # trace context is passed through as it is, and nothing else is done per request.
+        self.tracer = tracer
         # One client per address policy: (built-in?, allow loopback, require loopback). A
         # client given to the constructor (tests) serves every endpoint.
         self._given_client = client
@@ -444,6 +450,9 @@ class Dispatcher:
         return result
 
     async def _attempt(self, row: Claimed, target: Target) -> AttemptResult:
+        tracer = self.tracer
+        span: Any = None
+        result: AttemptResult | None = None
         try:
             headers = target.signer.headers(
                 delivery_id=row.delivery_id,
@@ -454,7 +463,11 @@ class Dispatcher:
             )
             if target.headers:
                 headers = {**target.headers, **headers}
-            return await attempt(
+            if tracer is not None:
+                span = tracer.start(row, target, headers)
+            elif row.traceparent is not None:
+                headers.update(passthrough(row.traceparent, row.tracestate))
+            result = await attempt(
                 self._client_for(target),
                 target.url,
                 row.body,
@@ -466,11 +479,28 @@ class Dispatcher:
             )
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
-            return AttemptResult(
+            result = AttemptResult(
                 Kind.PERMANENT,
                 error=f"internal error: {type(exc).__name__}",
                 reason="internal_error",
             )
+        finally:
+            if span is not None and tracer is not None:
+                tracer.end(span, result, self._span_outcome(row, target, result))
+        return result
+
+    def _span_outcome(self, row: Claimed, target: Target, result: AttemptResult | None) -> str:
+        """What the attempt will be recorded as (the policy's decision, see batch.outcome_of),
+        for its span: ``cancelled`` when the request was abandoned."""
+        if result is None:
+            return "cancelled"
+        if result.status == GONE and not target.builtin:
+            return Outcome.PARKED.value
+        if result.kind is Kind.DELIVERED:
+            return Outcome.DELIVERED.value
+        if result.kind is Kind.RETRYABLE and not self.policy.exhausted(row.attempt):
+            return Outcome.RETRY.value
+        return Outcome.DEAD_LETTER.value
 
     def _client_for(self, target: Target) -> HttpClient:
         """The built-in endpoints' URLs are the operator's own (an explicit loopback URL is

@@ -1,8 +1,10 @@
 """The Prometheus series, all in one place.
 
-Labels never carry a URL or a secret: there is one consumer per process, so no series
-names it. Counters are exposed with the ``_total`` suffix (``fluxora_webhook_deliveries``
-is scraped as ``fluxora_webhook_deliveries_total``).
+Labels never carry a URL or a secret. The per-endpoint series name endpoints by id, and
+only the worst few of the last reading plus one ``_other`` (:class:`EndpointCollector`), so
+their number stays bounded however many endpoints there are. Counters are exposed with the
+``_total`` suffix (``fluxora_webhook_deliveries`` is scraped as
+``fluxora_webhook_deliveries_total``).
 
 Who writes what:
 
@@ -12,9 +14,10 @@ Who writes what:
   transitions;
 - the service, in the background (``service.py``): the backlog gauges (outbox pending and
   due, oldest due age, dead letters waiting), read every few seconds from the partial
-  indexes with capped counts, the breaker state read from Redis, and the retention
-  counters;
-- the supervisor (``supervisor.py``): workers wanted and dispatching, worker restarts.
+  indexes with capped counts, the worst endpoints' health, the breaker state read from
+  Redis, and the retention counters;
+- the supervisor (``supervisor.py``): workers wanted and dispatching, worker restarts, and
+  (instead of a worker) the worst endpoints' health, read at a scrape.
 
 Every label value that can occur is created at import, so each series exists (at 0) from
 the first scrape and ``rate()``/``increase()`` see the first event.
@@ -30,12 +33,21 @@ the readings that one worker takes for all (backlog, breaker state) are shown as
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from ._version import __version__
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# A worker under the supervisor writes its values to files the supervisor merges
+# (prometheus-client's multiprocess mode, chosen by this variable at import). The
+# supervisor's own series must have no sample in a worker, or they would come back from
+# every worker's files beside the supervisor's.
+_IN_WORKER = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+IN_WORKER = _IN_WORKER
 
 # Every Outcome (outbox.Outcome): attempts' outcomes, and what a row got without one.
 OUTCOMES = ("delivered", "retry", "dead_letter", "deferred", "parked", "leased", "routed")
@@ -199,6 +211,103 @@ BREAKER_STATE = Gauge(
     registry=REGISTRY,
 )
 
+# -- endpoints (bounded cardinality) ------------------------------------------------------
+
+# The endpoint label of the series that sums every endpoint not named (ids never start
+# with an underscore: see endpoints.new_id).
+OTHER_ENDPOINTS = "_other"
+ENDPOINT_STATES = ("enabled", "disabled", "failing")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointReading:
+    """One endpoint as the per-endpoint series show it."""
+
+    id: str
+    tenant: str
+    pending: int
+    failing_for_s: float  # 0: no failure streak
+    disabled: bool
+
+
+class EndpointCollector:
+    """The per-endpoint series, from the last reading of the endpoints' health (the
+    service's background reading, or the supervisor's at a scrape).
+
+    Cardinality is bounded by construction: only the worst endpoints of the last reading
+    are named (``ops.METRIC_ENDPOINTS``: disabled by the dispatcher, failing longest, largest
+    backlog), and the backlog of all the others is one series, ``endpoint="_other"``. The
+    series are made at each scrape from that reading, so an endpoint that is no longer
+    among the worst leaves no stale series behind (a Gauge per endpoint would keep every
+    label it was ever given, and in the supervisor's multiprocess files forever).
+    Nothing is exposed before the first reading.
+    """
+
+    def __init__(self) -> None:
+        self._worst: Sequence[EndpointReading] | None = None
+        self._totals = (0, 0, 0, 0)
+
+    def update(
+        self,
+        worst: Sequence[EndpointReading],
+        *,
+        total_pending: int,
+        endpoints: int,
+        disabled: int,
+        failing: int,
+    ) -> None:
+        self._worst = tuple(worst)
+        self._totals = (total_pending, endpoints, disabled, failing)
+
+    def describe(self) -> list[Metric]:
+        return []  # made at each scrape
+
+    def collect(self) -> Iterator[Metric]:
+        worst = self._worst
+        if worst is None:
+            return
+        total_pending, endpoints, disabled, failing = self._totals
+        pending = GaugeMetricFamily(
+            "fluxora_webhook_endpoint_pending",
+            "Pending deliveries of the worst endpoints (disabled by the dispatcher, failing "
+            "longest, largest backlog; counted up to a cap each), and of all the others as "
+            'endpoint="_other".',
+            labels=["endpoint", "tenant"],
+        )
+        streak = GaugeMetricFamily(
+            "fluxora_webhook_endpoint_failing_seconds",
+            "How long the named endpoints have been failing (0: their last attempt succeeded).",
+            labels=["endpoint", "tenant"],
+        )
+        off = GaugeMetricFamily(
+            "fluxora_webhook_endpoint_disabled",
+            "1 when the named endpoint is disabled (its deliveries are parked).",
+            labels=["endpoint", "tenant"],
+        )
+        named = 0
+        for e in worst:
+            labels = [e.id, e.tenant]
+            pending.add_metric(labels, e.pending)
+            streak.add_metric(labels, e.failing_for_s)
+            off.add_metric(labels, 1 if e.disabled else 0)
+            named += e.pending
+        pending.add_metric([OTHER_ENDPOINTS, ""], max(0, total_pending - named))
+        states = GaugeMetricFamily(
+            "fluxora_webhook_endpoints",
+            "Endpoints by state: enabled, disabled, and failing (enabled, with a failure streak).",
+            labels=["state"],
+        )
+        states.add_metric(["enabled"], endpoints - disabled)
+        states.add_metric(["disabled"], disabled)
+        states.add_metric(["failing"], failing)
+        yield from (pending, streak, off, states)
+
+
+# In the process that serves /metrics (one service, or the supervisor: see supervisor.py).
+ENDPOINTS_COLLECTOR = EndpointCollector()
+if not _IN_WORKER:
+    REGISTRY.register(ENDPOINTS_COLLECTOR)
+
 # -- retention ---------------------------------------------------------------------------
 
 RETENTION_DELETED = Counter(
@@ -233,11 +342,6 @@ WORKER_RESTARTS = Counter(
 )
 WORKER_STATES = ("wanted", "dispatching")
 RESTART_CAUSES = ("exit", "signal")
-# A worker under the supervisor writes its values to files the supervisor merges
-# (prometheus-client's multiprocess mode, chosen by this variable at import). The
-# supervisor's own series must have no sample in a worker, or they would come back from
-# every worker's files beside the supervisor's.
-_IN_WORKER = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 
 def set_breaker_state(state: str | None) -> None:

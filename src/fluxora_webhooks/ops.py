@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
 from . import metrics
+from .endpoints import OPERATOR_TENANT
 from .logs import scrub
 from .migrations import check_schema
 from .outbox import Outcome
@@ -29,6 +31,12 @@ BACKLOG_COUNT_CAP = 100_000
 # The status command may count further than the service's gauges do: it runs once.
 STATUS_COUNT_CAP = 1_000_000
 REDIS_TIMEOUT_S = 1.0
+# Pending deliveries counted per endpoint, at most (see read_endpoint_health).
+ENDPOINT_COUNT_CAP = 10_000
+# The endpoints the per-endpoint metrics name (the worst); the others are summed as one.
+METRIC_ENDPOINTS = 10
+# The endpoints status shows by default.
+STATUS_ENDPOINTS = 10
 # The outcomes an attempt record can hold, in the order status shows them.
 RECORDED_OUTCOMES = (Outcome.DELIVERED, Outcome.RETRY, Outcome.DEAD_LETTER)
 
@@ -82,6 +90,140 @@ def set_backlog_gauges(backlog: Backlog) -> None:
     metrics.BACKLOG_REFRESHED.set(time.time())
 
 
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One endpoint's health (see :func:`read_endpoint_health`)."""
+
+    id: str
+    tenant: str
+    state: str
+    disabled_reason: str | None
+    disabled_at: datetime | None
+    failing_since: datetime | None
+    failing_for_s: float | None
+    pending: int  # counted up to the cap
+    parked: int
+    capped: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "tenant": None if self.tenant == OPERATOR_TENANT else self.tenant,
+            "state": self.state,
+            "disabled_reason": self.disabled_reason,
+            "disabled_at": None if self.disabled_at is None else self.disabled_at.isoformat(),
+            "failing_since": (
+                None if self.failing_since is None else self.failing_since.isoformat()
+            ),
+            "failing_for_seconds": (
+                None if self.failing_for_s is None else round(max(0.0, self.failing_for_s), 3)
+            ),
+            "pending": self.pending,
+            "pending_estimated": self.capped,
+            "parked": self.parked,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointHealth:
+    """The worst endpoints and totals over all of them."""
+
+    worst: list[EndpointState]
+    endpoints: int
+    disabled: int
+    failing: int  # enabled, with a failure streak
+    pending: int  # over every endpoint (each counted up to the cap)
+    cap: int
+
+
+async def read_endpoint_health(
+    conn: psycopg.AsyncConnection[Any],
+    limit: int,
+    cap: int = ENDPOINT_COUNT_CAP,
+    *,
+    timeout_ms: int | None = None,
+) -> EndpointHealth:
+    """The ``limit`` worst endpoints (disabled by the dispatcher, then the longest failure
+    streak, then the largest backlog) and totals over every endpoint. Pending deliveries
+    are counted up to ``cap`` per endpoint from the partial index of pending deliveries:
+    a reading's cost is bounded by the number of endpoints times ``cap`` index entries.
+    ``timeout_ms``: the server gives up on the reading after that long (a background
+    reading must not run on when a huge backlog makes it slow)."""
+    cur = conn.cursor(row_factory=dict_row)
+    params = {"limit": max(limit, 1), "cap": cap}
+    if timeout_ms is None:
+        await cur.execute(query("endpoint_health"), params)
+    else:
+        async with conn.transaction():
+            await cur.execute(
+                "SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),)
+            )
+            await cur.execute(query("endpoint_health"), params)
+    rows = await cur.fetchall()
+    if not rows:
+        return EndpointHealth([], 0, 0, 0, 0, cap)
+    worst = [
+        EndpointState(
+            id=r["id"],
+            tenant=r["tenant"],
+            state=r["state"],
+            disabled_reason=r["disabled_reason"],
+            disabled_at=r["disabled_at"],
+            failing_since=r["failing_since"],
+            failing_for_s=r["failing_for_s"],
+            pending=int(r["pending"]),
+            parked=int(r["parked"]),
+            capped=int(r["pending"]) >= cap,
+        )
+        for r in rows
+    ]
+    first = rows[0]
+    return EndpointHealth(
+        worst[:limit],
+        int(first["endpoints_total"]),
+        int(first["disabled_total"]),
+        int(first["failing_total"]),
+        int(first["pending_total"] or 0),
+        cap,
+    )
+
+
+async def read_last_errors(
+    conn: psycopg.AsyncConnection[Any], ids: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The last failure of each endpoint of ``ids`` that has one (status code, the stored
+    error text, when)."""
+    if not ids:
+        return {}
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("endpoint_last_errors"), {"ids": ids})
+    return {
+        r["id"]: {
+            "status_code": r["status_code"],
+            "error": r["error"],
+            "at": r["at"].isoformat() if r["at"] is not None else None,
+        }
+        for r in await cur.fetchall()
+    }
+
+
+def set_endpoint_gauges(health: EndpointHealth) -> None:
+    """The per-endpoint series: the worst :data:`METRIC_ENDPOINTS` by name, the rest as one
+    (see :class:`fluxora_webhooks.metrics.EndpointCollector`)."""
+    metrics.ENDPOINTS_COLLECTOR.update(
+        [
+            metrics.EndpointReading(
+                e.id, e.tenant, e.pending, max(0.0, e.failing_for_s or 0.0), e.state == "disabled"
+            )
+            for e in health.worst[:METRIC_ENDPOINTS]
+        ],
+        total_pending=health.pending,
+        endpoints=health.endpoints,
+        disabled=health.disabled,
+        failing=health.failing,
+    )
+
+
 async def read_recent_outcomes(
     conn: psycopg.AsyncConnection[Any], window_ms: int
 ) -> list[dict[str, Any]]:
@@ -100,14 +242,18 @@ async def read_status(
     redis_url: str | None,
     redis_prefix: str = "",
     breaker_threshold: int | None = None,
+    endpoints: int = STATUS_ENDPOINTS,
 ) -> dict[str, Any]:
-    """Everything ``status`` shows, as a JSON-ready dict."""
+    """Everything ``status`` shows, as a JSON-ready dict (``endpoints``: how many of the
+    worst endpoints)."""
     async with await psycopg.AsyncConnection.connect(
         database_url, autocommit=True, connect_timeout=10
     ) as conn:
         await check_schema(conn)
         backlog = await read_backlog(conn, STATUS_COUNT_CAP)
         recent = await read_recent_outcomes(conn, minutes * 60_000)
+        health = await read_endpoint_health(conn, endpoints)
+        errors = await read_last_errors(conn, [e.id for e in health.worst])
         now_row = await (await conn.execute("SELECT now()")).fetchone()
     assert now_row is not None
     by_outcome = {r["outcome"]: r for r in recent}
@@ -135,6 +281,14 @@ async def read_status(
                 if o in by_outcome
             },
             "last_at": (max(r["last_at"] for r in recent).isoformat() if recent else None),
+        },
+        "endpoints": {
+            "total": health.endpoints,
+            "disabled": health.disabled,
+            "failing": health.failing,
+            "pending": health.pending,
+            "counted_up_to": health.cap,
+            "worst": [{**e.as_json(), "last_error": errors.get(e.id)} for e in health.worst],
         },
         "consumer": None,
     }

@@ -1,7 +1,7 @@
 """The named SQL blocks of ``sql/queries.sql`` (the outbox), ``sql/endpoints.sql`` (the
 endpoint registry), ``sql/inbox.sql`` (the consumer's inbox), ``sql/tokens.sql`` (the API's
-tokens and sessions) and ``sql/deliveries.sql`` (events, deliveries and statistics for the
-API), loaded once."""
+tokens and sessions), ``sql/deliveries.sql`` (events, deliveries and statistics for the
+API) and ``sql/tools.sql`` (``send``, ``tail`` and the per-endpoint health), loaded once."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ _FILES = (
     "sql/inbox.sql",
     "sql/tokens.sql",
     "sql/deliveries.sql",
+    "sql/tools.sql",
 )
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -28,14 +29,25 @@ from .errors import ConfigError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
 from .migrations import check_schema
-from .ops import BACKLOG_COUNT_CAP, read_backlog, set_backlog_gauges
+from .ops import (
+    BACKLOG_COUNT_CAP,
+    METRIC_ENDPOINTS,
+    read_backlog,
+    read_endpoint_health,
+    set_backlog_gauges,
+    set_endpoint_gauges,
+)
 from .redis_gate import gate_for
 from .settings import Settings, database_url_secrets
+from .telemetry import AttemptTracer
+from .telemetry import from_env as tracer_from_env
 
 log = logging.getLogger("fluxora_webhooks.service")
 
 DRAIN_GRACE_S = 5.0
 GAUGE_REFRESH_S = 5.0
+# The reading of the endpoints' health for the per-endpoint series gives up after this.
+ENDPOINT_READING_TIMEOUT_MS = 3_000
 # With WEBHOOK_RETENTION set: a prune at start-up, then one per interval.
 RETENTION_INTERVAL_S = 600.0
 # A partitioned outbox's partitions ahead are checked this often (they last intervals).
@@ -52,9 +64,13 @@ class Service:
         database_url: str,
         redis_url: str | None,
         clock: Callable[[], float] = time.time,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock  # the dispatcher's wall clock (see Dispatcher)
+        # The OTEL_* variables are read from here (the process's environment by default).
+        self.env: Mapping[str, str] = os.environ if env is None else env
+        self.tracer: AttemptTracer | None = None
         self.database_url = database_url
         self.redis_url = redis_url
         self.dispatcher: Dispatcher | None = None
@@ -94,11 +110,16 @@ class Service:
         background: Any = None
         task: asyncio.Task[None] | None = None
         try:
+            self.tracer = tracer_from_env(self.env)
             await self.check()
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)
             self.dispatcher = Dispatcher(
-                self.settings, conninfo=self.database_url, gate=gate, clock=self.clock
+                self.settings,
+                conninfo=self.database_url,
+                gate=gate,
+                clock=self.clock,
+                tracer=self.tracer,
             )
             if self._stop_requested.is_set():
                 return
@@ -133,6 +154,8 @@ class Service:
             await gate.close()
             if self._web is not None:
                 await self._web.cleanup()
+            if self.tracer is not None:
+                await self._flush_spans(self.tracer)
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
@@ -153,6 +176,15 @@ class Service:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _flush_spans(self, tracer: AttemptTracer) -> None:
+        """The last spans go out (bounded: an exporter that cannot reach its collector
+        does not hold the exit), in a thread: the exporters block."""
+        try:
+            await asyncio.to_thread(tracer.shutdown)
+        except Exception as exc:
+            log.warning("spans not flushed (%s)", type(exc).__name__)
+        self.tracer = None
 
     def stop(self) -> None:
         """First call: drain and stop. A second call: stop at once."""
@@ -265,6 +297,8 @@ class Service:
                     if conn is not None:
                         await conn.close()
                     conn = None
+                if conn is not None and not metrics.IN_WORKER:  # else the supervisor reads it
+                    await _refresh_endpoint_gauges(conn)
                 await self._refresh_breaker_state()
                 await asyncio.sleep(self.gauge_interval_s)
         finally:
@@ -378,6 +412,22 @@ class Service:
             except Exception as exc:  # the partitions ahead last intervals: try again later
                 log.warning("outbox partitions not checked (%s)", type(exc).__name__)
             await asyncio.sleep(self.partitions_interval_s)
+
+
+async def _refresh_endpoint_gauges(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The per-endpoint series from one reading, bounded on the server (the backlog gauges
+    do not depend on it: a failed reading keeps the last one)."""
+    try:
+        health = await read_endpoint_health(
+            conn, METRIC_ENDPOINTS, timeout_ms=ENDPOINT_READING_TIMEOUT_MS
+        )
+    except (psycopg.Error, OSError) as exc:
+        log.debug("endpoint health not read: %s", type(exc).__name__)
+        return
+    except Exception:  # never let the gauges' task die
+        log.exception("endpoint health not read")
+        return
+    set_endpoint_gauges(health)
 
 
 async def _try_lock(conn: psycopg.AsyncConnection[Any], key: int) -> bool:

@@ -46,9 +46,11 @@ from prometheus_client import (
 from . import logs, metrics
 from .errors import ConfigError, SchemaError
 from .migrations import check_schema
+from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
 from .queries import query
-from .service import DRAIN_GRACE_S, start_api
+from .service import DRAIN_GRACE_S, ENDPOINT_READING_TIMEOUT_MS, GAUGE_REFRESH_S, start_api
 from .settings import Settings
+from .telemetry import check_env as check_telemetry_env
 
 log = logging.getLogger("fluxora_webhooks.supervisor")
 
@@ -59,8 +61,9 @@ HEALTHY_AFTER_S = 60.0
 KILL_MARGIN_S = 5.0
 # A worker's connections beyond its claim loops: the pool's spare and the LISTEN one.
 WORKER_EXTRA_CONNECTIONS = 2
-# Worker 0's backlog reading and retention, and the supervisor's readiness check.
-SHARED_CONNECTIONS = 3
+# Worker 0's backlog reading and retention, the supervisor's readiness check and its
+# reading of the endpoints' health (at a scrape, at most every GAUGE_REFRESH_S).
+SHARED_CONNECTIONS = 4
 
 
 def connections_needed(workers: int, claim_loops: int) -> int:
@@ -140,6 +143,10 @@ class Supervisor:
         self._registry = CollectorRegistry()
         self._registry.register(metrics.WORKERS)
         self._registry.register(metrics.WORKER_RESTARTS)
+        # The per-endpoint series are read here, not by a worker (see metrics.py).
+        self._registry.register(metrics.ENDPOINTS_COLLECTOR)
+        self._endpoints_read_at = -GAUGE_REFRESH_S
+        self._endpoints_lock = asyncio.Lock()
 
     async def run(self, *, install_signals: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -151,6 +158,7 @@ class Supervisor:
             logs.add_sensitive_url(url)
         slots: list[asyncio.Task[None]] = []
         try:
+            check_telemetry_env(self.env)
             await self._check_database()
             if self._stopping.is_set():
                 return
@@ -352,8 +360,29 @@ class Supervisor:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        await self._read_endpoints()
         body = await asyncio.to_thread(generate_latest, self._registry)  # reads N files
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _read_endpoints(self) -> None:
+        """The endpoints' health for the per-endpoint series, read at a scrape when the last
+        reading is older than GAUGE_REFRESH_S (bounded: a slow database keeps the last
+        reading, it does not hold the scrape)."""
+        async with self._endpoints_lock:
+            if time.monotonic() - self._endpoints_read_at < GAUGE_REFRESH_S:
+                return
+            self._endpoints_read_at = time.monotonic()
+            try:
+                async with asyncio.timeout(ENDPOINT_READING_TIMEOUT_MS / 1000 + 2):
+                    async with await psycopg.AsyncConnection.connect(
+                        self.database_url, autocommit=True, connect_timeout=3
+                    ) as conn:
+                        health = await read_endpoint_health(
+                            conn, METRIC_ENDPOINTS, timeout_ms=ENDPOINT_READING_TIMEOUT_MS
+                        )
+                        set_endpoint_gauges(health)
+            except Exception as exc:  # the last reading stays
+                log.debug("endpoint health not read: %s", type(exc).__name__)
 
     def _worker_counts(self) -> dict[str, int]:
         ready = sum(1 for w in self.workers.values() if w.ready)

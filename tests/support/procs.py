@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.support.dispatch import SECRET
 
-STRIP = ("DATABASE_URL", "REDIS_URL", "WEBHOOK_", "LOG_FORMAT", "FLUXORA_")
+STRIP = ("DATABASE_URL", "REDIS_URL", "WEBHOOK_", "LOG_FORMAT", "FLUXORA_", "OTEL_")
 
 
 def command_env(**overrides: str) -> dict[str, str]:

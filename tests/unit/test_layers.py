@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "connector", "retry", "deadletters", "retention", "partitions"),
     ("httpclient",),
     ("delivery", "redis_gate", "inbox", "endpoints"),
-    ("targets", "tokens"),
+    ("targets", "tokens", "telemetry", "tooling"),
     ("batch",),
     ("recording",),
     ("dispatcher", "ops", "deliveries"),

@@ -53,18 +53,18 @@ def test_invalid_workers_name_the_variable(value: str, fragment: str) -> None:
 
 
 def test_connections_per_worker_are_its_claim_loops_its_spare_and_its_listener() -> None:
-    assert connections_needed(1, 4) == 6 + 3
-    assert connections_needed(8, 4) == 8 * 6 + 3
+    assert connections_needed(1, 4) == 6 + 4
+    assert connections_needed(8, 4) == 8 * 6 + 4
 
 
 def test_workers_that_fit_pass_and_those_that_do_not_say_what_to_change() -> None:
     settings = Settings.from_env({**GOOD, "WEBHOOK_WORKERS": "4", "WEBHOOK_CLAIM_LOOPS": "4"})
-    check_budget(settings, ConnectionBudget(max_connections=100, reserved=3, in_use=70))  # 27
+    check_budget(settings, ConnectionBudget(max_connections=100, reserved=3, in_use=69))  # 28
     with pytest.raises(ConfigError) as caught:
         check_budget(settings, ConnectionBudget(max_connections=100, reserved=3, in_use=75))
     message = str(caught.value)
     assert caught.value.variable == "WEBHOOK_WORKERS"
-    assert "4 workers x (4 claim loops + 2) + 3 = 27 database connections" in message
+    assert "4 workers x (4 claim loops + 2) + 4 = 28 database connections" in message
     assert "22 free (max_connections 100 - 3 reserved - 75 in use)" in message
     assert "lower WEBHOOK_WORKERS or WEBHOOK_CLAIM_LOOPS, or raise max_connections" in message
 

@@ -23,6 +23,8 @@ COMMANDS = (
     "dlq",
     "recover",
     "status",
+    "send",
+    "tail",
     "api",
     "tokens",
     "prune",

@@ -1,8 +1,10 @@
 """``fluxora-webhooks status``: what the outbox and the consumer look like right now.
 
 From PostgreSQL: the backlog (pending rows, rows due now, the age of the oldest due row,
-when the next row falls due), dead letters waiting, and the attempts of the last minutes
-by outcome (from ``processed_at`` and ``outcome``). From Redis, when ``WEBHOOK_URL`` names
+when the next row falls due), dead letters waiting, the attempts of the last minutes
+by outcome (from ``processed_at`` and ``outcome``), and the worst endpoints (disabled by
+the dispatcher, failing longest, largest backlog: pending and parked deliveries, failure
+streak, state and last error). From Redis, when ``WEBHOOK_URL`` names
 the consumer: its shared circuit breaker and how many attempts its rate-limit window
 holds. Redis being unreachable is reported, not an error. Read-only throughout.
 
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from ..ops import RECORDED_OUTCOMES, STATUS_COUNT_CAP, read_status
+from ..ops import RECORDED_OUTCOMES, STATUS_COUNT_CAP, STATUS_ENDPOINTS, read_status
 from ..settings import MAX_BREAKER_THRESHOLD, parse_int
 from ..terminal import cell
 from .common import engines, int_option, run_async
@@ -26,11 +29,12 @@ from .common import engines, int_option, run_async
 MAX_MINUTES = 3650 * 1440
 
 NAME = "status"
-HELP = "backlog, dead letters, recent outcomes and breaker state"
+HELP = "backlog, dead letters, recent outcomes, worst endpoints and breaker state"
 DESCRIPTION = (
-    "Show the backlog, dead letters, recent attempts by outcome and, when WEBHOOK_URL "
-    "is set, the consumer's circuit breaker (from Redis)."
+    "Show the backlog, dead letters, recent attempts by outcome, the worst endpoints and, "
+    "when WEBHOOK_URL is set, the consumer's circuit breaker (from Redis)."
 )
+MAX_ENDPOINTS = 1000
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +44,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=15,
         metavar="N",
         help=f"window of the recent attempts, in minutes (default 15, at most {MAX_MINUTES:,})",
+    )
+    parser.add_argument(
+        "--endpoints",
+        type=int_option("--endpoints", low=0, high=MAX_ENDPOINTS),
+        default=STATUS_ENDPOINTS,
+        metavar="N",
+        help=f"how many of the worst endpoints to show (default {STATUS_ENDPOINTS}, 0: none)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -60,6 +71,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             redis_url=redis_url,
             redis_prefix=env.get("FLUXORA_REDIS_PREFIX", ""),
             breaker_threshold=threshold,
+            endpoints=opts.endpoints,
         )
         if opts.json:
             print(json.dumps(snapshot, indent=2, default=str))
@@ -111,7 +123,8 @@ def render(snapshot: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(soft_wrap=False, highlight=False)
+    # Not on a terminal (a pipe, a log): wide enough that no row of a table wraps.
+    console = Console(soft_wrap=False, highlight=False, width=None if sys.stdout.isatty() else 200)
     console.print(cell(f"fluxora-webhooks status at {snapshot['at']}"))
     backlog = snapshot["backlog"]
     estimated = bool(backlog["estimated"])
@@ -144,6 +157,8 @@ def render(snapshot: dict[str, Any]) -> None:
             _num(times.get("p95")),
         )
     console.print(table)
+    if snapshot.get("endpoints") is not None:
+        _render_endpoints(console, snapshot["endpoints"])
 
     consumer = snapshot["consumer"]
     if consumer is None:
@@ -172,6 +187,43 @@ def render(snapshot: dict[str, Any]) -> None:
         table.add_row("probe", "in flight")
     attempts = consumer["rate_limit"]["attempts_last_second"]
     table.add_row("attempts in the last second", str(attempts))
+    console.print(table)
+
+
+def _render_endpoints(console: Any, endpoints: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.print(
+        f"Endpoints: {endpoints['total']:,} ({endpoints['disabled']:,} disabled,"
+        f" {endpoints['failing']:,} failing), {endpoints['pending']:,} deliveries pending"
+    )
+    worst = endpoints["worst"]
+    if not worst:
+        return
+    table = Table(title="Worst endpoints", title_justify="left")
+    for column, justify in (
+        ("endpoint", "left"), ("tenant", "left"), ("state", "left"), ("pending", "right"),
+        ("parked", "right"), ("failing for", "right"), ("last error", "left"),
+    ):  # fmt: skip
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for e in worst:
+        state = e["state"] + (f" ({e['disabled_reason']})" if e["disabled_reason"] else "")
+        last = e["last_error"]
+        error = "-"
+        if last is not None:
+            error = " ".join(
+                str(part) for part in (last["status_code"], last["error"]) if part is not None
+            )
+        tenant = {None: "(operator)", "": "(default)"}.get(e["tenant"], e["tenant"])
+        table.add_row(
+            cell(e["id"], 40),
+            cell(tenant, 24),
+            cell(state, 20),
+            _count(e["pending"], e["pending_estimated"]),
+            f"{e['parked']:,}",
+            _age(e["failing_for_seconds"]),
+            cell(error, 60),
+        )
     console.print(table)
 
 

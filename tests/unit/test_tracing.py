@@ -1,0 +1,129 @@
+"""The trace headers sent for a stored context (never a malformed one), and what the OTEL_*
+variables ask for."""
+
+from __future__ import annotations
+
+import pytest
+
+from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.telemetry import exporters_from_env, otlp_protocol
+from fluxora_webhooks.tracing import passthrough, traceparent_header, tracestate_header
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+VALID = f"00-{TRACE}-{PARENT}-01"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        VALID,
+        f"00-{TRACE}-{PARENT}-00",
+        f" {VALID}\t",
+    ],
+)
+def test_valid_traceparents_go_out_as_version_00(value: str) -> None:
+    assert traceparent_header(value) == value.strip()
+
+
+def test_a_later_version_is_sent_as_version_00_without_its_extra_fields() -> None:
+    assert traceparent_header(f"cc-{TRACE}-{PARENT}-01-what-comes-next") == VALID
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        "garbage",
+        f"ff-{TRACE}-{PARENT}-01",  # version ff is invalid
+        f"00-{'0' * 32}-{PARENT}-01",  # all-zero trace id
+        f"00-{TRACE}-{'0' * 16}-01",  # all-zero parent id
+        f"00-{TRACE.upper()}-{PARENT}-01",  # uppercase hex
+        f"00-{TRACE}-{PARENT}-01-extra",  # version 00 has exactly four fields
+        f"00-{TRACE[:-1]}-{PARENT}-01",
+        f"00-{TRACE}-{PARENT}-1",
+        f"00-{TRACE}-{PARENT}-01\r\nx-injected: 1",
+        f"cc-{TRACE}-{PARENT}-01-\x00",
+        "00-" + "a" * 600,
+        12345,
+    ],
+)
+def test_malformed_traceparents_send_nothing(value: object) -> None:
+    assert traceparent_header(value) is None
+    assert passthrough(value, "vendor=1") == {}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("vendor=abc", "vendor=abc"),
+        ("a=1, b=2", "a=1,b=2"),
+        ("tenant@system=x,rojo=00f067aa0ba902b7", "tenant@system=x,rojo=00f067aa0ba902b7"),
+        ("", None),
+        ("novalue", None),
+        ("Upper=1", None),  # keys are lowercase
+        ("a=1,a=2", None),  # a key at most once
+        ("a=1\r\nx: y", None),
+        ("a=" + "x" * 600, None),
+        (",".join(f"k{i}=v" for i in range(33)), None),  # at most 32 members
+    ],
+)
+def test_tracestate_is_sent_only_when_valid(value: str, expected: str | None) -> None:
+    assert tracestate_header(value) == expected
+
+
+def test_passthrough_sends_the_stored_context() -> None:
+    assert passthrough(VALID, None) == {"traceparent": VALID}
+    assert passthrough(VALID, "vendor=abc") == {"traceparent": VALID, "tracestate": "vendor=abc"}
+    assert passthrough(VALID, "not valid") == {"traceparent": VALID}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, ()),
+        ({"OTEL_TRACES_EXPORTER": "console"}, ("console",)),
+        ({"OTEL_TRACES_EXPORTER": "otlp, console"}, ("otlp", "console")),
+        ({"OTEL_TRACES_EXPORTER": "none"}, ()),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, ("otlp",)),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, ("otlp",)),
+        ({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}, ()),
+    ],
+)
+def test_tracing_is_on_only_when_the_environment_asks(
+    env: dict[str, str], expected: tuple[str, ...]
+) -> None:
+    assert exporters_from_env(env) == expected
+
+
+def test_unknown_exporter_or_protocol_is_an_error_naming_the_variable() -> None:
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER"):
+        exporters_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    assert otlp_protocol({}) == "http/protobuf"
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}) == "grpc"
+
+
+def test_a_failing_tracer_never_fails_the_attempt(caplog: pytest.LogCaptureFixture) -> None:
+    from fluxora_webhooks.outbox import Claimed
+    from fluxora_webhooks.signing import Signer
+    from fluxora_webhooks.targets import Target
+    from fluxora_webhooks.telemetry import AttemptTracer
+
+    class Broken:
+        def get_tracer(self, *args: object) -> Broken:
+            return self
+
+        def start_span(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("exporter exploded")
+
+    tracer = AttemptTracer(Broken())
+    row = Claimed(1, "d-1", "stream.updated", b"{}", 1, traceparent=VALID, tracestate="a=1")
+    target = Target("ep_1", "acme", "https://x.example/h?token=t", Signer(b"k" * 32))
+    headers: dict[str, str] = {}
+    assert tracer.start(row, target, headers) is None
+    assert headers == {"traceparent": VALID, "tracestate": "a=1"}  # passed through
+    tracer.end(object(), None, "cancelled")  # a span that cannot be ended: logged only
+    assert "attempt span not started" in caplog.text and "attempt span not ended" in caplog.text
