@@ -9,7 +9,7 @@
 --
 -- The stream index now carries the id, so ORDER BY stream_seq, id LIMIT 1 is one index
 -- probe; and the active deliveries of ordered streams (due, in flight, leased, retrying:
--- hold IS NULL; at most a head and its retry per stream) have an index of their own.
+-- hold IS NULL; normally just the head of each stream) have an index of their own.
 DROP INDEX webhook_outbox_stream_idx;
 CREATE INDEX webhook_outbox_stream_idx
     ON webhook_outbox (endpoint_id, stream_id, stream_seq, id)
