@@ -509,12 +509,13 @@ class ManyBench:
             out["beside_dead"] = await self.burst(
                 url, "iso", p.isolation_events, deliveries, dispatcher
             )
+            hung = (await self.stats())["hung"]  # the steady run resets the counts
             out["dead_backlog_before_latency_run"] = await self.pending(url, dead)
             out["beside_dead_latency"] = await self.steady(
                 url, "iso", p.isolation_rate, p.isolation_seconds, p.healthy
             )
             out["dead_backlog_after_latency_run"] = await self.pending(url, dead)
-            out["dead_requests_seen"] = (await self.stats())["hung"]
+            out["dead_requests_seen"] = hung + (await self.stats())["hung"]
             out["healthy_left_pending"] = await self.pending(url, healthy)
         finally:
             # Its hanging requests and the dead endpoint's retries end with it.
