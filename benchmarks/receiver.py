@@ -6,6 +6,12 @@ its handler runs. It counts receipts and keeps the first and last receipt time, 
 rate is measured where the events arrive. ``POST /latency`` also reads ``t0`` (the
 producer's commit time, unix seconds) from the JSON body and records ``now - t0``.
 
+For the many-endpoint benchmark (``many.py``), every request path is its own endpoint:
+receipts are counted per path; ``POST /ordered...`` reads ``stream`` and ``seq`` from the
+body and counts a receipt that comes before an earlier one of its stream (per path) as out
+of order; ``POST /hang...`` is read and never answered (the consumer that hangs until the
+sender's timeout), counted apart and not as a receipt.
+
 Control endpoints (loopback, used by ``run.py``): ``GET /_stats``, ``POST /_reset``.
 
     python benchmarks/receiver.py --port 0     # prints "PORT <n>" once listening
@@ -47,6 +53,11 @@ class Stats:
         self.latencies_ms: list[float] = []
         self.bad_latency = 0
         self.connections = 0  # opened since the reset: keep-alive keeps this small
+        self.paths: dict[str, int] = {}
+        self.hung = 0
+        self.last_seq: dict[tuple[str, str], int] = {}
+        self.out_of_order = 0
+        self.repeats = 0
 
     def as_json(self) -> bytes:
         return json.dumps(
@@ -58,6 +69,11 @@ class Stats:
                 "latencies_ms": self.latencies_ms,
                 "bad_latency": self.bad_latency,
                 "connections": self.connections,
+                "paths": self.paths,
+                "hung": self.hung,
+                "streams": len(self.last_seq),
+                "out_of_order": self.out_of_order,
+                "repeats": self.repeats,
             }
         ).encode()
 
@@ -80,12 +96,15 @@ class HttpProtocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.buf = bytearray()
         self.transport: Any = None
+        self.hung = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # uvloop's transports are not asyncio.Transport subclasses
         STATS.connections += 1
 
     def data_received(self, data: bytes) -> None:
+        if self.hung:
+            return
         buf = self.buf
         buf += data
         transport = self.transport
@@ -123,13 +142,16 @@ class HttpProtocol(asyncio.Protocol):
             body = bytes(buf[end + 4 : total])
             del buf[:total]
             response = self.handle(method, target, body)
+            if response is None:
+                self.hung = True  # never answered: the sender gives up at its timeout
+                return
             if headers.get("connection", "").lower() == "close":
                 transport.write(OK_CLOSE if response is OK else response)
                 transport.close()
                 return
             transport.write(response)
 
-    def handle(self, method: str, target: str, body: bytes) -> bytes:
+    def handle(self, method: str, target: str, body: bytes) -> bytes | None:
         if target.startswith("/_"):
             if target.startswith("/_stats"):
                 return _json_response(STATS.as_json())
@@ -138,6 +160,11 @@ class HttpProtocol(asyncio.Protocol):
                 return _json_response(b"{}")
         now = time.time()
         stats = STATS
+        path = target.partition("?")[0]
+        stats.paths[path] = stats.paths.get(path, 0) + 1
+        if target.startswith("/hang"):
+            stats.hung += 1
+            return None
         if not stats.count:
             stats.first = now
         stats.last = now
@@ -150,7 +177,26 @@ class HttpProtocol(asyncio.Protocol):
                 stats.bad_latency += 1
             else:
                 stats.latencies_ms.append((now - t0) * 1000)
+        elif target.startswith("/ordered"):
+            self.check_order(path, body)
         return OK
+
+    @staticmethod
+    def check_order(path: str, body: bytes) -> None:
+        stats = STATS
+        try:
+            event = json.loads(body)
+            key, seq = (path, str(event["stream"])), int(event["seq"])
+        except (ValueError, KeyError, TypeError):
+            stats.out_of_order += 1
+            return
+        last = stats.last_seq.get(key)
+        if last is not None and seq < last:
+            stats.out_of_order += 1
+        elif last is not None and seq == last:
+            stats.repeats += 1
+        else:
+            stats.last_seq[key] = seq
 
 
 async def serve(port: int) -> None:

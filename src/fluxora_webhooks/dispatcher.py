@@ -60,6 +60,10 @@ HOUSEKEEPING_S = 10.0
 # Ordered streams whose next head was never chosen (a failure after the outcome was
 # recorded) are looked for this often.
 SWEEP_S = 30.0
+# A row of an endpoint at its concurrency (WEBHOOK_ENDPOINT_CONCURRENCY) that is not slow
+# is due again this much later: long enough that its claim loops do not spin on it, short
+# enough that a fast endpoint's burst flows at its concurrency.
+BUSY_DEFER_S = 0.02
 
 T = TypeVar("T")
 
@@ -375,10 +379,16 @@ class Dispatcher:
 
     def capacity_wait_s(self, target: Target) -> float | None:
         """None when ``target`` may take one more request of this process now; else how
-        long to defer the row (its endpoint's next request to end, at the latest)."""
+        long to defer the row. An endpoint at its concurrency that answers quickly frees a
+        slot within milliseconds: its rows come back after BUSY_DEFER_S. A slow one (a
+        request outlived its batch or timed out lately) frees one when a request ends, at
+        the latest at that request's timeout: its rows wait that long and take no claim
+        capacity meanwhile."""
         load = target.load
         if load.in_flight >= self.settings.endpoint_concurrency:
-            return max(load.next_free_in_s(), 0.05)
+            if not load.slow:
+                return BUSY_DEFER_S
+            return max(load.next_free_in_s(), BUSY_DEFER_S)
         if self._in_flight >= self.settings.max_connections:
             return 0.05
         if load.slow and self.completer.outstanding >= max(1, self.settings.max_connections // 2):

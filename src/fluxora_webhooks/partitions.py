@@ -50,7 +50,11 @@ _INDEXES = (
     ("webhook_outbox_endpoint_pending_idx", "(endpoint_id, id) WHERE NOT processed"),
     (
         "webhook_outbox_stream_idx",
-        "(endpoint_id, stream_id, stream_seq) WHERE NOT processed AND stream_seq IS NOT NULL",
+        "(endpoint_id, stream_id, stream_seq, id) WHERE NOT processed AND stream_seq IS NOT NULL",
+    ),
+    (
+        "webhook_outbox_stream_active_idx",
+        "(endpoint_id, stream_id) WHERE NOT processed AND stream_seq IS NOT NULL AND hold IS NULL",
     ),
     (
         "webhook_outbox_unrouted_idx",

@@ -213,7 +213,9 @@ FROM (
 -- For each (endpoint, stream): when none of its deliveries is active (due, in flight,
 -- leased or waiting to retry) and the endpoint is enabled, the waiting delivery with the
 -- lowest place becomes due now -- unless an event of that stream with a lower id is still
--- to be routed (its delivery may come first; routing it promotes again).
+-- to be routed (its delivery may come first; routing it promotes again). A few index
+-- entries per pair however deep the stream: the head is the first entry of
+-- webhook_outbox_stream_idx, the active check one probe of webhook_outbox_stream_active_idx.
 UPDATE webhook_outbox o
 SET hold = NULL, created_at = now()
 FROM (
@@ -221,7 +223,7 @@ FROM (
     FROM (SELECT DISTINCT e, s FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)) p
     JOIN webhook_endpoints ep ON ep.id = p.e AND ep.state = 'enabled'
     CROSS JOIN LATERAL (
-        SELECT w.id, w.partition_at, w.hold, w.tenant, w.stream_seq
+        SELECT w.id, w.partition_at, w.hold, w.tenant, w.stream_id, w.stream_seq
         FROM webhook_outbox w
         WHERE w.endpoint_id = p.e AND w.stream_id = p.s AND NOT w.processed
           AND w.stream_seq IS NOT NULL
@@ -236,7 +238,7 @@ FROM (
       AND NOT EXISTS (
           SELECT 1 FROM webhook_outbox u
           WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = head.tenant
-            AND u.stream_id = p.s AND u.id < head.stream_seq)
+            AND u.stream_id = head.stream_id AND u.id < head.stream_seq)
 ) h
 WHERE o.id = h.id AND o.partition_at = h.partition_at
 RETURNING o.id;
@@ -249,14 +251,42 @@ SELECT pg_try_advisory_lock(7382390104629133160);
 SELECT pg_advisory_unlock(7382390104629133160);
 
 -- name: stuck_streams
--- Ordered streams with a waiting delivery and no active one: their next head was never
--- chosen (a failure after an outcome was recorded). promote_heads chooses it.
-SELECT DISTINCT w.endpoint_id, w.stream_id
-FROM webhook_outbox w
-WHERE NOT w.processed AND w.stream_seq IS NOT NULL AND w.hold = 'waiting'
+-- Ordered streams whose head is waiting with no delivery active: their next head was never
+-- chosen (a failure after an outcome was recorded). promote_heads chooses it. The streams
+-- are walked one index probe each (a skip scan of webhook_outbox_stream_idx), so the cost
+-- is the number of streams with a backlog, not the backlog's depth.
+WITH RECURSIVE streams(endpoint_id, stream_id) AS (
+    (SELECT w.endpoint_id, w.stream_id
+     FROM webhook_outbox w
+     WHERE NOT w.processed AND w.stream_seq IS NOT NULL
+     ORDER BY w.endpoint_id, w.stream_id
+     LIMIT 1)
+    UNION ALL
+    SELECT n.endpoint_id, n.stream_id
+    FROM streams s
+    CROSS JOIN LATERAL (
+        SELECT w.endpoint_id, w.stream_id
+        FROM webhook_outbox w
+        WHERE NOT w.processed AND w.stream_seq IS NOT NULL
+          AND (w.endpoint_id, w.stream_id) > (s.endpoint_id, s.stream_id)
+        ORDER BY w.endpoint_id, w.stream_id
+        LIMIT 1
+    ) n
+)
+SELECT s.endpoint_id, s.stream_id
+FROM streams s
+CROSS JOIN LATERAL (
+    SELECT w.hold
+    FROM webhook_outbox w
+    WHERE w.endpoint_id = s.endpoint_id AND w.stream_id = s.stream_id AND NOT w.processed
+      AND w.stream_seq IS NOT NULL
+    ORDER BY w.stream_seq, w.id
+    LIMIT 1
+) head
+WHERE head.hold = 'waiting'
   AND NOT EXISTS (
       SELECT 1 FROM webhook_outbox a
-      WHERE a.endpoint_id = w.endpoint_id AND a.stream_id = w.stream_id AND NOT a.processed
+      WHERE a.endpoint_id = s.endpoint_id AND a.stream_id = s.stream_id AND NOT a.processed
         AND a.stream_seq IS NOT NULL AND a.hold IS NULL)
 LIMIT 1000;
 

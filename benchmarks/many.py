@@ -1,0 +1,772 @@
+"""The many-endpoint benchmark: fan-out, its latency, ordered streams and isolation, each
+against the raw HTTP limit on the same receiver process.
+
+    python benchmarks/many.py            # full (a few minutes on 2 cores)
+    python benchmarks/many.py --quick    # smaller
+    python benchmarks/many.py --tiny     # seconds: the smoke test
+
+Sections (``--only`` picks some):
+
+- ``raw``: the HTTP limit, ``rawhttp.py`` blasting the receiver (as ``run.py`` measures it).
+- ``fanout``: events of one tenant fanned out to 100 endpoints (each its own path on the
+  receiver), delivered by one ``fluxora-webhooks run`` with the defaults and with
+  ``WEBHOOK_BATCH_SIZE=100``: deliveries per second from the first to the last receipt.
+- ``fanout_latency``: commit-to-receipt at a steady rate, each event its own transaction
+  carrying its commit time, fanned out to 10 endpoints.
+- ``ordered``: one ordered endpoint, many streams of several events each, all in one
+  transaction; deliveries per second, the receiver's check that each stream arrived in
+  order, and the same load to an unordered endpoint.
+- ``isolation``: 20 healthy endpoints, then the same beside one that reads each request
+  and never answers (the sender waits for its timeout): the healthy endpoints' throughput
+  and commit-to-receipt latency with and without it, the latter measured while the hanging
+  endpoint's backlog is still there.
+
+Endpoints are registered through the Python API (``fluxora_webhooks.endpoints.create``).
+It prints one table, saves ``benchmarks/results/many-<timestamp>.json``. Databases are
+named ``bench_many_*`` and dropped at the end; Redis keys carry a prefix of their own and
+are deleted.
+
+``ManyBench.sections(...)`` runs sections against a receiver someone else started (the
+main benchmark, for one): pass its URL, its child process and the children registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import PAD, ahttp_json, free_port, percentile, run
+from procs import Child, Children, CpuMeter
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "isolation")
+
+# Targets (issues 12, 13, 16).
+FANOUT_RAW_MIN = 0.6
+LATENCY_P50_MAX_MS = 5.0
+LATENCY_P99_MAX_MS = 25.0
+ORDERED_RATIO_MIN = 0.8
+ISOLATION_RATIO_MIN = 0.8
+ISOLATION_P99_MAX_MS = 50.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    raw_requests: int
+    raw_concurrency: tuple[int, ...]
+    fanout_endpoints: int
+    fanout_events: int  # x fanout_endpoints deliveries
+    latency_endpoints: int
+    latency_rate: int
+    latency_seconds: float
+    ordered_streams: int
+    ordered_per_stream: int
+    healthy: int
+    isolation_events: int  # x healthy deliveries
+    isolation_rate: int
+    isolation_seconds: float
+    timeout_ms: int | None = None  # the dispatcher's WEBHOOK_TIMEOUT_MS (None: its default)
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+PRESETS = {
+    "full": Preset(30_000, (16, 64, 128), 100, 1000, 10, 200, 10.0, 1000, 20, 20, 2000, 20, 10.0),
+    "quick": Preset(15_000, (64,), 100, 300, 10, 200, 5.0, 1000, 10, 20, 500, 20, 5.0),
+    # Every section, seconds; a short timeout so the hanging endpoint's requests end.
+    "tiny": Preset(2000, (16,), 100, 10, 10, 20, 1.0, 50, 4, 20, 20, 5, 1.0, timeout_ms=2000),
+}
+
+
+def with_dbname(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme.startswith("postgres"):
+        return urlunsplit(parts._replace(path="/" + name))
+    kept = [p for p in url.split() if not p.startswith("dbname=")]
+    return " ".join([*kept, f"dbname={name}"])
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if not value or not base or value != value or base != base:
+        return None
+    return value / base
+
+
+class ManyBench:
+    def __init__(
+        self,
+        preset: Preset,
+        *,
+        admin_url: str = DEFAULT_PG,
+        redis_url: str = DEFAULT_REDIS,
+        overrides: dict[str, str] | None = None,
+        children: Children | None = None,
+        tmp: Path | None = None,
+    ) -> None:
+        self.preset = preset
+        self.admin_url = admin_url
+        self.redis_url = redis_url
+        self.overrides = dict(overrides or {})
+        self.run_id = uuid.uuid4().hex[:8]
+        self.prefix = f"bench:{self.run_id}:"
+        self.tmp = tmp or Path(tempfile.mkdtemp(prefix="fluxora-many-"))
+        self.children = children or Children(self.tmp)
+        self.databases: list[str] = []
+        self.receiver_url = ""
+        self.receiver: Child | None = None
+        self.database_url = ""
+        self.current: tuple[dict[str, str], Child] | None = None
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def log(self, text: str) -> None:
+        print(f"[many {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    async def database(self) -> str:
+        """One database for every section (each has tenants and endpoints of its own)."""
+        if not self.database_url:
+            self.database_url = await self.create_database("db")
+        return self.database_url
+
+    async def create_database(self, suffix: str) -> str:
+        name = f"bench_many_{suffix}_{self.run_id}"
+        async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as c:
+            await c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self.databases.append(name)
+        url = with_dbname(self.admin_url, name)
+        await self.migrate(url)
+        return url
+
+    async def migrate(self, database_url: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLUXORA_")}
+        env["DATABASE_URL"] = database_url
+        child = await self.children.spawn(
+            "migrate", [sys.executable, "-m", "fluxora_webhooks", "migrate"], env
+        )
+        if await asyncio.wait_for(child.proc.wait(), 120) != 0:
+            raise RuntimeError(f"fluxora-webhooks migrate failed:\n{child.log()[-3000:]}")
+
+    async def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as c:
+                for name in self.databases:
+                    await c.execute(
+                        sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                            sql.Identifier(name)
+                        )
+                    )
+        with contextlib.suppress(Exception):
+            from redis.asyncio import Redis
+
+            client = Redis.from_url(self.redis_url)
+            try:
+                keys = [k async for k in client.scan_iter(match=f"*{self.prefix}*", count=1000)]
+                if keys:
+                    await client.delete(*keys)
+            finally:
+                await client.aclose()
+
+    async def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = await ahttp_json(self.receiver_url + "/_stats")
+        return result
+
+    async def reset(self) -> None:
+        await ahttp_json(self.receiver_url + "/_reset", "POST")
+
+    async def wait_count(self, n: int, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = await self.stats()
+            if stats["count"] >= n:
+                return stats
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"receiver got {stats['count']} of {n} in {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    def rate(stats: dict[str, Any]) -> float:
+        span = stats["last"] - stats["first"]
+        return (stats["count"] - 1) / span if span > 0 else float("nan")
+
+    async def start_receiver(self) -> None:
+        receiver = await self.children.script("receiver", "receiver.py", "--port", "0")
+        port = int((await receiver.wait_for_line("PORT ", 15)).split()[1])
+        self.receiver_url = f"http://127.0.0.1:{port}"
+        self.receiver = receiver
+
+    def dispatcher_env(self, database_url: str, port: int, extra: dict[str, str]) -> dict[str, str]:
+        keep = ("DATABASE_URL", "REDIS_URL", "WEBHOOK_", "LOG_FORMAT", "FLUXORA_")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(keep)}
+        env.update(
+            {
+                "DATABASE_URL": database_url,
+                "REDIS_URL": self.redis_url,
+                # Only the endpoints of the table: no built-in default endpoint.
+                "WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8",
+                "WEBHOOK_METRICS_PORT": str(port),
+                "FLUXORA_REDIS_PREFIX": self.prefix,
+                "FLUXORA_HOME": str(self.tmp / "home"),
+                # One process, as run.py's "ours" rows (--set WEBHOOK_WORKERS=... to change).
+                "WEBHOOK_WORKERS": "1",
+            }
+        )
+        if self.preset.timeout_ms is not None:
+            env["WEBHOOK_TIMEOUT_MS"] = str(self.preset.timeout_ms)
+        env.update(self.preset.extra)
+        env.update(self.overrides)
+        env.update(extra)
+        return env
+
+    async def dispatcher(self, extra: dict[str, str] | None = None) -> Child:
+        """The one running ``fluxora-webhooks run``, with ``extra`` in its environment: the
+        one already running when its environment is the same, else a new one (never two at
+        once: both would deliver)."""
+        extra = extra or {}
+        if (
+            self.current is not None
+            and self.current[0] == extra
+            and (self.current[1].proc.returncode is None)
+        ):
+            return self.current[1]
+        await self.stop_dispatcher()
+        tag = "-".join(f"{k}={v}" for k, v in sorted(extra.items())) or "defaults"
+        child = await self.start_dispatcher(await self.database(), tag, extra)
+        self.current = (extra, child)
+        return child
+
+    async def stop_dispatcher(self) -> None:
+        if self.current is not None:
+            await self.current[1].stop()
+            self.current = None
+
+    async def start_dispatcher(
+        self, database_url: str, tag: str, extra: dict[str, str] | None = None
+    ) -> Child:
+        port = free_port()
+        env = self.dispatcher_env(database_url, port, extra or {})
+        child = await self.children.spawn(
+            f"many-{tag}", [sys.executable, "-m", "fluxora_webhooks", "run"], env
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and child.proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await ahttp_json(f"http://127.0.0.1:{port}/readyz", timeout=1)
+                await asyncio.sleep(0.3)  # claim loops connect after /readyz answers
+                return child
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{child.name} did not become ready:\n{child.log()[-3000:]}")
+
+    async def add_endpoints(
+        self, database_url: str, tenant: str, paths: Sequence[str], *, ordered: bool = False
+    ) -> list[str]:
+        from fluxora_webhooks import endpoints
+
+        allowed = [ipaddress.ip_network("127.0.0.0/8")]
+        ids = []
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            for path in paths:
+                endpoint, _ = await endpoints.create(
+                    c,
+                    url=self.receiver_url + path,
+                    tenant=tenant,
+                    ordered=ordered,
+                    allowed_networks=allowed,
+                )
+                ids.append(endpoint.id)
+        return ids
+
+    async def insert_events(self, database_url: str, tenant: str, n: int) -> None:
+        """N events of one tenant in one transaction, by plain SQL."""
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await c.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                " SELECT %(tenant)s, 'stream-' || g, 'bench.event',"
+                " jsonb_build_object('kind', 'bench', 'seq', g, 'pad', %(pad)s::text)"
+                " FROM generate_series(1, %(n)s) g",
+                {"tenant": tenant, "n": n, "pad": PAD},
+            )
+
+    async def truncate(self, database_url: str) -> None:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await c.execute("TRUNCATE webhook_outbox, webhook_dead_letter")
+
+    async def pending(self, database_url: str, endpoint_ids: Sequence[str] | None = None) -> int:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            if endpoint_ids is None:
+                cur = await c.execute("SELECT count(*) FROM webhook_outbox WHERE NOT processed")
+            else:
+                cur = await c.execute(
+                    "SELECT count(*) FROM webhook_outbox"
+                    " WHERE NOT processed AND endpoint_id = ANY(%s)",
+                    (list(endpoint_ids),),
+                )
+            row = await cur.fetchone()
+            return int(row[0]) if row else -1
+
+    async def burst(
+        self, database_url: str, tenant: str, events: int, deliveries: int, dispatcher: Child
+    ) -> dict[str, Any]:
+        """Insert ``events`` at once; wait for ``deliveries`` receipts; their rate."""
+        await self.reset()
+        assert self.receiver is not None
+        meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
+        meter.start()
+        await self.insert_events(database_url, tenant, events)
+        stats = await self.wait_count(deliveries, max(60.0, deliveries / 200))
+        cpu = meter.stop()
+        rate = self.rate(stats)
+        return {
+            "events": events,
+            "deliveries": deliveries,
+            "received": stats["count"],
+            "rate": rate,
+            "cpu_pct": cpu,
+            "dispatcher_cpu_us_per_delivery": round(10_000 * cpu.get("dispatcher", 0) / rate, 1)
+            if rate == rate and rate > 0
+            else None,
+        }
+
+    async def steady(
+        self, database_url: str, tenant: str, rate: int, seconds: float, fan: int
+    ) -> dict[str, Any]:
+        """Events at a steady rate, each its own transaction carrying its commit time (the
+        receiver records receipt minus that time for every delivery of it)."""
+        await self.reset()
+        total = int(rate * seconds)
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("SELECT 1")
+            start = time.perf_counter() + 0.1
+            for i in range(total):
+                delay = start + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await conn.execute(
+                    "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                    " VALUES (%s, %s, 'bench.latency', jsonb_build_object('kind', 'latency',"
+                    " 'seq', %s::int, 't0', %s::float8))",
+                    (tenant, f"lat-{i}", i, time.time()),
+                )
+        stats = await self.wait_count(total * fan, 60)
+        lat = sorted(stats["latencies_ms"])
+        return {
+            "rate": rate,
+            "seconds": seconds,
+            "events": total,
+            "endpoints": fan,
+            "received": stats["count"],
+            "p50_ms": percentile(lat, 50),
+            "p95_ms": percentile(lat, 95),
+            "p99_ms": percentile(lat, 99),
+            "max_ms": lat[-1] if lat else float("nan"),
+        }
+
+    # -- sections --------------------------------------------------------------------
+
+    async def section_raw(self) -> dict[str, Any]:
+        runs = []
+        assert self.receiver is not None
+        for conc in self.preset.raw_concurrency:
+            await self.reset()
+            meter = CpuMeter({"receiver": [self.receiver.pid]})
+            meter.start()
+            client = await self.children.script(
+                f"many-raw-c{conc}",
+                "rawhttp.py",
+                "--url",
+                self.receiver_url + "/raw",
+                "--requests",
+                str(self.preset.raw_requests),
+                "--concurrency",
+                str(conc),
+            )
+            await asyncio.wait_for(client.proc.wait(), 300)
+            cpu = meter.stop()
+            client_side = json.loads(client.log().strip().splitlines()[-1])
+            cpu["client"] = round(100 * client_side["cpu_s"] / client_side["seconds"], 1)
+            rate = self.rate(await self.stats())
+            self.log(f"raw c={conc}: {rate:,.0f} req/s")
+            runs.append({"concurrency": conc, "rate": rate, "cpu_pct": cpu})
+        return {"runs": runs, "best": max(runs, key=lambda r: r["rate"])}
+
+    async def section_fanout(self) -> dict[str, Any]:
+        p = self.preset
+        url = await self.database()
+        await self.add_endpoints(url, "fan", [f"/fan/ep-{i}" for i in range(p.fanout_endpoints)])
+        runs = []
+        # The tuned run first: the sections after this one share the default dispatcher.
+        for label, extra in (("batch 100", {"WEBHOOK_BATCH_SIZE": "100"}), ("defaults", {})):
+            await self.truncate(url)
+            dispatcher = await self.dispatcher(extra)
+            result = await self.burst(
+                url, "fan", p.fanout_events, p.fanout_events * p.fanout_endpoints, dispatcher
+            )
+            result.update(label=label, env=extra, endpoints=p.fanout_endpoints)
+            self.log(f"fanout x{p.fanout_endpoints} {label}: {result['rate']:,.0f} deliveries/s")
+            runs.append(result)
+        return {"runs": runs, "best": max(runs, key=lambda r: r["rate"])}
+
+    async def section_fanout_latency(self) -> dict[str, Any]:
+        p = self.preset
+        url = await self.database()
+        await self.add_endpoints(
+            url, "lat", [f"/latency/ep-{i}" for i in range(p.latency_endpoints)]
+        )
+        await self.truncate(url)
+        await self.dispatcher()
+        result = await self.steady(
+            url, "lat", p.latency_rate, p.latency_seconds, p.latency_endpoints
+        )
+        self.log("fanout latency p50 {p50_ms:.2f} ms, p99 {p99_ms:.2f} ms".format(**result))
+        return result
+
+    async def section_ordered(self) -> dict[str, Any]:
+        p = self.preset
+        url = await self.database()
+        await self.add_endpoints(url, "ord", ["/ordered/ep"], ordered=True)
+        await self.add_endpoints(url, "unord", ["/unordered/ep"])
+        total = p.ordered_streams * p.ordered_per_stream
+        dispatcher = await self.dispatcher()
+        out: dict[str, Any] = {"streams": p.ordered_streams, "per_stream": p.ordered_per_stream}
+        for tenant in ("ord", "unord"):
+            await self.truncate(url)
+            await self.reset()
+            assert self.receiver is not None
+            meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
+            meter.start()
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+                # One transaction; a stream's events in order of their ids.
+                await c.execute(
+                    "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                    " SELECT %(tenant)s, 'st-' || s, 'bench.ordered',"
+                    " jsonb_build_object('kind', 'ordered', 'stream', 'st-' || s,"
+                    " 'seq', k, 'pad', %(pad)s::text)"
+                    " FROM generate_series(1, %(per)s) k, generate_series(1, %(streams)s) s"
+                    " ORDER BY k, s",
+                    {
+                        "tenant": tenant,
+                        "per": p.ordered_per_stream,
+                        "streams": p.ordered_streams,
+                        "pad": PAD,
+                    },
+                )
+            stats = await self.wait_count(total, max(60.0, total / 100))
+            cpu = meter.stop()
+            rate = self.rate(stats)
+            out[tenant] = {
+                "deliveries": total,
+                "received": stats["count"],
+                "rate": rate,
+                "cpu_pct": cpu,
+                "streams_seen": stats["streams"],
+                "out_of_order": stats["out_of_order"],
+                "repeats": stats["repeats"],
+            }
+            self.log(f"{tenant}ered {total}: {rate:,.0f} deliveries/s")
+        out["in_order"] = (
+            out["ord"]["out_of_order"] == 0 and out["ord"]["streams_seen"] == p.ordered_streams
+        )
+        out["ratio"] = _ratio(out["ord"]["rate"], out["unord"]["rate"])
+        return out
+
+    async def section_isolation(self) -> dict[str, Any]:
+        p = self.preset
+        url = await self.database()
+        healthy = await self.add_endpoints(
+            url, "iso", [f"/latency/h-{i}" for i in range(p.healthy)]
+        )
+        await self.truncate(url)
+        dispatcher = await self.dispatcher()
+        out: dict[str, Any] = {"healthy_endpoints": p.healthy}
+        deliveries = p.isolation_events * p.healthy
+        try:
+            out["alone"] = await self.burst(url, "iso", p.isolation_events, deliveries, dispatcher)
+            out["alone_latency"] = await self.steady(
+                url, "iso", p.isolation_rate, p.isolation_seconds, p.healthy
+            )
+            await self.truncate(url)
+            dead = await self.add_endpoints(url, "iso", ["/hang/dead"])
+            out["beside_dead"] = await self.burst(
+                url, "iso", p.isolation_events, deliveries, dispatcher
+            )
+            hung = (await self.stats())["hung"]  # the steady run resets the counts
+            out["dead_backlog_before_latency_run"] = await self.pending(url, dead)
+            out["beside_dead_latency"] = await self.steady(
+                url, "iso", p.isolation_rate, p.isolation_seconds, p.healthy
+            )
+            out["dead_backlog_after_latency_run"] = await self.pending(url, dead)
+            out["dead_requests_seen"] = hung + (await self.stats())["hung"]
+            out["healthy_left_pending"] = await self.pending(url, healthy)
+        finally:
+            # Its hanging requests and the dead endpoint's retries end with it.
+            await self.stop_dispatcher()
+        out["throughput_ratio"] = _ratio(out["beside_dead"]["rate"], out["alone"]["rate"])
+        self.log(
+            "isolation: healthy {a:,.0f}/s alone, {b:,.0f}/s beside a hanging endpoint;"
+            " p99 {c:.1f} -> {d:.1f} ms".format(
+                a=out["alone"]["rate"],
+                b=out["beside_dead"]["rate"],
+                c=out["alone_latency"]["p99_ms"],
+                d=out["beside_dead_latency"]["p99_ms"],
+            )
+        )
+        return out
+
+    # -- the run ---------------------------------------------------------------------
+
+    async def sections(
+        self,
+        names: Sequence[str],
+        *,
+        receiver_url: str | None = None,
+        receiver: Child | None = None,
+    ) -> dict[str, Any]:
+        """Run ``names`` (in SECTIONS order) against the given receiver, or one of our own;
+        every database and key made here is removed at the end."""
+        unknown = set(names) - set(SECTIONS)
+        if unknown:
+            raise SystemExit(f"unknown section(s): {', '.join(sorted(unknown))}")
+        out: dict[str, Any] = {}
+        try:
+            if receiver_url is None:
+                await self.start_receiver()
+            else:
+                self.receiver_url, self.receiver = receiver_url, receiver
+            for name in SECTIONS:
+                if name in names:
+                    self.log(f"section {name}")
+                    t0 = time.monotonic()
+                    out[name] = await getattr(self, f"section_{name}")()
+                    out[name]["seconds"] = round(time.monotonic() - t0, 1)
+        finally:
+            await self.stop_dispatcher()
+            await self.cleanup()
+        out["targets"] = targets(out)
+        return out
+
+
+def _get(out: dict[str, Any], *path: str) -> Any:
+    node: Any = out
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def targets(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    raw = _get(out, "raw", "best", "rate")
+
+    def check(value: float | None, bound: float, at_least: bool) -> dict[str, Any]:
+        if value is not None and value != value:
+            value = None
+        met = None if value is None else (value >= bound if at_least else value < bound)
+        return {"value": value, "bound": bound, "met": met}
+
+    return {
+        "fan-out x100 / raw HTTP": check(
+            _ratio(_get(out, "fanout", "best", "rate"), raw), FANOUT_RAW_MIN, True
+        ),
+        "fan-out x10 latency p50 (ms)": check(
+            _get(out, "fanout_latency", "p50_ms"), LATENCY_P50_MAX_MS, False
+        ),
+        "fan-out x10 latency p99 (ms)": check(
+            _get(out, "fanout_latency", "p99_ms"), LATENCY_P99_MAX_MS, False
+        ),
+        "ordered / unordered": check(_get(out, "ordered", "ratio"), ORDERED_RATIO_MIN, True),
+        "healthy beside a hanging endpoint / alone": check(
+            _get(out, "isolation", "throughput_ratio"), ISOLATION_RATIO_MIN, True
+        ),
+        "healthy p99 beside a hanging endpoint (ms)": check(
+            _get(out, "isolation", "beside_dead_latency", "p99_ms"), ISOLATION_P99_MAX_MS, False
+        ),
+    }
+
+
+def _n(value: Any, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def render_table(out: dict[str, Any]) -> str:
+    """One Markdown table: every measurement, with its ratio to the raw limit."""
+    raw = _get(out, "raw", "best", "rate")
+    rows: list[tuple[str, str, str, str]] = []
+
+    def vs_raw(rate: float | None) -> str:
+        r = _ratio(rate, raw)
+        return "-" if r is None else f"{r:.2f}"
+
+    for r in _get(out, "raw", "runs") or []:
+        rows.append(
+            (f"raw HTTP, {r['concurrency']} connections", f"{_n(r['rate'])} req/s", "1.00", "")
+        )
+    for r in _get(out, "fanout", "runs") or []:
+        rows.append(
+            (
+                f"fan-out x{r['endpoints']}, 1 process, {r['label']}",
+                f"{_n(r['rate'])} deliveries/s",
+                vs_raw(r["rate"]),
+                f"dispatcher {_n(r['dispatcher_cpu_us_per_delivery'])} us CPU/delivery",
+            )
+        )
+    lat = out.get("fanout_latency")
+    if lat:
+        rows.append(
+            (
+                f"fan-out x{lat['endpoints']} at {lat['rate']} events/s, commit to receipt",
+                f"p50 {_n(lat['p50_ms'], 2)} ms, p99 {_n(lat['p99_ms'], 2)} ms",
+                "",
+                f"max {_n(lat['max_ms'], 1)} ms, {lat['received']} receipts",
+            )
+        )
+    ordered = out.get("ordered")
+    if ordered:
+        shape = f"{ordered['streams']} streams x {ordered['per_stream']}"
+        for key, label in (("ord", "ordered"), ("unord", "unordered")):
+            r = ordered.get(key)
+            if r:
+                note = ""
+                if key == "ord":
+                    ok = "in order" if ordered["in_order"] else "OUT OF ORDER"
+                    note = f"{ok}: {r['out_of_order']} late, {r['repeats']} repeated"
+                    ratio = ordered.get("ratio")
+                    note += f"; {ratio:.2f} x unordered" if ratio else ""
+                rows.append(
+                    (
+                        f"{label} endpoint, {shape}",
+                        f"{_n(r['rate'])} deliveries/s",
+                        vs_raw(r["rate"]),
+                        note,
+                    )
+                )
+    iso = out.get("isolation")
+    if iso:
+        n = iso["healthy_endpoints"]
+        for key, label in (("alone", "alone"), ("beside_dead", "beside a hanging endpoint")):
+            r = iso[key]
+            note = ""
+            if key == "beside_dead" and iso.get("throughput_ratio"):
+                note = f"{iso['throughput_ratio']:.2f} x alone"
+            rows.append(
+                (
+                    f"{n} healthy endpoints, {label}",
+                    f"{_n(r['rate'])} deliveries/s",
+                    vs_raw(r["rate"]),
+                    note,
+                )
+            )
+        for key, label in (
+            ("alone_latency", "alone"),
+            ("beside_dead_latency", "beside the hanging endpoint's backlog"),
+        ):
+            r = iso[key]
+            note = ""
+            if key == "beside_dead_latency":
+                note = (
+                    f"hanging endpoint's backlog {iso['dead_backlog_before_latency_run']}"
+                    f" -> {iso['dead_backlog_after_latency_run']}"
+                )
+            rows.append(
+                (
+                    f"{n} healthy at {r['rate']} events/s, {label}",
+                    f"p50 {_n(r['p50_ms'], 2)} ms, p99 {_n(r['p99_ms'], 2)} ms",
+                    "",
+                    note,
+                )
+            )
+    lines = ["| measurement | result | x raw | notes |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    lines += ["", "| target | measured | bound | met |", "|---|---|---|---|"]
+    for name, t in (out.get("targets") or {}).items():
+        met = {True: "yes", False: "NO", None: "-"}[t["met"]]
+        lines.append(f"| {name} | {_n(t['value'], 2)} | {t['bound']} | {met} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/many.py",
+        description="Fan-out, ordered streams and isolation against the raw HTTP limit.",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller run")
+    mode.add_argument("--tiny", action="store_true", help="seconds; for the smoke test")
+    parser.add_argument("--only", help=f"comma-separated sections ({','.join(SECTIONS)})")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for the dispatcher processes, e.g. WEBHOOK_CLAIM_LOOPS=8",
+    )
+    parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"))
+    parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL"))
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    bench = ManyBench(
+        PRESETS[mode],
+        admin_url=args.database_url or DEFAULT_PG,
+        redis_url=args.redis_url or DEFAULT_REDIS,
+        overrides=dict(item.split("=", 1) for item in args.set),
+    )
+    names = args.only.split(",") if args.only else list(SECTIONS)
+    meta: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mode": mode,
+        "preset": {k: v for k, v in vars(PRESETS[mode]).items()},
+        "dispatcher_env": bench.overrides,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+    async def go() -> dict[str, Any]:
+        try:
+            return await bench.sections(names)
+        finally:
+            await bench.children.stop_all()
+
+    try:
+        out = run(go())
+    finally:
+        shutil.rmtree(bench.tmp, ignore_errors=True)
+    meta["loadavg_at_end"] = list(os.getloadavg())
+    out = {"meta": meta, **out}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"many-{stamp}.json"
+    out["meta"]["json"] = str(path)
+    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(render_table(out))
+    print(f"\nsaved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

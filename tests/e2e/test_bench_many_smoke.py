@@ -1,0 +1,71 @@
+"""The many-endpoint benchmark runs end to end in its tiny mode: every section gives its
+row, every delivery arrives, the ordered endpoint's streams arrive in order. No timings
+are asserted: the benchmark measures, the test only checks that it can."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import engines
+from tests.support.procs import command_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "isolation")
+
+
+def test_many_tiny_gives_every_section(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "many.py"),
+            "--tiny",
+            "--results",
+            str(tmp_path),
+            "--database-url",
+            engines.admin_database_url(),
+            "--redis-url",
+            engines.redis_url(),
+        ],
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=120,
+        check=False,
+    )
+    text = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, text
+    (saved,) = tmp_path.glob("many-*.json")
+    result = json.loads(saved.read_text())
+    for section in SECTIONS:
+        assert section in result, f"{section} missing:\n{text}"
+    fanout = result["fanout"]["runs"]
+    assert [r["label"] for r in fanout] == ["batch 100", "defaults"]
+    assert all(r["received"] >= r["deliveries"] for r in fanout)
+    latency = result["fanout_latency"]
+    assert latency["received"] == latency["events"] * latency["endpoints"]
+    ordered = result["ordered"]
+    assert ordered["in_order"], ordered
+    assert ordered["ord"]["received"] == ordered["ord"]["deliveries"]
+    assert ordered["ord"]["out_of_order"] == 0
+    isolation = result["isolation"]
+    assert isolation["beside_dead"]["received"] >= isolation["beside_dead"]["deliveries"]
+    assert isolation["dead_requests_seen"] > 0, "the hanging endpoint was never tried"
+    assert isolation["healthy_left_pending"] == 0
+    # One table: a row per section, and the targets.
+    for row in (
+        "| raw HTTP",
+        "| fan-out x100",
+        "| fan-out x10 at",
+        "| ordered endpoint",
+        "| unordered endpoint",
+        "healthy endpoints, beside a hanging endpoint",
+    ):
+        assert row in text, f"no {row!r} row:\n{text}"
+    assert "| target |" in text

@@ -1,0 +1,293 @@
+"""Query plans with a million processed rows over 1,000 endpoints (tests/support/bigoutbox):
+the claim, the fan-out, the ordered streams' next head and their sweep, recovery and the
+dead-letter lists use their indexes and read a bounded number of rows, never the backlog.
+
+Each statement runs under EXPLAIN (ANALYZE, BUFFERS) in a transaction that is rolled back,
+so every test sees the same data; the rows a plan examined (returned plus removed by a
+filter, times its loops) are what is bounded, not a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from fluxora_webhooks.outbox import Completion, Outcome, complete
+from fluxora_webhooks.queries import query
+from tests.support import bigoutbox, engines
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BIG = ("webhook_outbox", "webhook_dead_letter")
+
+
+@pytest.fixture(scope="module")
+def big_url(pg_admin_url: str, template_db: str) -> Iterator[str]:
+    name = f"fluxora_plans_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template_db)
+            )
+        )
+    url = engines.with_dbname(pg_admin_url, name)
+
+    async def fill() -> None:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await bigoutbox.build(conn)
+
+    try:
+        asyncio.run(fill())
+        yield url
+    finally:
+        with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+class Plan:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.all = list(nodes(root))
+
+    def scans(self) -> list[dict[str, Any]]:
+        return [n for n in self.all if n.get("Relation Name") in BIG]
+
+    def indexes(self) -> set[str]:
+        return {str(n["Index Name"]) for n in self.all if "Index Name" in n}
+
+    def seq_scans(self) -> list[str]:
+        return [
+            str(n.get("Relation Name"))
+            for n in self.all
+            if n["Node Type"] in ("Seq Scan", "Parallel Seq Scan") and n.get("Relation Name") in BIG
+        ]
+
+    def examined(self) -> int:
+        """Rows the scans of the big tables looked at: returned or filtered out, per loop."""
+        total = 0.0
+        for n in self.scans():
+            per_loop = (
+                n.get("Actual Rows", 0)
+                + n.get("Rows Removed by Filter", 0)
+                + n.get("Rows Removed by Index Recheck", 0)
+            )
+            total += per_loop * n.get("Actual Loops", 1)
+        return int(total)
+
+    def check(self, *, uses: set[str], max_examined: int) -> None:
+        shown = json.dumps(self.root, indent=1, default=str)[:6000]
+        assert not self.seq_scans(), f"scans {self.seq_scans()} whole:\n{shown}"
+        assert uses <= self.indexes(), f"uses {self.indexes()}, not {uses}:\n{shown}"
+        assert self.examined() <= max_examined, f"examined {self.examined()} rows:\n{shown}"
+
+
+async def explain(conn: psycopg.AsyncConnection[Any], statement: str, params: Any = None) -> Plan:
+    async with conn.transaction(force_rollback=True):
+        cur = await conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement,
+            params,
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    doc = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    return Plan(doc[0]["Plan"])
+
+
+async def connect(url: str) -> psycopg.AsyncConnection[Any]:
+    return await psycopg.AsyncConnection.connect(url, autocommit=True)
+
+
+class _Captured(Exception):
+    pass
+
+
+class _Capture:
+    """Stands in for a connection: keeps the statement and parameters a function would run."""
+
+    def __init__(self) -> None:
+        self.statement = ""
+        self.params: Any = None
+
+    async def execute(self, statement: str, params: Any = None) -> Any:
+        self.statement, self.params = statement, params
+        raise _Captured
+
+
+async def test_the_claim_reads_a_batch(big_url: str) -> None:
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("claim_due"), {"batch": 10})
+    plan.check(uses={"webhook_outbox_due_idx"}, max_examined=100)
+
+
+async def test_routing_a_batch_of_events_reads_their_tenants_endpoints(big_url: str) -> None:
+    async with await connect(big_url) as conn:
+        cur = await conn.execute(
+            "SELECT id, partition_at FROM webhook_outbox"
+            " WHERE NOT processed AND endpoint_id IS NULL ORDER BY id LIMIT 10"
+        )
+        events = {int(r[0]): r[1] for r in await cur.fetchall()}
+        assert len(events) == 10
+        capture = _Capture()
+        with pytest.raises(_Captured):
+            await complete(
+                cast(psycopg.AsyncConnection[Any], capture),
+                [Completion(i, Outcome.ROUTED) for i in events],
+                events,
+                route=list(events),
+            )
+        plan = await explain(conn, capture.statement, capture.params)
+    # Ten events of ten tenants, ten endpoints each: a hundred deliveries written, the
+    # event rows found by key, the endpoints by tenant.
+    plan.check(uses={"webhook_outbox_pkey"}, max_examined=500)
+    inserts = [n for n in plan.all if n.get("Operation") == "Insert"]
+    assert inserts, "no insert of deliveries in the plan"
+
+
+async def test_the_next_head_of_a_deep_stream_is_one_index_probe(big_url: str) -> None:
+    params = {"endpoints": [bigoutbox.DEEP_ENDPOINT], "streams": [bigoutbox.DEEP_STREAM]}
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("promote_heads"), params)
+        async with conn.transaction(force_rollback=True):
+            cur = await conn.execute(query("promote_heads"), params)
+            promoted = [int(r[0]) for r in await cur.fetchall()]
+            cur = await conn.execute(
+                "SELECT min(id) FROM webhook_outbox WHERE endpoint_id = %s AND stream_id = %s"
+                " AND NOT processed",
+                (bigoutbox.DEEP_ENDPOINT, bigoutbox.DEEP_STREAM),
+            )
+            row = await cur.fetchone()
+    assert row is not None
+    assert promoted == [row[0]], "the stream's lowest waiting delivery is its next head"
+    # 100,000 deliveries wait in that stream; choosing the head reads a handful.
+    plan.check(
+        uses={"webhook_outbox_stream_idx", "webhook_outbox_stream_active_idx"}, max_examined=50
+    )
+
+
+async def test_heads_of_streams_with_an_active_delivery_are_left_alone(big_url: str) -> None:
+    pairs = [
+        (bigoutbox.endpoint_id(e), f"o-{s}")
+        for e in range(0, bigoutbox.ENDPOINTS, 10)
+        for s in range(bigoutbox.ORDERED_STREAMS)
+    ]
+    params = {"endpoints": [e for e, _ in pairs], "streams": [s for _, s in pairs]}
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("promote_heads"), params)
+        async with conn.transaction(force_rollback=True):
+            cur = await conn.execute(query("promote_heads"), params)
+            assert await cur.fetchall() == [], "every one of these streams has its head in flight"
+    plan.check(uses={"webhook_outbox_stream_active_idx"}, max_examined=20 * len(pairs))
+
+
+async def test_the_sweep_walks_streams_not_their_backlog(big_url: str) -> None:
+    streams = bigoutbox.ENDPOINTS // 10 * bigoutbox.ORDERED_STREAMS + 1
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("stuck_streams"))
+        cur = await conn.execute(query("stuck_streams"))
+        stuck = [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
+    assert stuck == [(bigoutbox.DEEP_ENDPOINT, bigoutbox.DEEP_STREAM)]
+    plan.check(uses={"webhook_outbox_stream_idx"}, max_examined=5 * streams)
+
+
+async def test_recovery_reads_one_endpoints_window(big_url: str) -> None:
+    now = datetime.now(UTC)
+    params = {
+        "endpoint_id": bigoutbox.endpoint_id(7),
+        "since": now - timedelta(days=2),
+        "until": now - timedelta(days=1),
+        "batch": 500,
+    }
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("recover_dead_letters"), params)
+    # One endpoint's dead letters of one day out of twenty: about five.
+    plan.check(uses={"webhook_dead_letter_endpoint_idx"}, max_examined=100)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "tenant", "index"),
+    [
+        (bigoutbox.endpoint_id(5), None, "webhook_dead_letter_endpoint_idx"),
+        (None, bigoutbox.tenant_of(5), "webhook_dead_letter_tenant_idx"),
+        (None, "t-with-no-dead-letters", "webhook_dead_letter_tenant_idx"),
+        (None, None, "webhook_dead_letter_dead_idx"),
+    ],
+)
+async def test_dead_letter_lists_read_one_page(
+    big_url: str, endpoint: str | None, tenant: str | None, index: str
+) -> None:
+    params = {"all": False, "endpoint_id": endpoint, "tenant": tenant, "limit": 50}
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("dlq_list"), params)
+    plan.check(uses={index}, max_examined=60)
+
+
+async def test_the_api_lists_read_one_page_unfiltered(big_url: str) -> None:
+    scope = {"scoped": False, "tenant": None, "f_tenant": None, "stream_id": None}
+    deliveries = {
+        **scope,
+        "endpoint_id": None,
+        "status": None,
+        "event_type": None,
+        "event": None,
+        "before": None,
+        "limit": 51,
+    }
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("delivery_list"), deliveries)
+        plan.check(uses={"webhook_outbox_delivery_idx"}, max_examined=1000)
+        one = await explain(conn, query("delivery_list"), {**deliveries, "event": 12345})
+        one.check(uses={"webhook_outbox_event_idx"}, max_examined=100)
+
+
+# Known, left to the API's owners: a filter by tenant or endpoint walks the outbox newest
+# first until a page of matches is found (no index leads with tenant or endpoint for first
+# delivery rows or event rows). Strict: these fail the suite once an index serves them.
+@pytest.mark.xfail(strict=True, reason="no index serves the API's tenant-scoped event list")
+async def test_the_api_event_list_of_one_tenant_reads_one_page(big_url: str) -> None:
+    params = {
+        "scoped": True,
+        "tenant": bigoutbox.tenant_of(5),
+        "f_tenant": None,
+        "stream_id": None,
+        "event_type": None,
+        "before": None,
+        "limit": 51,
+    }
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("event_list"), params)
+    plan.check(uses=set(), max_examined=1000)
+
+
+@pytest.mark.xfail(strict=True, reason="no index serves the API's delivery list of one endpoint")
+async def test_the_api_delivery_list_of_one_endpoint_reads_one_page(big_url: str) -> None:
+    params = {
+        "scoped": False,
+        "tenant": None,
+        "f_tenant": None,
+        "endpoint_id": bigoutbox.endpoint_id(5),
+        "status": None,
+        "stream_id": None,
+        "event_type": None,
+        "event": None,
+        "before": None,
+        "limit": 51,
+    }
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("delivery_list"), params)
+    plan.check(uses=set(), max_examined=1000)

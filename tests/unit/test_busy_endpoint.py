@@ -1,0 +1,45 @@
+"""A row of an endpoint at its concurrency: a fast endpoint's comes back at once, a slow
+one's waits for one of its requests to end (its timeout at the latest), taking no claim
+capacity meanwhile (SPEC 11)."""
+
+from __future__ import annotations
+
+import time
+
+from fluxora_webhooks.dispatcher import BUSY_DEFER_S, Dispatcher
+from tests.support.dispatch import make_settings
+
+
+def _dispatcher() -> Dispatcher:
+    return Dispatcher(
+        make_settings("http://127.0.0.1:9/hook", endpoint_concurrency=2, timeout_ms=15_000),
+        conninfo="",
+    )
+
+
+def test_an_endpoint_below_its_concurrency_takes_the_row() -> None:
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    target.load.in_flight = 1
+    assert dispatcher.capacity_wait_s(target) is None
+
+
+def test_a_busy_fast_endpoint_defers_briefly_not_until_a_timeout() -> None:
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    target.load.in_flight = 2
+    target.load.deadlines = [time.monotonic() + 15.0, time.monotonic() + 15.0]
+    assert dispatcher.capacity_wait_s(target) == BUSY_DEFER_S
+
+
+def test_a_busy_slow_endpoint_waits_for_its_next_request_to_end() -> None:
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    target.load.in_flight = 2
+    target.load.deadlines = [time.monotonic() + 12.0, time.monotonic() + 15.0]
+    target.load.mark_slow()
+    wait = dispatcher.capacity_wait_s(target)
+    assert wait is not None and 11.0 < wait <= 12.0
