@@ -15,7 +15,7 @@ from tests.support.procs import command_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SECTIONS = ("raw", "ours", "pgqueuer", "latency", "claim", "gate")
+SECTIONS = ("raw", "ours", "pgqueuer", "celery", "latency", "memory", "claim", "gate")
 
 
 def test_bench_tiny_writes_every_section(tmp_path: Path) -> None:
@@ -47,9 +47,23 @@ def test_bench_tiny_writes_every_section(tmp_path: Path) -> None:
         assert section in result, f"{section} missing:\n{text}"
     assert result["ours"]["best"]["received"] >= result["meta"]["events"]
     assert all(run["left_pending"] == 0 for run in result["ours"]["runs"])
+    # One `run` as a user starts it: the supervisor and its default workers, all measured.
+    defaults = result["ours"]["defaults"]
+    assert defaults["default_workers"] and defaults["os_processes"] >= 2
+    assert defaults["left_pending"] == 0 and defaults["memory"]["peak_mb"] > 0
+    assert result["celery"]["best"]["received"] >= result["meta"]["events"]
+    assert result["memory"]["points"][0]["memory"]["processes"] >= 2
+    assert len({(r["processes"], r["concurrency"]) for r in result["raw"]["runs"]}) >= 2
     assert result["latency"]["received"] == result["latency"]["events"]
     assert result["claim"]["points"][0]["processed_rows"] == 0
     assert all(p["uses_index"] for p in result["claim"]["points"])
-    assert set(result["targets"]) >= {"ours / raw HTTP", "latency p99 (ms)"}
+    assert set(result["targets"]) >= {
+        "one run, defaults / raw HTTP",
+        "one run, batch 100 / raw HTTP",
+        "one run, defaults / pgqueuer best",
+        "one run, defaults / Celery best",
+        "latency p99 (ms)",
+        "resident memory per process, peak (MB)",
+    }
     assert list(tmp_path.glob("2*.png")), "no chart"
     assert "| measurement |" in text
