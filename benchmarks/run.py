@@ -77,7 +77,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gate_samples": 2000,
         "repeat": 2,
         "tuned": "WEBHOOK_BATCH_SIZE=100",
-        "celery_configs": ["prefork:2", "prefork:8", "threads:32"],
+        "celery_configs": ["prefork:2", "prefork:8"],
         "memory_backlogs": [100_000, 1_000_000],
         "memory_seconds": 10.0,
     },
@@ -95,7 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gate_samples": 500,
         "repeat": 1,
         "tuned": "WEBHOOK_BATCH_SIZE=100",
-        "celery_configs": ["prefork:2", "threads:32"],
+        "celery_configs": ["prefork:2", "prefork:8"],
         "memory_backlogs": [100_000, 1_000_000],
         "memory_seconds": 6.0,
     },
@@ -830,7 +830,12 @@ class Bench:
                 await asyncio.sleep(0.05)
             meter = CpuMeter({"workers": process_tree(worker.pid), "receiver": [self.receiver.pid]})
             meter.start()
-            stats = await self.wait_count(n, max(120.0, n / 100))
+            incomplete = False
+            try:
+                stats = await self.wait_count(n, max(120.0, n / 100))
+            except RuntimeError as exc:  # too slow to finish: its rate so far is its figure
+                self.log(f"celery {config}: {exc}")
+                stats, incomplete = await self.stats(), True
             cpu = meter.stop()
         finally:
             await worker.stop(30)
@@ -847,6 +852,7 @@ class Bench:
             "pool": pool,
             "concurrency": int(concurrency),
             "acks_late": True,
+            "incomplete": incomplete,
             "rate": rate,
             "received": stats["count"],
             "cpu_pct": cpu,

@@ -61,6 +61,9 @@ class Send:
     target: Target
     admission: Admission
     task: asyncio.Task[AttemptResult] | None = None
+    # Planned while its endpoint's slots were all taken: the request waits for one.
+    queued: bool = False
+    started: bool = False  # its request was sent (it holds a slot)
     # Set when the request outlives its batch; its row is recorded under this lease once
     # the batch's commit has written it (lease_written).
     lease: uuid.UUID | None = None
@@ -109,6 +112,7 @@ class Batch:
 
     async def _plan(self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]) -> None:
         candidates: list[tuple[Claimed, Target]] = []
+        queued: set[int] = set()  # rows that will wait in this process for a slot
         for row in rows:
             if row.is_event:
                 self.route.append(row.id)
@@ -136,20 +140,25 @@ class Batch:
                 self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=endpoint_id))
                 continue
             wait = self.d.capacity_wait_s(target)
-            if wait is not None:
+            queue = wait is not None and self.d.may_wait_for_slot(target)
+            if wait is not None and not queue:
                 self.completions.append(
                     Completion(row.id, Outcome.DEFERRED, delay_ms=max(1, int(wait * 1000)),
                                endpoint_id=endpoint_id)
                 )  # fmt: skip
                 continue
-            target.load.in_flight += 1  # reserved now: later rows of this batch see it
+            if queue:
+                queued.add(row.id)
+            else:
+                target.load.in_flight += 1  # reserved now: later rows of this batch see it
             candidates.append((row, target))
         admissions = await self.d.admit(candidates)
         for (row, target), admission in zip(candidates, admissions, strict=True):
             if admission.allowed:
-                self.sends.append(Send(row, target, admission))
+                self.sends.append(Send(row, target, admission, queued=row.id in queued))
                 continue
-            target.load.in_flight -= 1
+            if row.id not in queued:
+                target.load.release()
             self.completions.append(
                 Completion(
                     row.id,
@@ -212,7 +221,8 @@ class Batch:
         for send in inline:
             assert send.task is not None
             if not send.task.done():
-                send.target.load.mark_slow()
+                if send.started:  # a request that outlived the batch, not a wait for a slot
+                    send.target.load.mark_slow()
                 self._detach(send)
 
     def _detach(self, send: Send) -> None:

@@ -64,6 +64,8 @@ SWEEP_S = 30.0
 # is due again this much later: long enough that its claim loops do not spin on it, short
 # enough that a fast endpoint's burst flows at its concurrency.
 BUSY_DEFER_S = 0.02
+# URLs whose address policy is remembered (one entry per endpoint URL; cleared past this).
+_POLICY_KEYS_MAX = 100_000
 
 T = TypeVar("T")
 
@@ -123,6 +125,7 @@ class Dispatcher:
         # client given to the constructor (tests) serves every endpoint.
         self._given_client = client
         self._clients: dict[tuple[bool, bool, bool], HttpClient] = {}
+        self._policy_keys: dict[tuple[bool, str], tuple[bool, bool, bool]] = {}
         self._in_flight = 0
         self._stopping = asyncio.Event()
         self._waker = Waker(cap=settings.claim_loops)
@@ -396,6 +399,20 @@ class Dispatcher:
             return max(load.next_free_in_s(), 0.5)
         return None
 
+    def may_wait_for_slot(self, target: Target) -> bool:
+        """Whether a row for ``target``, whose slots are all taken, waits in this process for
+        the next one rather than going back to the outbox: yes for an endpoint that answers
+        quickly (not slow) while the process is below WEBHOOK_MAX_CONNECTIONS, up to as
+        many waiting rows as the claim loops can hold."""
+        load = target.load
+        settings = self.settings
+        return (
+            not load.slow
+            and load.in_flight >= settings.endpoint_concurrency
+            and self._in_flight < settings.max_connections
+            and load.queued < settings.claim_loops * settings.batch_size
+        )
+
     async def admit(self, candidates: Sequence[tuple[Claimed, Target]]) -> list[Admission]:
         """The gate's decisions for these rows, one Redis call per URL (concurrently)."""
         if not candidates:
@@ -434,6 +451,10 @@ class Dispatcher:
         the batch detached is handed to the completer once the lease is committed."""
         row, target = send.row, send.target
         load = target.load
+        if send.queued:
+            # The request's timeout starts once it has its slot.
+            await load.acquire(self.settings.endpoint_concurrency)
+        send.started = True
         deadline = time.monotonic() + self.settings.timeout_ms / 1000
         load.deadlines.append(deadline)
         self._in_flight += 1
@@ -443,7 +464,7 @@ class Dispatcher:
         finally:
             metrics.IN_FLIGHT.dec()
             self._in_flight -= 1
-            load.in_flight -= 1
+            load.release()
             with contextlib.suppress(ValueError):
                 load.deadlines.remove(deadline)
         if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * 0.25:
@@ -518,8 +539,13 @@ class Dispatcher:
         goes to loopback addresses only."""
         if self._given_client is not None:
             return self._given_client
-        rule = loopback_rule(target.url)
-        key = (target.builtin, target.builtin and rule.allow, rule.require)
+        key = self._policy_keys.get((target.builtin, target.url))
+        if key is None:  # parsed once per URL, not per request
+            rule = loopback_rule(target.url)
+            key = (target.builtin, target.builtin and rule.allow, rule.require)
+            if len(self._policy_keys) >= _POLICY_KEYS_MAX:
+                self._policy_keys.clear()
+            self._policy_keys[(target.builtin, target.url)] = key
         client = self._clients.get(key)
         if client is None:
             client = self._clients[key] = make_client(
@@ -564,7 +590,8 @@ class Dispatcher:
         for send in batch.sends:
             send.committed.set()
             if send.task is None:
-                send.target.load.in_flight -= 1  # reserved, never sent
+                if not send.queued:
+                    send.target.load.release()  # reserved, never sent
             elif send.lease is None and not send.task.done():
                 send.task.cancel()
 

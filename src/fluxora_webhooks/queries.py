@@ -47,3 +47,25 @@ def _all() -> dict[str, str]:
 def query(name: str) -> str:
     """The SQL of the named block."""
     return _all()[name]
+
+
+_PARAM = re.compile(r"%\((\w+)\)s")
+
+
+@cache
+def native(name: str) -> tuple[str, tuple[str, ...]]:
+    """The named block with PostgreSQL's own ``$n`` placeholders instead of ``%(name)s``,
+    and the parameter names in ``$n`` order, for a :class:`psycopg.AsyncRawCursor`.
+
+    psycopg parses a ``%(name)s`` query on every execution when it is longer than its
+    cache takes (4 KiB); the batch's completion statement is, and its parse cost more than
+    the statement's own round trip. Converted once here, it is sent as it is."""
+    lines = (line for line in query(name).splitlines() if not line.lstrip().startswith("--"))
+    text = "\n".join(lines)
+    assert "%%" not in text, f"{name}: a literal % has no native form here"
+    order: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        return f"${order.setdefault(match.group(1), len(order) + 1)}"
+
+    return _PARAM.sub(number, text), tuple(order)

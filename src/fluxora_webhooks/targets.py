@@ -12,6 +12,9 @@ others.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -34,11 +37,50 @@ SLOW_FOR_S = 30.0
 
 @dataclass
 class Load:
-    """This process's requests to one endpoint: kept across reloads of the endpoint."""
+    """This process's requests to one endpoint: kept across reloads of the endpoint.
+
+    ``in_flight`` counts the slots taken (at most ``WEBHOOK_ENDPOINT_CONCURRENCY``). A row
+    claimed while a fast endpoint's slots are all taken waits here, in this process, for
+    the next slot (:meth:`acquire`), first come first served, instead of being written
+    back to the outbox and claimed again: its row is locked by this process's batch
+    anyway, and a fast endpoint frees a slot within milliseconds.
+    """
 
     in_flight: int = 0
     slow_until: float = 0.0
     deadlines: list[float] = field(default_factory=list)
+    waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
+
+    async def acquire(self, limit: int) -> None:
+        """Take a slot: at once if one of ``limit`` is free and nobody waits, else when
+        :meth:`release` hands one over (the caller holds it then)."""
+        if self.in_flight < limit and not self.waiters:
+            self.in_flight += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed over as the wait was cancelled: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        """Give up a slot: to the longest waiting row if there is one, else free it."""
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.in_flight -= 1
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiters)
 
     @property
     def slow(self) -> bool:
