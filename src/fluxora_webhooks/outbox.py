@@ -10,7 +10,6 @@ endpoint, a delivery id); a retry is a new delivery row due later, as before.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -254,10 +253,37 @@ async def relock_claimed(
     return {int(row[0]) for row in await cur.fetchall()}
 
 
-def _no_nul(text: str | None) -> str | None:
-    """Text columns cannot hold NUL: it becomes the replacement character (as in bodies,
-    see ``delivery.clean_text``)."""
-    return text.replace("\x00", "\ufffd") if text and "\x00" in text else text
+def complete_statement(
+    completions: Sequence[Completion],
+    parts: Mapping[int, datetime | None],
+    *,
+    route: Sequence[int] = (),
+    succeeded: Sequence[str] = (),
+    failed: Sequence[str] = (),
+) -> tuple[str, list[Any]]:
+    """The statement :func:`complete` runs and its parameters (native ``$n`` placeholders,
+    for a :class:`psycopg.AsyncRawCursor`)."""
+    known = [at for c in completions if (at := parts[c.id]) is not None]
+    text, names = native("complete_batch")
+    params: dict[str, Any] = {
+        "ids": [c.id for c in completions],
+        "outcomes": [c.outcome.value for c in completions],
+        "delays": [c.delay_ms for c in completions],
+        "codes": [c.status_code for c in completions],
+        "errors": [c.error for c in completions],
+        "bodies": [c.response_body for c in completions],
+        "durations": [c.duration_ms for c in completions],
+        "reasons": [c.reason for c in completions],
+        "endpoints": [c.endpoint_id for c in completions],
+        "leases": [c.lease for c in completions],
+        "parts": [parts[c.id] for c in completions],
+        "part_lo": min(known, default=_EPOCH),
+        "part_hi": max(known, default=_EPOCH),
+        "route": list(route),
+        "succeeded": list(succeeded),
+        "failed": [e for e in failed if e not in succeeded],
+    }
+    return text, [params[n] for n in names]
 
 
 async def complete(
@@ -274,34 +300,11 @@ async def complete(
     it names the row). ``succeeded`` / ``failed``: the endpoints that had a delivered / a
     failed attempt, whose failure streak (``failing_since``) ends / starts.
     """
-    known = [at for c in completions if (at := parts[c.id]) is not None]
-    text, names = native("complete_batch")
-    rows = [
-        [
-            c.id,
-            c.outcome.value,
-            c.delay_ms,
-            c.status_code,
-            _no_nul(c.error),
-            _no_nul(c.response_body),
-            c.duration_ms,
-            c.reason,
-            c.endpoint_id,
-            None if c.lease is None else str(c.lease),
-            None if (at := parts[c.id]) is None else at.isoformat(),
-        ]
-        for c in completions
-    ]
-    params: dict[str, Any] = {
-        "rows": json.dumps(rows, ensure_ascii=False),
-        "part_lo": min(known, default=_EPOCH),
-        "part_hi": max(known, default=_EPOCH),
-        "route": list(route),
-        "succeeded": list(succeeded),
-        "failed": [e for e in failed if e not in succeeded],
-    }
+    text, params = complete_statement(
+        completions, parts, route=route, succeeded=succeeded, failed=failed
+    )
     cur = psycopg.AsyncRawCursor(conn)
-    await cur.execute(text, [params[n] for n in names])
+    await cur.execute(text, params)
     row = await cur.fetchone()
     assert row is not None
     pairs = list(zip(row[5] or [], row[6] or [], strict=True))

@@ -14,13 +14,13 @@ import json
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
-from fluxora_webhooks.outbox import Completion, Outcome, complete
+from fluxora_webhooks.outbox import Completion, Outcome, complete_statement
 from fluxora_webhooks.queries import query
 from tests.support import bigoutbox, engines
 
@@ -97,12 +97,14 @@ class Plan:
         assert self.examined() <= max_examined, f"examined {self.examined()} rows:\n{shown}"
 
 
-async def explain(conn: psycopg.AsyncConnection[Any], statement: str, params: Any = None) -> Plan:
+async def explain(
+    conn: psycopg.AsyncConnection[Any], statement: str, params: Any = None, *, native: bool = False
+) -> Plan:
+    """The plan of ``statement``, run and rolled back; ``native``: it has ``$n`` placeholders
+    (sent as it is, as :func:`fluxora_webhooks.outbox.complete` sends its statement)."""
     async with conn.transaction(force_rollback=True):
-        cur = await conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement,
-            params,
-        )
+        cur: Any = psycopg.AsyncRawCursor(conn) if native else conn.cursor()
+        await cur.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, params)
         row = await cur.fetchone()
     assert row is not None
     doc = row[0] if isinstance(row[0], list) else json.loads(row[0])
@@ -111,22 +113,6 @@ async def explain(conn: psycopg.AsyncConnection[Any], statement: str, params: An
 
 async def connect(url: str) -> psycopg.AsyncConnection[Any]:
     return await psycopg.AsyncConnection.connect(url, autocommit=True)
-
-
-class _Captured(Exception):
-    pass
-
-
-class _Capture:
-    """Stands in for a connection: keeps the statement and parameters a function would run."""
-
-    def __init__(self) -> None:
-        self.statement = ""
-        self.params: Any = None
-
-    async def execute(self, statement: str, params: Any = None) -> Any:
-        self.statement, self.params = statement, params
-        raise _Captured
 
 
 async def test_the_claim_reads_a_batch(big_url: str) -> None:
@@ -143,15 +129,10 @@ async def test_routing_a_batch_of_events_reads_their_tenants_endpoints(big_url: 
         )
         events = {int(r[0]): r[1] for r in await cur.fetchall()}
         assert len(events) == 10
-        capture = _Capture()
-        with pytest.raises(_Captured):
-            await complete(
-                cast(psycopg.AsyncConnection[Any], capture),
-                [Completion(i, Outcome.ROUTED) for i in events],
-                events,
-                route=list(events),
-            )
-        plan = await explain(conn, capture.statement, capture.params)
+        statement, params = complete_statement(
+            [Completion(i, Outcome.ROUTED) for i in events], events, route=list(events)
+        )
+        plan = await explain(conn, statement, params, native=True)
     # Ten events of ten tenants, ten endpoints each: a hundred deliveries written, the
     # event rows found by key, the endpoints by tenant.
     plan.check(uses={"webhook_outbox_pkey"}, max_examined=500)

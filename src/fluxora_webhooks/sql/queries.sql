@@ -56,15 +56,14 @@ WHERE processed = false AND created_at > now() AND created_at < 'infinity'
 -- their end. A row recorded after its batch (its request outlived it, under a lease) is
 -- written only while it still holds that lease and is pending. %(part_lo)s and %(part_hi)s
 -- bound the rows' partition_at: a partitioned outbox plans only their partitions.
--- %(rows)s is one JSON array of [id, outcome, delay_ms, status_code, error, response_body,
--- duration_ms, reason, endpoint_id, lease, partition_at] arrays: one parameter, encoded in
--- one call, instead of eleven arrays encoded element by element.
 WITH r AS (
-    SELECT (x->>0)::bigint AS id, x->>1 AS outcome, (x->>2)::bigint AS delay_ms,
-           (x->>3)::int AS status_code, x->>4 AS error, x->>5 AS response_body,
-           (x->>6)::float8 AS duration_ms, x->>7 AS reason, x->>8 AS endpoint_id,
-           (x->>9)::uuid AS lease, (x->>10)::timestamptz AS partition_at
-    FROM json_array_elements(%(rows)s::json) AS t(x)
+    SELECT *
+    FROM unnest(
+        %(ids)s::bigint[], %(outcomes)s::text[], %(delays)s::bigint[], %(codes)s::int[],
+        %(errors)s::text[], %(bodies)s::text[], %(durations)s::float8[], %(reasons)s::text[],
+        %(endpoints)s::text[], %(leases)s::uuid[], %(parts)s::timestamptz[]
+    ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason,
+           endpoint_id, lease, partition_at)
 ),
 -- Fan-out: one delivery row per endpoint of the event's tenant that subscribes to its type
 -- and existed when it was enqueued, with a delivery id of its own. Parked while the
