@@ -386,12 +386,16 @@ class Dispatcher:
         slot within milliseconds: its rows come back after BUSY_DEFER_S. A slow one (a
         request outlived its batch or timed out lately) frees one when a request ends, at
         the latest at that request's timeout: its rows wait that long and take no claim
-        capacity meanwhile."""
+        capacity meanwhile. They come back spread over one more timeout, not all at the
+        moment the first slot frees: a hanging endpoint's backlog, all due at once, filled
+        the claims ahead of the healthy endpoints' rows (each claimed only to be deferred
+        again), and their latency grew with it."""
         load = target.load
         if load.in_flight >= self.settings.endpoint_concurrency:
             if not load.slow:
                 return BUSY_DEFER_S
-            return max(load.next_free_in_s(), BUSY_DEFER_S)
+            spread = random.uniform(0.0, self.settings.timeout_ms / 1000)
+            return max(load.next_free_in_s(), BUSY_DEFER_S) + spread
         if self._in_flight >= self.settings.max_connections:
             return 0.05
         if load.slow and self.completer.outstanding >= max(1, self.settings.max_connections // 2):
