@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -56,6 +57,7 @@ from psycopg import sql
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import PAD, ahttp_json, free_port, percentile, run
+from plumbing import Plumbing
 from procs import Child, Children, CpuMeter
 
 HERE = Path(__file__).resolve().parent
@@ -88,6 +90,7 @@ class Preset:
     isolation_rate: int
     isolation_seconds: float
     timeout_ms: int | None = None  # the dispatcher's WEBHOOK_TIMEOUT_MS (None: its default)
+    hanging: int = 1  # endpoints that never answer, beside the healthy ones
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -113,7 +116,7 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-class ManyBench:
+class ManyBench(Plumbing):
     def __init__(
         self,
         preset: Preset,
@@ -157,57 +160,6 @@ class ManyBench:
         url = with_dbname(self.admin_url, name)
         await self.migrate(url)
         return url
-
-    async def migrate(self, database_url: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLUXORA_")}
-        env["DATABASE_URL"] = database_url
-        child = await self.children.spawn(
-            "migrate", [sys.executable, "-m", "fluxora_webhooks", "migrate"], env
-        )
-        if await asyncio.wait_for(child.proc.wait(), 120) != 0:
-            raise RuntimeError(f"fluxora-webhooks migrate failed:\n{child.log()[-3000:]}")
-
-    async def cleanup(self) -> None:
-        with contextlib.suppress(Exception):
-            async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as c:
-                for name in self.databases:
-                    await c.execute(
-                        sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                            sql.Identifier(name)
-                        )
-                    )
-        with contextlib.suppress(Exception):
-            from redis.asyncio import Redis
-
-            client = Redis.from_url(self.redis_url)
-            try:
-                keys = [k async for k in client.scan_iter(match=f"*{self.prefix}*", count=1000)]
-                if keys:
-                    await client.delete(*keys)
-            finally:
-                await client.aclose()
-
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await ahttp_json(self.receiver_url + "/_stats")
-        return result
-
-    async def reset(self) -> None:
-        await ahttp_json(self.receiver_url + "/_reset", "POST")
-
-    async def wait_count(self, n: int, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = await self.stats()
-            if stats["count"] >= n:
-                return stats
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"receiver got {stats['count']} of {n} in {timeout:.0f}s")
-            await asyncio.sleep(0.05)
-
-    @staticmethod
-    def rate(stats: dict[str, Any]) -> float:
-        span = stats["last"] - stats["first"]
-        return (stats["count"] - 1) / span if span > 0 else float("nan")
 
     async def start_receiver(self) -> None:
         receiver = await self.children.script("receiver", "receiver.py", "--port", "0")
@@ -497,7 +449,7 @@ class ManyBench:
         )
         await self.truncate(url)
         dispatcher = await self.dispatcher()
-        out: dict[str, Any] = {"healthy_endpoints": p.healthy}
+        out: dict[str, Any] = {"healthy_endpoints": p.healthy, "hanging_endpoints": p.hanging}
         deliveries = p.isolation_events * p.healthy
         try:
             out["alone"] = await self.burst(url, "iso", p.isolation_events, deliveries, dispatcher)
@@ -505,7 +457,9 @@ class ManyBench:
                 url, "iso", p.isolation_rate, p.isolation_seconds, p.healthy
             )
             await self.truncate(url)
-            dead = await self.add_endpoints(url, "iso", ["/hang/dead"])
+            dead = await self.add_endpoints(
+                url, "iso", [f"/hang/dead-{i}" for i in range(p.hanging)]
+            )
             out["beside_dead"] = await self.burst(
                 url, "iso", p.isolation_events, deliveries, dispatcher
             )
@@ -664,7 +618,9 @@ def render_table(out: dict[str, Any]) -> str:
     iso = out.get("isolation")
     if iso:
         n = iso["healthy_endpoints"]
-        for key, label in (("alone", "alone"), ("beside_dead", "beside a hanging endpoint")):
+        dead = iso.get("hanging_endpoints", 1)
+        beside = "beside a hanging endpoint" if dead == 1 else f"beside {dead} hanging endpoints"
+        for key, label in (("alone", "alone"), ("beside_dead", beside)):
             r = iso[key]
             note = ""
             if key == "beside_dead" and iso.get("throughput_ratio"):
@@ -679,7 +635,7 @@ def render_table(out: dict[str, Any]) -> str:
             )
         for key, label in (
             ("alone_latency", "alone"),
-            ("beside_dead_latency", "beside the hanging endpoint's backlog"),
+            ("beside_dead_latency", f"{beside}, with their backlog"),
         ):
             r = iso[key]
             note = ""
@@ -721,17 +677,37 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="environment for the dispatcher processes, e.g. WEBHOOK_CLAIM_LOOPS=8",
     )
+    parser.add_argument(
+        "--isolation",
+        metavar="HEALTHY:HANGING",
+        help="the isolation section's endpoints, e.g. 900:100 (events and rate scaled to"
+        " about 5,000 healthy deliveries a burst and 1,000 a second)",
+    )
     parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL"))
     parser.add_argument("--results", type=Path, default=HERE / "results")
     return parser
 
 
+def with_isolation(preset: Preset, shape: str | None) -> Preset:
+    if not shape:
+        return preset
+    healthy, hanging = (int(x) for x in shape.split(":"))
+    return dataclasses.replace(
+        preset,
+        healthy=healthy,
+        hanging=hanging,
+        isolation_events=max(1, 5000 // healthy),
+        isolation_rate=max(1, 1000 // healthy),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    preset = with_isolation(PRESETS[mode], args.isolation)
     bench = ManyBench(
-        PRESETS[mode],
+        preset,
         admin_url=args.database_url or DEFAULT_PG,
         redis_url=args.redis_url or DEFAULT_REDIS,
         overrides=dict(item.split("=", 1) for item in args.set),
@@ -740,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "mode": mode,
-        "preset": {k: v for k, v in vars(PRESETS[mode]).items()},
+        "preset": {k: v for k, v in vars(preset).items()},
         "dispatcher_env": bench.overrides,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "loadavg_at_start": list(os.getloadavg()),

@@ -18,6 +18,8 @@ PARTS = (
     ("redis", "Redis gate (redis-py)"),
     ("psycopg", "PostgreSQL (psycopg)"),
     ("aiohttp", "HTTP client (aiohttp)"),
+    ("fluxora_webhooks/httpclient.py", "HTTP client (ours, httptools)"),
+    ("fluxora_webhooks/delivery.py", "HTTP client (ours, httptools)"),
     ("prometheus_client", "metrics"),
     ("logging", "logging"),
     ("fluxora_webhooks", "dispatcher's own code"),

@@ -54,6 +54,7 @@ from benchlib import (
     percentile,
     run,
 )
+from plumbing import Plumbing
 from procs import Child, Children, CpuMeter, RssSampler, process_tree
 from report import render_chart, render_cpu_table, render_table, targets
 
@@ -183,7 +184,7 @@ def with_dbname(url: str, name: str) -> str:
     return " ".join([*kept, f"dbname={name}"])
 
 
-class Bench:
+class Bench(Plumbing):
     def __init__(self, args: argparse.Namespace) -> None:
         preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
         self.mode = "tiny" if args.tiny else "quick" if args.quick else "full"
@@ -242,46 +243,6 @@ class Bench:
             await c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         self.databases.append(name)
         return with_dbname(self.admin_url, name)
-
-    async def drop_databases(self) -> None:
-        async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as c:
-            for name in self.databases:
-                await c.execute(
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-                )
-
-    async def drop_redis_keys(self) -> None:
-        from redis.asyncio import Redis
-
-        client = Redis.from_url(self.redis_url)
-        try:
-            keys = [k async for k in client.scan_iter(match=f"*{self.prefix}*", count=1000)]
-            if keys:
-                await client.delete(*keys)
-        finally:
-            await client.aclose()
-
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await ahttp_json(self.receiver_url + "/_stats")
-        return result
-
-    async def reset(self) -> None:
-        await ahttp_json(self.receiver_url + "/_reset", "POST")
-
-    async def wait_count(self, n: int, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = await self.stats()
-            if stats["count"] >= n:
-                return stats
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"receiver got {stats['count']} of {n} in {timeout:.0f}s")
-            await asyncio.sleep(0.05)
-
-    @staticmethod
-    def rate(stats: dict[str, Any]) -> float:
-        span = stats["last"] - stats["first"]
-        return (stats["count"] - 1) / span if span > 0 else float("nan")
 
     # -- the run ---------------------------------------------------------------------
 
@@ -396,15 +357,6 @@ class Bench:
         # processes will run, and it may be newer than this process's imports.
         await self.migrate(self._ours_db)
         return self._ours_db
-
-    async def migrate(self, database_url: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLUXORA_")}
-        env["DATABASE_URL"] = database_url
-        child = await self.children.spawn(
-            "migrate", [sys.executable, "-m", "fluxora_webhooks", "migrate"], env
-        )
-        if await asyncio.wait_for(child.proc.wait(), 120) != 0:
-            raise RuntimeError(f"fluxora-webhooks migrate failed:\n{child.log()[-3000:]}")
 
     def dispatcher_env(
         self,

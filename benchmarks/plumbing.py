@@ -1,0 +1,87 @@
+"""What both benchmarks (``run.py``, ``many.py``) do around their measurements: their own
+databases and Redis keys (created, migrated, dropped at the end) and the receiver's counts.
+
+A subclass sets ``admin_url``, ``redis_url``, ``prefix`` (its Redis keys' prefix),
+``databases`` (the names it created), ``children`` and ``receiver_url``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from typing import Any
+
+import psycopg
+from benchlib import ahttp_json
+from procs import Children
+from psycopg import sql
+
+
+class Plumbing:
+    admin_url: str
+    redis_url: str
+    prefix: str
+    databases: list[str]
+    children: Children
+    receiver_url: str
+
+    async def migrate(self, database_url: str) -> None:
+        """``fluxora-webhooks migrate`` as a command: the code on disk is what the
+        dispatcher processes will run, and it may be newer than this process's imports."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLUXORA_")}
+        env["DATABASE_URL"] = database_url
+        child = await self.children.spawn(
+            "migrate", [sys.executable, "-m", "fluxora_webhooks", "migrate"], env
+        )
+        if await asyncio.wait_for(child.proc.wait(), 120) != 0:
+            raise RuntimeError(f"fluxora-webhooks migrate failed:\n{child.log()[-3000:]}")
+
+    async def drop_databases(self) -> None:
+        async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as c:
+            for name in self.databases:
+                await c.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+
+    async def drop_redis_keys(self) -> None:
+        from redis.asyncio import Redis
+
+        client = Redis.from_url(self.redis_url)
+        try:
+            keys = [k async for k in client.scan_iter(match=f"*{self.prefix}*", count=1000)]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+    async def cleanup(self) -> None:
+        """Drop this run's databases and Redis keys, whatever state the run ended in."""
+        with contextlib.suppress(Exception):
+            await self.drop_databases()
+        with contextlib.suppress(Exception):
+            await self.drop_redis_keys()
+
+    async def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = await ahttp_json(self.receiver_url + "/_stats")
+        return result
+
+    async def reset(self) -> None:
+        await ahttp_json(self.receiver_url + "/_reset", "POST")
+
+    async def wait_count(self, n: int, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = await self.stats()
+            if stats["count"] >= n:
+                return stats
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"receiver got {stats['count']} of {n} in {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    def rate(stats: dict[str, Any]) -> float:
+        span = stats["last"] - stats["first"]
+        return (stats["count"] - 1) / span if span > 0 else float("nan")
