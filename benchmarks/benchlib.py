@@ -82,3 +82,13 @@ def percentile(sorted_values: list[float], q: float) -> float:
         return float("nan")
     rank = max(1, min(len(sorted_values), round(q / 100 * len(sorted_values) + 0.5)))
     return sorted_values[rank - 1]
+
+
+def dig(out: dict[str, Any], *path: str) -> Any:
+    """``out[path[0]][path[1]]...``, or None where a key is missing (a section not run)."""
+    node: Any = out
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node

@@ -49,15 +49,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import PAD, ahttp_json, free_port, percentile, run
-from plumbing import Plumbing
+from benchlib import PAD, ahttp_json, dig, free_port, percentile, run
+from plumbing import Plumbing, add_common_arguments, with_dbname
 from procs import Child, Children, CpuMeter
 
 HERE = Path(__file__).resolve().parent
@@ -100,14 +99,6 @@ PRESETS = {
     # Every section, seconds; a short timeout so the hanging endpoint's requests end.
     "tiny": Preset(2000, (16,), 100, 10, 10, 20, 1.0, 50, 4, 20, 20, 5, 1.0, timeout_ms=2000),
 }
-
-
-def with_dbname(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme.startswith("postgres"):
-        return urlunsplit(parts._replace(path="/" + name))
-    kept = [p for p in url.split() if not p.startswith("dbname=")]
-    return " ".join([*kept, f"dbname={name}"])
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -519,17 +510,8 @@ class ManyBench(Plumbing):
         return out
 
 
-def _get(out: dict[str, Any], *path: str) -> Any:
-    node: Any = out
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
 def targets(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    raw = _get(out, "raw", "best", "rate")
+    raw = dig(out, "raw", "best", "rate")
 
     def check(value: float | None, bound: float, at_least: bool) -> dict[str, Any]:
         if value is not None and value != value:
@@ -539,20 +521,20 @@ def targets(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     return {
         "fan-out x100 / raw HTTP": check(
-            _ratio(_get(out, "fanout", "best", "rate"), raw), FANOUT_RAW_MIN, True
+            _ratio(dig(out, "fanout", "best", "rate"), raw), FANOUT_RAW_MIN, True
         ),
         "fan-out x10 latency p50 (ms)": check(
-            _get(out, "fanout_latency", "p50_ms"), LATENCY_P50_MAX_MS, False
+            dig(out, "fanout_latency", "p50_ms"), LATENCY_P50_MAX_MS, False
         ),
         "fan-out x10 latency p99 (ms)": check(
-            _get(out, "fanout_latency", "p99_ms"), LATENCY_P99_MAX_MS, False
+            dig(out, "fanout_latency", "p99_ms"), LATENCY_P99_MAX_MS, False
         ),
-        "ordered / unordered": check(_get(out, "ordered", "ratio"), ORDERED_RATIO_MIN, True),
+        "ordered / unordered": check(dig(out, "ordered", "ratio"), ORDERED_RATIO_MIN, True),
         "healthy beside a hanging endpoint / alone": check(
-            _get(out, "isolation", "throughput_ratio"), ISOLATION_RATIO_MIN, True
+            dig(out, "isolation", "throughput_ratio"), ISOLATION_RATIO_MIN, True
         ),
         "healthy p99 beside a hanging endpoint (ms)": check(
-            _get(out, "isolation", "beside_dead_latency", "p99_ms"), ISOLATION_P99_MAX_MS, False
+            dig(out, "isolation", "beside_dead_latency", "p99_ms"), ISOLATION_P99_MAX_MS, False
         ),
     }
 
@@ -565,18 +547,18 @@ def _n(value: Any, digits: int = 0) -> str:
 
 def render_table(out: dict[str, Any]) -> str:
     """One Markdown table: every measurement, with its ratio to the raw limit."""
-    raw = _get(out, "raw", "best", "rate")
+    raw = dig(out, "raw", "best", "rate")
     rows: list[tuple[str, str, str, str]] = []
 
     def vs_raw(rate: float | None) -> str:
         r = _ratio(rate, raw)
         return "-" if r is None else f"{r:.2f}"
 
-    for r in _get(out, "raw", "runs") or []:
+    for r in dig(out, "raw", "runs") or []:
         rows.append(
             (f"raw HTTP, {r['concurrency']} connections", f"{_n(r['rate'])} req/s", "1.00", "")
         )
-    for r in _get(out, "fanout", "runs") or []:
+    for r in dig(out, "fanout", "runs") or []:
         rows.append(
             (
                 f"fan-out x{r['endpoints']}, 1 process, {r['label']}",
@@ -666,26 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python benchmarks/many.py",
         description="Fan-out, ordered streams and isolation against the raw HTTP limit.",
     )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="smaller run")
-    mode.add_argument("--tiny", action="store_true", help="seconds; for the smoke test")
-    parser.add_argument("--only", help=f"comma-separated sections ({','.join(SECTIONS)})")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="environment for the dispatcher processes, e.g. WEBHOOK_CLAIM_LOOPS=8",
-    )
+    add_common_arguments(parser, SECTIONS)
     parser.add_argument(
         "--isolation",
         metavar="HEALTHY:HANGING",
         help="the isolation section's endpoints, e.g. 900:100 (events and rate scaled to"
         " about 5,000 healthy deliveries a burst and 1,000 a second)",
     )
-    parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"))
-    parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL"))
-    parser.add_argument("--results", type=Path, default=HERE / "results")
     return parser
 
 

@@ -7,17 +7,51 @@ A subclass sets ``admin_url``, ``redis_url``, ``prefix`` (its Redis keys' prefix
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from benchlib import ahttp_json
 from procs import Children
 from psycopg import sql
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...]) -> None:
+    """The options both benchmarks take: the preset (``--quick``, ``--tiny``), ``--only``,
+    ``--set`` (the dispatchers' environment), the engines and where results go."""
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller run")
+    mode.add_argument("--tiny", action="store_true", help="seconds; for the smoke test")
+    parser.add_argument("--only", help=f"comma-separated sections ({','.join(sections)})")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for our dispatcher processes, e.g. WEBHOOK_CLAIM_LOOPS=8",
+    )
+    parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"))
+    parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL"))
+    parser.add_argument("--results", type=Path, default=RESULTS)
+
+
+def with_dbname(url: str, name: str) -> str:
+    """``url`` (a URL or a libpq string) naming the database ``name`` instead."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme.startswith("postgres"):
+        return urlunsplit(parts._replace(path="/" + name))
+    kept = [p for p in url.split() if not p.startswith("dbname=")]
+    return " ".join([*kept, f"dbname={name}"])
 
 
 class Plumbing:

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from benchlib import dig
+
 # What a run must show (issue 8, raised by issue 16 for one `run` with its defaults).
 RAW_RATIO_MIN = 0.6
 TUNED_RAW_RATIO_MIN = 0.8
@@ -18,37 +20,28 @@ RSS_MAX_MB = 150.0
 RSS_GROWTH_MAX = 1.2  # peak with the largest backlog / peak with the smallest
 
 
-def _get(out: dict[str, Any], *path: str) -> Any:
-    node: Any = out
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
 def targets(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each target of the issue: the measured value, the bound, met or not (None: not run)."""
-    defaults = _get(out, "ours", "defaults", "rate")
-    tuned = _get(out, "ours", "tuned", "rate")
-    raw = _get(out, "raw", "best", "rate")
-    peer = _get(out, "pgqueuer", "best", "rate")
-    celery = _get(out, "celery", "best", "rate")
+    defaults = dig(out, "ours", "defaults", "rate")
+    tuned = dig(out, "ours", "tuned", "rate")
+    raw = dig(out, "raw", "best", "rate")
+    peer = dig(out, "pgqueuer", "best", "rate")
+    celery = dig(out, "celery", "best", "rate")
     peaks = [
-        _get(run, "memory", "peak_mb")
-        for run in (_get(out, "ours", "defaults"), _get(out, "ours", "tuned"))
+        dig(run, "memory", "peak_mb")
+        for run in (dig(out, "ours", "defaults"), dig(out, "ours", "tuned"))
         if run
     ]
-    mem_points = _get(out, "memory", "points") or []
-    peaks += [_get(p, "memory", "peak_mb") for p in mem_points]
+    mem_points = dig(out, "memory", "points") or []
+    peaks += [dig(p, "memory", "peak_mb") for p in mem_points]
     peak = max((v for v in peaks if v), default=None)
     growth = None
     if len(mem_points) >= 2:
-        first, last = (_get(p, "memory", "peak_mb") for p in (mem_points[0], mem_points[-1]))
+        first, last = (dig(p, "memory", "peak_mb") for p in (mem_points[0], mem_points[-1]))
         growth = last / first if first and last else None
-    p50 = _get(out, "latency", "p50_ms")
-    p99 = _get(out, "latency", "p99_ms")
-    points = _get(out, "claim", "points") or []
+    p50 = dig(out, "latency", "p50_ms")
+    p99 = dig(out, "latency", "p99_ms")
+    points = dig(out, "claim", "points") or []
     claim_ratio = None
     if len(points) >= 2 and points[0]["processed_rows"] == 0:
         claim_ratio = points[-1]["p50_ms"] / points[0]["p50_ms"]
@@ -87,14 +80,14 @@ def _cpu(run: dict[str, Any]) -> str:
 
 
 def render_table(out: dict[str, Any]) -> str:
-    raw = _get(out, "raw", "best", "rate")
-    peer = _get(out, "pgqueuer", "best", "rate")
+    raw = dig(out, "raw", "best", "rate")
+    peer = dig(out, "pgqueuer", "best", "rate")
     rows: list[tuple[str, str, str, str, str]] = []
 
     def ratio(value: float | None, base: float | None) -> str:
         return f"{value / base:.2f}" if value and base else "-"
 
-    for r in _get(out, "raw", "runs") or []:
+    for r in dig(out, "raw", "runs") or []:
         procs = r.get("processes", 1)
         rows.append(
             (
@@ -106,8 +99,8 @@ def render_table(out: dict[str, Any]) -> str:
                 _cpu(r),
             )
         )
-    ours_runs = list(_get(out, "ours", "runs") or [])
-    extra = [_get(out, "ours", k) for k in ("gate_off_1p", "defaults", "tuned")]
+    ours_runs = list(dig(out, "ours", "runs") or [])
+    extra = [dig(out, "ours", k) for k in ("gate_off_1p", "defaults", "tuned")]
     for r in [*ours_runs, *(e for e in extra if e)]:
         if r.get("default_workers"):
             what = f"ours, one `run` (supervisor + {r['os_processes'] - 1} workers)"
@@ -126,29 +119,34 @@ def render_table(out: dict[str, Any]) -> str:
         rows.append(
             (what, f"{_n(r['rate'])} ev/s", ratio(r["rate"], raw), ratio(r["rate"], peer), _cpu(r))
         )
-    for r in _get(out, "pgqueuer", "runs") or []:
+    peers = [
+        (
+            f"pgqueuer {dig(out, 'pgqueuer', 'version')}, batch {r['batch']}, "
+            f"{r['processes']} process{'es' if r['processes'] > 1 else ''}, {r['driver']}",
+            "jobs/s",
+            r,
+        )
+        for r in dig(out, "pgqueuer", "runs") or []
+    ] + [
+        (
+            f"Celery {dig(out, 'celery', 'version')}, {r['pool']} pool x "
+            f"{r['concurrency']}, Redis broker, acks late",
+            "tasks/s",
+            r,
+        )
+        for r in dig(out, "celery", "runs") or []
+    ]
+    for what, unit, r in peers:
         rows.append(
             (
-                f"pgqueuer {_get(out, 'pgqueuer', 'version')}, batch {r['batch']}, "
-                f"{r['processes']} process{'es' if r['processes'] > 1 else ''}, {r['driver']}",
-                f"{_n(r['rate'])} jobs/s",
+                what,
+                f"{_n(r['rate'])} {unit}",
                 ratio(r["rate"], raw),
                 ratio(r["rate"], peer),
                 _cpu(r),
             )
         )
-    for r in _get(out, "celery", "runs") or []:
-        rows.append(
-            (
-                f"Celery {_get(out, 'celery', 'version')}, {r['pool']} pool x "
-                f"{r['concurrency']}, Redis broker, acks late",
-                f"{_n(r['rate'])} tasks/s",
-                ratio(r["rate"], raw),
-                ratio(r["rate"], peer),
-                _cpu(r),
-            )
-        )
-    for m in _get(out, "memory", "points") or []:
+    for m in dig(out, "memory", "points") or []:
         mem = m.get("memory") or {}
         rows.append(
             (
@@ -175,7 +173,7 @@ def render_table(out: dict[str, Any]) -> str:
             f"max {_n(lat['max_ms'], 1)} ms |  |  | commit itself p50 "
             f"{_n(lat['commit_p50_ms'], 2)} ms |"
         )
-    points = _get(out, "claim", "points") or []
+    points = dig(out, "claim", "points") or []
     base = points[0]["p50_ms"] if points and points[0]["processed_rows"] == 0 else None
     for p in points:
         lines.append(
@@ -187,7 +185,7 @@ def render_table(out: dict[str, Any]) -> str:
             else f"| claim, {p['processed_rows']:,} processed rows | "
             f"p50 {_n(p['p50_ms'], 3)} ms |  |  |  |"
         )
-    churn = _get(out, "claim", "churn")
+    churn = dig(out, "claim", "churn")
     if churn:
         lines.append(
             f"| claim after {churn['updated_rows_not_vacuumed']:,} rows were marked processed"
@@ -196,7 +194,7 @@ def render_table(out: dict[str, Any]) -> str:
             + (f"x{churn['p50_ms'] / base:.2f} of empty" if base else "")
             + f" |  | after VACUUM: p50 {_n(churn.get('after_vacuum_p50_ms'), 3)} ms |"
         )
-    for label, g in (_get(out, "gate", "per_batch") or {}).items():
+    for label, g in (dig(out, "gate", "per_batch") or {}).items():
         lines.append(
             f"| Redis gate round trip ({label}, batch of {g['batch']}) | "
             f"p50 {_n(g['p50_ms'], 3)} ms, p99 {_n(g['p99_ms'], 3)} ms |  |  |  |"
@@ -223,19 +221,19 @@ def render_cpu_table(out: dict[str, Any]) -> str:
     """CPU microseconds per delivery, by process group, for the throughput runs."""
     rows = []
     candidates: list[tuple[str, dict[str, Any] | None]] = [
-        ("raw HTTP (best)", _get(out, "raw", "best"))
+        ("raw HTTP (best)", dig(out, "raw", "best"))
     ]
-    for r in _get(out, "ours", "runs") or []:
+    for r in dig(out, "ours", "runs") or []:
         candidates.append((f"ours, {r['processes']}p, defaults", r))
-    candidates.append(("ours, 1p, gate off", _get(out, "ours", "gate_off_1p")))
-    candidates.append(("ours, one run, defaults", _get(out, "ours", "defaults")))
-    tuned = _get(out, "ours", "tuned")
+    candidates.append(("ours, 1p, gate off", dig(out, "ours", "gate_off_1p")))
+    candidates.append(("ours, one run, defaults", dig(out, "ours", "defaults")))
+    tuned = dig(out, "ours", "tuned")
     if tuned:
         env = ", ".join(f"{k}={v}" for k, v in (tuned.get("env") or {}).items())
         candidates.append((f"ours, one run, {env}", tuned))
-    for r in _get(out, "pgqueuer", "runs") or []:
+    for r in dig(out, "pgqueuer", "runs") or []:
         candidates.append((f"pgqueuer, batch {r['batch']}, {r['processes']}p", r))
-    for r in _get(out, "celery", "runs") or []:
+    for r in dig(out, "celery", "runs") or []:
         candidates.append((f"Celery, {r['pool']} x {r['concurrency']}", r))
     for label, run in candidates:
         if not run or not run.get("rate"):
@@ -267,36 +265,36 @@ def render_chart(out: dict[str, Any], path: Path) -> None:
     labels: list[str] = []
     values: list[float] = []
     colours: list[str] = []
-    raw = _get(out, "raw", "best")
+    raw = dig(out, "raw", "best")
     if raw:
         labels.append(f"raw HTTP\n({raw.get('processes', 1)}x c={raw['concurrency']})")
         values.append(raw["rate"])
         colours.append("#999999")
-    for r in _get(out, "ours", "runs") or []:
+    for r in dig(out, "ours", "runs") or []:
         labels.append(f"ours\n{r['processes']}p")
         values.append(r["rate"])
         colours.append("#1f77b4")
-    off = _get(out, "ours", "gate_off_1p")
+    off = dig(out, "ours", "gate_off_1p")
     if off:
         labels.append("ours 1p\nno gate")
         values.append(off["rate"])
         colours.append("#6baed6")
-    defaults = _get(out, "ours", "defaults")
+    defaults = dig(out, "ours", "defaults")
     if defaults:
         labels.append("ours run\ndefaults")
         values.append(defaults["rate"])
         colours.append("#08519c")
-    tuned = _get(out, "ours", "tuned")
+    tuned = dig(out, "ours", "tuned")
     if tuned:
         batch = (tuned.get("env") or {}).get("WEBHOOK_BATCH_SIZE", "?")
         labels.append(f"ours run\nb{batch}")
         values.append(tuned["rate"])
         colours.append("#08306b")
-    for r in _get(out, "pgqueuer", "runs") or []:
+    for r in dig(out, "pgqueuer", "runs") or []:
         labels.append(f"pgq\nb{r['batch']} {r['processes']}p")
         values.append(r["rate"])
         colours.append("#ff7f0e")
-    for r in _get(out, "celery", "runs") or []:
+    for r in dig(out, "celery", "runs") or []:
         labels.append(f"celery\n{r['pool']} {r['concurrency']}")
         values.append(r["rate"])
         colours.append("#d62728")
@@ -334,7 +332,7 @@ def render_chart(out: dict[str, Any], path: Path) -> None:
         )
     # Claim.
     ax = axes[2]
-    points = _get(out, "claim", "points") or []
+    points = dig(out, "claim", "points") or []
     if points:
         names = [f"{p['processed_rows']:,}" for p in points]
         ax.bar(range(len(points)), [p["p50_ms"] for p in points], color="#9467bd", label="p50")

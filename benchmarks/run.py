@@ -54,7 +54,7 @@ from benchlib import (
     percentile,
     run,
 )
-from plumbing import Plumbing
+from plumbing import Plumbing, add_common_arguments, with_dbname
 from procs import Child, Children, CpuMeter, RssSampler, process_tree
 from report import render_chart, render_cpu_table, render_table, targets
 
@@ -133,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fluxora-webhooks bench",
         description="Throughput and latency against the raw HTTP limit and pgqueuer.",
     )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="smaller run; claim up to 1 M rows")
-    mode.add_argument("--tiny", action="store_true", help="seconds; for the smoke test")
+    add_common_arguments(parser, SECTIONS)
     parser.add_argument("--events", type=int, help="events per throughput run")
     parser.add_argument("--processes", type=_ints, help="dispatcher processes, e.g. 1,2,4")
     parser.add_argument("--raw-concurrency", type=_ints, help="raw client concurrencies")
@@ -147,14 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-seconds", type=float)
     parser.add_argument("--claim-rows", type=_ints, help="processed rows, e.g. 0,1000000")
     parser.add_argument("--churn-rows", type=int, help="rows updated to processed, not vacuumed")
-    parser.add_argument("--only", help=f"comma-separated sections to run ({','.join(SECTIONS)})")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="environment for our dispatcher processes, e.g. WEBHOOK_CLAIM_LOOPS=8",
-    )
     parser.add_argument(
         "--tuned",
         help="environment of the 'ours, tuned' run (default WEBHOOK_BATCH_SIZE=100; '' skips)",
@@ -167,21 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeat", type=int, help="runs per throughput point; the best counts")
     parser.add_argument("--profile", action="store_true", help="py-spy the 1-process run")
-    parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"))
-    parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL"))
-    parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--no-chart", action="store_true")
     return parser
-
-
-def with_dbname(url: str, name: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.scheme.startswith("postgres"):
-        return urlunsplit(parts._replace(path="/" + name))
-    kept = [p for p in url.split() if not p.startswith("dbname=")]
-    return " ".join([*kept, f"dbname={name}"])
 
 
 class Bench(Plumbing):
@@ -696,18 +673,9 @@ class Bench(Plumbing):
                 await child.stop()
         rate = self.rate(stats)
         self.log(f"pgqueuer batch {batch} x{count} ({driver}): {rate:,.0f} jobs/s")
-        return {
-            "batch": batch,
-            "processes": count,
-            "max_tasks": max_tasks,
-            "driver": driver,
-            "rate": rate,
-            "received": stats["count"],
-            "cpu_pct": cpu,
-            "worker_cpu_us_per_event": round(10_000 * cpu.get("workers", 0) / rate, 1)
-            if rate > 0
-            else None,
-        }
+        return _peer_result(
+            rate, stats, cpu, batch=batch, processes=count, max_tasks=max_tasks, driver=driver
+        )
 
     # -- the second peer: Celery ----------------------------------------------------
 
@@ -800,18 +768,15 @@ class Bench(Plumbing):
                 await client.aclose()
         rate = self.rate(stats)
         self.log(f"celery {pool} x{concurrency}: {rate:,.0f} tasks/s")
-        return {
-            "pool": pool,
-            "concurrency": int(concurrency),
-            "acks_late": True,
-            "incomplete": incomplete,
-            "rate": rate,
-            "received": stats["count"],
-            "cpu_pct": cpu,
-            "worker_cpu_us_per_event": round(10_000 * cpu.get("workers", 0) / rate, 1)
-            if rate > 0
-            else None,
-        }
+        return _peer_result(
+            rate,
+            stats,
+            cpu,
+            pool=pool,
+            concurrency=int(concurrency),
+            acks_late=True,
+            incomplete=incomplete,
+        )
 
     # -- memory with a backlog ----------------------------------------------------------
 
@@ -1046,6 +1011,21 @@ class Bench(Plumbing):
             await gate.close()
         self.log(f"gate: {out}")
         return {"per_batch": out}
+
+
+def _peer_result(
+    rate: float, stats: dict[str, Any], cpu: dict[str, float], **config: Any
+) -> dict[str, Any]:
+    """A peer's run: its configuration, rate, receipts, CPU shares and worker CPU per event."""
+    return {
+        **config,
+        "rate": rate,
+        "received": stats["count"],
+        "cpu_pct": cpu,
+        "worker_cpu_us_per_event": round(10_000 * cpu.get("workers", 0) / rate, 1)
+        if rate > 0
+        else None,
+    }
 
 
 def _libraries() -> dict[str, str | None]:

@@ -5,14 +5,11 @@ are asserted: the benchmark measures, the test only checks that it can."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import engines
-from tests.support.procs import command_env
+from tests.support.procs import run_benchmark
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -21,26 +18,7 @@ SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "isolation")
 
 
 def test_many_tiny_gives_every_section(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "many.py"),
-            "--tiny",
-            "--results",
-            str(tmp_path),
-            "--database-url",
-            engines.admin_database_url(),
-            "--redis-url",
-            engines.redis_url(),
-        ],
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=120,
-        check=False,
-    )
-    text = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, text
+    text = run_benchmark([str(ROOT / "benchmarks" / "many.py"), "--tiny"], tmp_path)
     (saved,) = tmp_path.glob("many-*.json")
     result = json.loads(saved.read_text())
     for section in SECTIONS:

@@ -4,14 +4,11 @@ asserted: the benchmark measures, the test only checks that it can."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import engines
-from tests.support.procs import command_env
+from tests.support.procs import run_benchmark
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -19,28 +16,7 @@ SECTIONS = ("raw", "ours", "pgqueuer", "celery", "latency", "memory", "claim", "
 
 
 def test_bench_tiny_writes_every_section(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fluxora_webhooks",
-            "bench",
-            "--tiny",
-            "--results",
-            str(tmp_path),
-            "--database-url",
-            engines.admin_database_url(),
-            "--redis-url",
-            engines.redis_url(),
-        ],
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=120,
-        check=False,
-    )
-    text = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, text
+    text = run_benchmark(["-m", "fluxora_webhooks", "bench", "--tiny"], tmp_path)
     (saved,) = tmp_path.glob("2*.json")
     result = json.loads(saved.read_text())
     for section in SECTIONS:

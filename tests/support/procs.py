@@ -112,3 +112,33 @@ async def dispatchers(
             except TimeoutError:
                 p.kill()
                 await p.wait(10)
+
+
+def run_benchmark(argv: list[str], results: Path, timeout: float = 120) -> str:
+    """Run a benchmark command (``fluxora-webhooks bench`` or a script under benchmarks/)
+    on this suite's engines, writing its results into ``results``; its output. Fails the
+    test with that output when it exits non-zero."""
+    import subprocess
+
+    from tests.support import engines
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            *argv,
+            "--results",
+            str(results),
+            "--database-url",
+            engines.admin_database_url(),
+            "--redis-url",
+            engines.redis_url(),
+        ],
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+        check=False,
+    )
+    text = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, text
+    return text
