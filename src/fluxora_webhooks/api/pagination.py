@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import ApiError
 
@@ -14,6 +16,11 @@ MAX_LIMIT = 1000
 
 def encode(kind: str, key: str | int) -> str:
     return base64.urlsafe_b64encode(f"{kind}:{key}".encode()).decode().rstrip("=")
+
+
+def page(kind: str, data: Sequence[Any], last: str | int | None) -> dict[str, Any]:
+    """A page of ``kind``: its items and the cursor of the next page (None: the last)."""
+    return {"data": data, "next_cursor": None if last is None else encode(kind, last)}
 
 
 def decode(kind: str, cursor: str | None) -> str | None:

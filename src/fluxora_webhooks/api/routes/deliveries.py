@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from ... import deliveries
 from ..deps import Conn, Reader, Writer, scoped
 from ..models import Delivery, DeliveryDetail, ErrorBody, Page, Status
-from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, encode
+from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, page
 
 router = APIRouter(
     prefix="/deliveries",
@@ -44,7 +44,7 @@ async def list_deliveries(
         limit=limit,
         before=decode_int("deliveries", cursor),
     )
-    return {"data": found, "next_cursor": None if after is None else encode("deliveries", after)}
+    return page("deliveries", found, after)
 
 
 @router.get("/{delivery_id}", response_model=DeliveryDetail, summary="One delivery")

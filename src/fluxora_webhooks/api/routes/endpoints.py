@@ -23,7 +23,7 @@ from ..models import (
     RotateIn,
     Secret,
 )
-from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode, encode
+from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode, page
 
 log = logging.getLogger("fluxora_webhooks.api")
 
@@ -51,12 +51,9 @@ async def list_endpoints(
     found = await endpoints.list_endpoints(
         conn, tenant=scope, limit=wanted, after=decode("endpoints", cursor)
     )
-    page = found[:limit]
+    shown = found[:limit]
     more = len(found) > limit or (wanted == limit and len(found) == limit)
-    return {
-        "data": [e.as_json() for e in page],
-        "next_cursor": encode("endpoints", page[-1].id) if more and page else None,
-    }
+    return page("endpoints", [e.as_json() for e in shown], shown[-1].id if more and shown else None)
 
 
 @router.post("", status_code=201, response_model=EndpointCreated, summary="Create an endpoint")

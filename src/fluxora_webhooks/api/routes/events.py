@@ -10,7 +10,7 @@ from ... import deliveries
 from ...errors import NotFoundError
 from ..deps import Conn, Reader, Writer, scoped
 from ..models import ErrorBody, Event, EventAccepted, EventDetail, EventIn, Page
-from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, encode
+from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, page
 
 router = APIRouter(
     prefix="/events",
@@ -55,7 +55,7 @@ async def list_events(
         limit=limit,
         before=decode_int("events", cursor),
     )
-    return {"data": found, "next_cursor": None if after is None else encode("events", after)}
+    return page("events", found, after)
 
 
 @router.get("/{event_id}", response_model=EventDetail, summary="One event and its deliveries")
