@@ -16,10 +16,11 @@ Sections (``--only`` picks some):
 - ``ordered``: one ordered endpoint, many streams of several events each, all in one
   transaction; deliveries per second, the receiver's check that each stream arrived in
   order, and the same load to an unordered endpoint.
-- ``isolation``: 20 healthy endpoints, then the same beside one that reads each request
-  and never answers (the sender waits for its timeout): the healthy endpoints' throughput
-  and commit-to-receipt latency with and without it, the latter measured while the hanging
-  endpoint's backlog is still there.
+- ``isolation``: 20 healthy endpoints (``--isolation 900:100``: any number), each its own
+  tenant, then the same beside one (or many) that reads each request and never answers
+  (the sender waits for its timeout), each hanging endpoint getting its share of the same
+  traffic: the healthy endpoints' throughput and commit-to-receipt latency with and
+  without them, the latter measured while the hanging endpoints' backlog is still there.
 
 Endpoints are registered through the Python API (``fluxora_webhooks.endpoints.create``).
 It prints one table, saves ``benchmarks/results/many-<timestamp>.json``. Databases are
@@ -45,7 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,8 @@ LATENCY_P99_MAX_MS = 25.0
 ORDERED_RATIO_MIN = 0.8
 ISOLATION_RATIO_MIN = 0.8
 ISOLATION_P99_MAX_MS = 50.0
+# Bursts of the isolation section, alone and beside the hanging endpoints: the best of each.
+ISOLATION_ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,8 @@ class Preset:
     ordered_streams: int
     ordered_per_stream: int
     healthy: int
-    isolation_events: int  # x healthy deliveries
-    isolation_rate: int
+    isolation_events: int  # per endpoint (x healthy deliveries)
+    isolation_rate: int  # events/s, taking turns over the endpoints' tenants
     isolation_seconds: float
     timeout_ms: int | None = None  # the dispatcher's WEBHOOK_TIMEOUT_MS (None: its default)
     hanging: int = 1  # endpoints that never answer, beside the healthy ones
@@ -94,11 +97,27 @@ class Preset:
 
 
 PRESETS = {
-    "full": Preset(30_000, (16, 64, 128), 100, 1000, 10, 200, 10.0, 1000, 20, 20, 2000, 20, 10.0),
-    "quick": Preset(15_000, (64,), 100, 300, 10, 200, 5.0, 1000, 10, 20, 500, 20, 5.0),
+    "full": Preset(30_000, (16, 64, 128), 100, 1000, 10, 200, 10.0, 1000, 20, 20, 2000, 400, 10.0),
+    "quick": Preset(15_000, (64,), 100, 300, 10, 200, 5.0, 1000, 10, 20, 500, 400, 5.0),
     # Every section, seconds; a short timeout so the hanging endpoint's requests end.
-    "tiny": Preset(2000, (16,), 100, 10, 10, 20, 1.0, 50, 4, 20, 20, 5, 1.0, timeout_ms=2000),
+    "tiny": Preset(2000, (16,), 100, 10, 10, 20, 1.0, 50, 4, 20, 20, 100, 1.0, timeout_ms=2000),
 }
+
+
+def interleave(many: Sequence[str], few: Sequence[str]) -> list[str]:
+    """``many`` with ``few`` spread evenly among them (one round of a steady run)."""
+    if not few:
+        return list(many)
+    out: list[str] = []
+    step = len(many) / len(few)
+    j = 0
+    for i, item in enumerate(many):
+        while j < len(few) and j * step <= i:
+            out.append(few[j])
+            j += 1
+        out.append(item)
+    out.extend(few[j:])
+    return out
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -221,33 +240,45 @@ class ManyBench(Plumbing):
         raise RuntimeError(f"{child.name} did not become ready:\n{child.log()[-3000:]}")
 
     async def add_endpoints(
-        self, database_url: str, tenant: str, paths: Sequence[str], *, ordered: bool = False
+        self,
+        database_url: str,
+        tenant: str | Sequence[str],
+        paths: Sequence[str],
+        *,
+        ordered: bool = False,
     ) -> list[str]:
+        """One endpoint per path: all of ``tenant``, or each of its own (a list, one per
+        path: a customer per endpoint)."""
         from fluxora_webhooks import endpoints
 
         allowed = [ipaddress.ip_network("127.0.0.0/8")]
+        tenants = [tenant] * len(paths) if isinstance(tenant, str) else list(tenant)
+        assert len(tenants) == len(paths)
         ids = []
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
-            for path in paths:
+            for path, owner in zip(paths, tenants, strict=True):
                 endpoint, _ = await endpoints.create(
                     c,
                     url=self.receiver_url + path,
-                    tenant=tenant,
+                    tenant=owner,
                     ordered=ordered,
                     allowed_networks=allowed,
                 )
                 ids.append(endpoint.id)
         return ids
 
-    async def insert_events(self, database_url: str, tenant: str, n: int) -> None:
-        """N events of one tenant in one transaction, by plain SQL."""
+    async def insert_events(self, database_url: str, tenant: str | Sequence[str], n: int) -> None:
+        """N events of each tenant in one transaction, by plain SQL (several tenants:
+        interleaved, the first event of each, then the second...)."""
+        tenants = [tenant] if isinstance(tenant, str) else list(tenant)
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
             await c.execute(
                 "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
-                " SELECT %(tenant)s, 'stream-' || g, 'bench.event',"
+                " SELECT t, 'stream-' || g, 'bench.event',"
                 " jsonb_build_object('kind', 'bench', 'seq', g, 'pad', %(pad)s::text)"
-                " FROM generate_series(1, %(n)s) g",
-                {"tenant": tenant, "n": n, "pad": PAD},
+                " FROM generate_series(1, %(n)s) g, unnest(%(tenants)s::text[])"
+                " WITH ORDINALITY AS u(t, o) ORDER BY g, o",
+                {"tenants": tenants, "n": n, "pad": PAD},
             )
 
     async def truncate(self, database_url: str) -> None:
@@ -268,9 +299,15 @@ class ManyBench(Plumbing):
             return int(row[0]) if row else -1
 
     async def burst(
-        self, database_url: str, tenant: str, events: int, deliveries: int, dispatcher: Child
+        self,
+        database_url: str,
+        tenant: str | Sequence[str],
+        events: int,
+        deliveries: int,
+        dispatcher: Child,
     ) -> dict[str, Any]:
-        """Insert ``events`` at once; wait for ``deliveries`` receipts; their rate."""
+        """Insert ``events`` (of each tenant) at once; wait for ``deliveries`` receipts;
+        their rate."""
         await self.reset()
         assert self.receiver is not None
         meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
@@ -283,6 +320,7 @@ class ManyBench(Plumbing):
             "events": events,
             "deliveries": deliveries,
             "received": stats["count"],
+            "hung": stats["hung"],  # requests read by hanging endpoints, never answered
             "rate": rate,
             "cpu_pct": cpu,
             "dispatcher_cpu_us_per_delivery": round(10_000 * cpu.get("dispatcher", 0) / rate, 1)
@@ -290,12 +328,41 @@ class ManyBench(Plumbing):
             else None,
         }
 
+    async def best_burst(
+        self,
+        database_url: str,
+        tenant: str | Sequence[str],
+        events: int,
+        deliveries: int,
+        dispatcher: Child,
+    ) -> dict[str, Any]:
+        """The faster of ISOLATION_ROUNDS bursts (other load on a shared machine only
+        ever slows a run down), each on an emptied outbox; every round's rate is kept."""
+        runs = []
+        for _ in range(ISOLATION_ROUNDS):
+            await self.truncate(database_url)
+            runs.append(await self.burst(database_url, tenant, events, deliveries, dispatcher))
+        best = dict(max(runs, key=lambda r: r["rate"] if r["rate"] == r["rate"] else 0.0))
+        best["all_rates"] = [round(r["rate"], 1) for r in runs]
+        best["hung_all_rounds"] = sum(r["hung"] for r in runs)
+        return best
+
     async def steady(
-        self, database_url: str, tenant: str, rate: int, seconds: float, fan: int
+        self,
+        database_url: str,
+        tenant: str | Sequence[str],
+        rate: int,
+        seconds: float,
+        fan: int,
+        *,
+        answering: Collection[str] | None = None,
     ) -> dict[str, Any]:
         """Events at a steady rate, each its own transaction carrying its commit time (the
-        receiver records receipt minus that time for every delivery of it)."""
+        receiver records receipt minus that time for every delivery of it). Several
+        tenants take turns; ``answering``: the tenants whose endpoints answer (default
+        all), so the receipts to wait for."""
         await self.reset()
+        tenants = [tenant] if isinstance(tenant, str) else list(tenant)
         total = int(rate * seconds)
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             await conn.execute("SELECT 1")
@@ -308,9 +375,11 @@ class ManyBench(Plumbing):
                     "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
                     " VALUES (%s, %s, 'bench.latency', jsonb_build_object('kind', 'latency',"
                     " 'seq', %s::int, 't0', %s::float8))",
-                    (tenant, f"lat-{i}", i, time.time()),
+                    (tenants[i % len(tenants)], f"lat-{i}", i, time.time()),
                 )
-        stats = await self.wait_count(total * fan, 60)
+        owners = [tenants[i % len(tenants)] for i in range(total)]
+        expected = fan * sum(1 for t in owners if answering is None or t in answering)
+        stats = await self.wait_count(expected, 60)
         lat = sorted(stats["latencies_ms"])
         return {
             "rate": rate,
@@ -433,31 +502,44 @@ class ManyBench(Plumbing):
         return out
 
     async def section_isolation(self) -> dict[str, Any]:
+        """Each endpoint its own tenant (a customer each, so an event goes to one endpoint):
+        the healthy ones alone, then beside the hanging ones, each getting its share of
+        the same traffic (a burst, then a steady rate taking turns over every tenant)."""
         p = self.preset
         url = await self.database()
+        healthy_tenants = [f"iso-{i}" for i in range(p.healthy)]
         healthy = await self.add_endpoints(
-            url, "iso", [f"/latency/h-{i}" for i in range(p.healthy)]
+            url, healthy_tenants, [f"/latency/h-{i}" for i in range(p.healthy)]
         )
         await self.truncate(url)
         dispatcher = await self.dispatcher()
         out: dict[str, Any] = {"healthy_endpoints": p.healthy, "hanging_endpoints": p.hanging}
         deliveries = p.isolation_events * p.healthy
         try:
-            out["alone"] = await self.burst(url, "iso", p.isolation_events, deliveries, dispatcher)
+            out["alone"] = await self.best_burst(
+                url, healthy_tenants, p.isolation_events, deliveries, dispatcher
+            )
             out["alone_latency"] = await self.steady(
-                url, "iso", p.isolation_rate, p.isolation_seconds, p.healthy
+                url, healthy_tenants, p.isolation_rate, p.isolation_seconds, 1
             )
             await self.truncate(url)
+            dead_tenants = [f"iso-dead-{j}" for j in range(p.hanging)]
             dead = await self.add_endpoints(
-                url, "iso", [f"/hang/dead-{i}" for i in range(p.hanging)]
+                url, dead_tenants, [f"/hang/dead-{j}" for j in range(p.hanging)]
             )
-            out["beside_dead"] = await self.burst(
-                url, "iso", p.isolation_events, deliveries, dispatcher
+            every = interleave(healthy_tenants, dead_tenants)
+            out["beside_dead"] = await self.best_burst(
+                url, every, p.isolation_events, deliveries, dispatcher
             )
-            hung = (await self.stats())["hung"]  # the steady run resets the counts
+            hung = out["beside_dead"]["hung_all_rounds"]  # the steady run resets the counts
             out["dead_backlog_before_latency_run"] = await self.pending(url, dead)
             out["beside_dead_latency"] = await self.steady(
-                url, "iso", p.isolation_rate, p.isolation_seconds, p.healthy
+                url,
+                every,
+                p.isolation_rate,
+                p.isolation_seconds,
+                1,
+                answering=set(healthy_tenants),
             )
             out["dead_backlog_after_latency_run"] = await self.pending(url, dead)
             out["dead_requests_seen"] = hung + (await self.stats())["hung"]
@@ -467,10 +549,11 @@ class ManyBench(Plumbing):
             await self.stop_dispatcher()
         out["throughput_ratio"] = _ratio(out["beside_dead"]["rate"], out["alone"]["rate"])
         self.log(
-            "isolation: healthy {a:,.0f}/s alone, {b:,.0f}/s beside a hanging endpoint;"
+            "isolation: healthy {a:,.0f}/s alone, {b:,.0f}/s beside {n} hanging;"
             " p99 {c:.1f} -> {d:.1f} ms".format(
                 a=out["alone"]["rate"],
                 b=out["beside_dead"]["rate"],
+                n=p.hanging,
                 c=out["alone_latency"]["p99_ms"],
                 d=out["beside_dead_latency"]["p99_ms"],
             )
@@ -652,8 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--isolation",
         metavar="HEALTHY:HANGING",
-        help="the isolation section's endpoints, e.g. 900:100 (events and rate scaled to"
-        " about 5,000 healthy deliveries a burst and 1,000 a second)",
+        help="the isolation section's endpoints, e.g. 900:100 (the burst scaled to about"
+        " 20,000 healthy deliveries)",
     )
     return parser
 
@@ -666,8 +749,7 @@ def with_isolation(preset: Preset, shape: str | None) -> Preset:
         preset,
         healthy=healthy,
         hanging=hanging,
-        isolation_events=max(1, 5000 // healthy),
-        isolation_rate=max(1, 1000 // healthy),
+        isolation_events=max(1, 20_000 // healthy),
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 
 # A batch waits this long for its requests; one still running then is detached.
 PATIENCE_S = 0.25
+# A request to an endpoint that has not answered while the rest of its batch has is
+# waited for this many times as long as the batch took so far, at least STRAGGLER_MIN_S.
+STRAGGLER_FACTOR = 2.0
+STRAGGLER_MIN_S = 0.01
 # A lease outlives its request's timeout by this much.
 LEASE_GRACE_MS = 5_000
 # A delivery to an endpoint this process has no configuration for (a built-in endpoint
@@ -64,11 +69,14 @@ class Send:
     # Planned while its endpoint's slots were all taken: the request waits for one.
     queued: bool = False
     started: bool = False  # its request was sent (it holds a slot)
+    started_at: float = 0.0  # time.monotonic() then
     # Set when the request outlives its batch; its row is recorded under this lease once
     # the batch's commit has written it (lease_written).
     lease: uuid.UUID | None = None
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     lease_written: bool = False
+    # Not sent (the detached requests held their share): its row deferred.
+    withheld: bool = False
 
     @property
     def endpoint_id(self) -> str:
@@ -210,26 +218,106 @@ class Batch:
             return
         inline: list[Send] = []
         for send in self.sends:
+            at_once = send.target.load.detached_at_once
+            if at_once and self._share_full(send):
+                continue
             send.task = asyncio.create_task(self.d.send(send))
-            if send.target.load.slow:
+            if at_once:
                 self._detach(send)
             else:
                 inline.append(send)
-        tasks = [s.task for s in inline if s.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=PATIENCE_S)
+        if inline:
+            await self._wait(inline)
         for send in inline:
             assert send.task is not None
             if not send.task.done():
                 if send.started:  # a request that outlived the batch, not a wait for a slot
-                    send.target.load.mark_slow()
+                    self._mark_slow_if_it_lasts(send)
+                # Detached even past the share: a request on the wire is never given up
+                # (its consumer may be working on it: it would have it twice).
                 self._detach(send)
+
+    @staticmethod
+    def _mark_slow_if_it_lasts(send: Send) -> None:
+        """A straggler's endpoint is suspect at once (its requests leave their batches at
+        once), and slow once a request to it has run PATIENCE_S (now, or later if it still
+        runs then): one early straggler is not enough to defer its rows by timeouts, it
+        may be a healthy endpoint's request that lost a moment to a busy machine."""
+        load = send.target.load
+        load.mark_suspect()
+        left = PATIENCE_S - (time.monotonic() - send.started_at)
+        if left <= 0:
+            send.target.load.mark_slow()
+            return
+
+        def check() -> None:
+            if send.task is not None and not send.task.done():
+                send.target.load.mark_slow()
+
+        asyncio.get_running_loop().call_later(left, check)
+
+    def _share_full(self, send: Send) -> bool:
+        """Whether the requests detached from their batches hold their whole share of
+        the process's connections; if so, ``send`` (to an endpoint whose requests leave
+        their batch at once) is not sent: its row is deferred until the first of them
+        ends, spread."""
+        wait = self.d.slow_share_wait_s()
+        if wait is None:
+            return False
+        send.withheld = True
+        if not send.queued:
+            send.target.load.release()  # reserved by the plan, never sent
+        self.completions.append(
+            Completion(
+                send.row.id,
+                Outcome.DEFERRED,
+                delay_ms=max(1, int(wait * 1000)),
+                endpoint_id=DEFAULT_ID if send.row.is_event else None,
+            )
+        )
+        metrics.SHARE_DEFERRED.inc()
+        return True
+
+    async def _wait(self, inline: Sequence[Send]) -> None:
+        """Wait for the batch's requests, at most PATIENCE_S. Once every endpoint still
+        being waited for is one that has not answered any request of this batch while
+        others have, those stragglers get STRAGGLER_FACTOR times as long as the batch
+        has taken so far (at least STRAGGLER_MIN_S) before they are detached: a consumer
+        that hangs, seen for the first time, then costs its batch a few milliseconds,
+        not the whole patience (the next ones are detached at once: it is slow now)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + PATIENCE_S
+        by_task: dict[asyncio.Future[AttemptResult], Send] = {
+            send.task: send for send in inline if send.task is not None
+        }
+        pending: set[asyncio.Future[AttemptResult]] = set(by_task)
+        answered: set[str] = set()
+        cut = False
+        while pending:
+            timeout = deadline - loop.time()
+            if timeout <= 0:
+                return
+            done, pending = await asyncio.wait(
+                pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            answered.update(by_task[task].endpoint_id for task in done)
+            if (
+                not cut
+                and pending
+                and answered
+                and not any(by_task[task].endpoint_id in answered for task in pending)
+            ):
+                cut = True
+                now = loop.time()
+                grace = max(STRAGGLER_MIN_S, STRAGGLER_FACTOR * (now - start))
+                deadline = min(deadline, now + grace)
 
     def _detach(self, send: Send) -> None:
         """Let the request outlive the batch: the row is leased (due again only after the
         request's timeout and a margin) and the Completer records its outcome."""
         send.lease = uuid.uuid4()
-        self.d.completer.detached()
+        self.d.completer.detached(send)
         self.completions.append(
             Completion(
                 send.row.id,
@@ -245,7 +333,7 @@ class Batch:
         """The sends whose request ended within the batch."""
         out = []
         for send in self.sends:
-            if send.lease is None:
+            if send.lease is None and not send.withheld:
                 assert send.task is not None and send.task.done()
                 out.append((send, send.task.result()))
         return out

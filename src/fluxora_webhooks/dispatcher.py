@@ -27,11 +27,11 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
-from .batch import GONE, Batch, Send, breaker_signal
+from .batch import GONE, PATIENCE_S, Batch, Send, breaker_signal
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
-from .gate import ALLOW, Admission, DeliveryGate, OpenGate
+from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
 from .recording import DB_ERRORS, Completer, Recorder
@@ -64,6 +64,8 @@ SWEEP_S = 30.0
 # is due again this much later: long enough that its claim loops do not spin on it, short
 # enough that a fast endpoint's burst flows at its concurrency.
 BUSY_DEFER_S = 0.02
+# How far ahead a slow endpoint's rows past its concurrency are spaced out, in timeouts.
+SLOW_HORIZON_TIMEOUTS = 4
 # URLs whose address policy is remembered (one entry per endpoint URL; cleared past this).
 _POLICY_KEYS_MAX = 100_000
 
@@ -386,22 +388,48 @@ class Dispatcher:
         slot within milliseconds: its rows come back after BUSY_DEFER_S. A slow one (a
         request outlived its batch or timed out lately) frees one when a request ends, at
         the latest at that request's timeout: its rows wait that long and take no claim
-        capacity meanwhile. They come back spread over one more timeout, not all at the
-        moment the first slot frees: a hanging endpoint's backlog, all due at once, filled
-        the claims ahead of the healthy endpoints' rows (each claimed only to be deferred
-        again), and their latency grew with it."""
+        capacity meanwhile. They come back no faster than it can take them (its
+        concurrency per timeout: each deferred row one slot's share of a timeout after the
+        one before), up to SLOW_HORIZON_TIMEOUTS timeouts ahead, and spread over that
+        horizon beyond it: a hanging endpoint's backlog, all due at once, filled the
+        claims ahead of the healthy endpoints' rows, each claimed only to be deferred
+        again, and their latency grew with it."""
         load = target.load
         if load.in_flight >= self.settings.endpoint_concurrency:
             if not load.slow:
                 return BUSY_DEFER_S
-            spread = random.uniform(0.0, self.settings.timeout_ms / 1000)
-            return max(load.next_free_in_s(), BUSY_DEFER_S) + spread
-        if self._in_flight >= self.settings.max_connections:
+            return load.next_turn_in_s(
+                max(load.next_free_in_s(), BUSY_DEFER_S),
+                step=self.settings.timeout_ms / 1000 / self.settings.endpoint_concurrency,
+                horizon=SLOW_HORIZON_TIMEOUTS * self.settings.timeout_ms / 1000,
+            )
+        if self.connections_used() >= self.settings.max_connections:
             return 0.05
-        if load.slow and self.completer.outstanding >= max(1, self.settings.max_connections // 2):
-            # The requests that outlived their batch never take the whole process's share.
-            return max(load.next_free_in_s(), 0.5)
+        if load.slow:
+            return self.slow_share_wait_s()
         return None
+
+    def connections_used(self) -> int:
+        """The requests in flight as WEBHOOK_MAX_CONNECTIONS counts them: the detached
+        ones only up to their share (half). A request on the wire is never given up, so
+        the first requests of endpoints that start hanging all at once may take the
+        detached past their share; the requests of the batches keep their half."""
+        over = self.completer.outstanding - self._slow_share()
+        return self._in_flight - max(0, over)
+
+    def _slow_share(self) -> int:
+        return max(1, self.settings.max_connections // 2)
+
+    def slow_share_wait_s(self) -> float | None:
+        """None while the requests that outlived their batch hold less than half of the
+        process's connections (their share: they never take it all); else how long to
+        defer a row of a slow endpoint. The first of them ends at the latest at its
+        timeout: the row waits that long, spread like a slow endpoint's rows, so that many
+        slow endpoints' backlogs are not claimed over and over only to be deferred again."""
+        if self.completer.outstanding < self._slow_share():
+            return None
+        spread = random.uniform(0.0, self.settings.timeout_ms / 1000)
+        return max(self.completer.next_end_in_s(), BUSY_DEFER_S) + spread
 
     def may_wait_for_slot(self, target: Target) -> bool:
         """Whether a row for ``target``, whose slots are all taken, waits in this process for
@@ -413,41 +441,41 @@ class Dispatcher:
         return (
             not load.slow
             and load.in_flight >= settings.endpoint_concurrency
-            and self._in_flight < settings.max_connections
+            and self.connections_used() < settings.max_connections
             and load.queued < settings.claim_loops * settings.batch_size
         )
 
     async def admit(self, candidates: Sequence[tuple[Claimed, Target]]) -> list[Admission]:
-        """The gate's decisions for these rows, one Redis call per URL (concurrently)."""
+        """The gate's decisions for these rows: one call for all their URLs (one Redis
+        round trip on a single node)."""
         if not candidates:
             return []
         groups: dict[str, list[int]] = {}
         for i, (_, target) in enumerate(candidates):
             groups.setdefault(target.url, []).append(i)
         out: list[Admission] = [ALLOW] * len(candidates)
-
-        async def one(url: str, indexes: list[int]) -> None:
-            target = candidates[indexes[0]][1]
+        requests = []
+        for url, indexes in groups.items():
             # The gate treats attempt numbers above 1 as retries; a replay counts as one.
             attempts = [
                 max(candidates[i][0].attempt, 2) if candidates[i][0].is_retry else 1
                 for i in indexes
             ]
-            try:
-                decided = await self.gate.admit(url, attempts, limit=target.rate_limit)
-            except Exception:
-                log.exception("delivery gate failed; admitting the batch (fail open)")
-                metrics.REDIS_FAIL_OPEN.labels("gate").inc()
-                return
-            if len(decided) != len(indexes):
-                log.error(
-                    "delivery gate answered %d decisions for %d rows", len(decided), len(indexes)
-                )
-                return
-            for i, admission in zip(indexes, decided, strict=True):
+            requests.append(AdmitRequest(url, attempts, candidates[indexes[0]][1].rate_limit))
+        try:
+            decided = await self.gate.admit_many(requests)
+        except Exception:
+            log.exception("delivery gate failed; admitting the batch (fail open)")
+            metrics.REDIS_FAIL_OPEN.labels("gate").inc()
+            return out
+        if len(decided) != len(requests) or any(
+            len(d) != len(r.attempts) for d, r in zip(decided, requests, strict=False)
+        ):
+            log.error("delivery gate answered decisions that do not match the rows; ignored")
+            return out
+        for indexes, admissions in zip(groups.values(), decided, strict=True):
+            for i, admission in zip(indexes, admissions, strict=True):
                 out[i] = admission
-
-        await asyncio.gather(*(one(url, indexes) for url, indexes in groups.items()))
         return out
 
     async def send(self, send: Send) -> AttemptResult:
@@ -459,7 +487,8 @@ class Dispatcher:
             # The request's timeout starts once it has its slot.
             await load.acquire(self.settings.endpoint_concurrency)
         send.started = True
-        deadline = time.monotonic() + self.settings.timeout_ms / 1000
+        send.started_at = time.monotonic()
+        deadline = send.started_at + self.settings.timeout_ms / 1000
         load.deadlines.append(deadline)
         self._in_flight += 1
         metrics.IN_FLIGHT.inc()
@@ -471,8 +500,8 @@ class Dispatcher:
             load.release()
             with contextlib.suppress(ValueError):
                 load.deadlines.remove(deadline)
-        if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * 0.25:
-            load.slow_until = 0.0  # answering fast again
+        if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * PATIENCE_S:
+            load.answered_fast()
         elif result.error == "timeout":
             load.mark_slow()
         metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
@@ -481,7 +510,7 @@ class Dispatcher:
             if send.lease_written:
                 self.completer.submit(send, result)
             else:
-                self.completer.settled()  # its batch rolled back: it is claimed again
+                self.completer.settled([send])  # its batch rolled back: claimed again
         return result
 
     async def _attempt(self, row: Claimed, target: Target) -> AttemptResult:

@@ -1,7 +1,8 @@
 """The delivery gate: what the dispatcher asks before and tells after a batch of attempts.
 
-The dispatcher asks once per batch (one Redis round trip for the whole batch at most) and
-reports once per batch. The Redis implementation (rate limit + circuit breaker) is
+The dispatcher asks once per batch (one Redis round trip for the whole batch on a single
+Redis node; one per URL on a Redis Cluster, whose URLs live in different slots) and reports
+once per batch. The Redis implementation (rate limit + circuit breaker) is
 :class:`~fluxora_webhooks.redis_gate.RedisGate`; :class:`OpenGate` admits everything.
 """
 
@@ -42,6 +43,15 @@ class Admission:
 ALLOW = Admission(True)
 
 
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """One URL's pending attempts of a batch (see :meth:`DeliveryGate.admit`)."""
+
+    url: str
+    attempts: Sequence[int]
+    limit: int | None = None
+
+
 class DeliveryGate(Protocol):
     async def admit(
         self, url: str, attempts: Sequence[int], *, limit: int | None = None
@@ -49,6 +59,11 @@ class DeliveryGate(Protocol):
         """One decision per pending attempt, in order. ``attempts[i]`` is the attempt number
         (1 is a first attempt, greater is a retry); ``limit`` the URL's retry limit (None:
         the gate's default)."""
+        ...
+
+    async def admit_many(self, requests: Sequence[AdmitRequest]) -> list[list[Admission]]:
+        """:meth:`admit` for several URLs at once (a batch's), in order: one round trip
+        where the gate can."""
         ...
 
     async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
@@ -66,6 +81,9 @@ class OpenGate:
         self, url: str, attempts: Sequence[int], *, limit: int | None = None
     ) -> list[Admission]:
         return [ALLOW] * len(attempts)
+
+    async def admit_many(self, requests: Sequence[AdmitRequest]) -> list[list[Admission]]:
+        return [[ALLOW] * len(r.attempts) for r in requests]
 
     async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
         return None

@@ -125,6 +125,12 @@ DETACHED = Counter(
     "Requests that outlived their batch (slow endpoints) and were recorded under a lease.",
     registry=REGISTRY,
 )
+SHARE_DEFERRED = Counter(
+    "fluxora_webhook_share_deferred_requests",
+    "Requests to slow endpoints not sent because the requests detached from their batches"
+    " held their share of WEBHOOK_MAX_CONNECTIONS; their rows were deferred.",
+    registry=REGISTRY,
+)
 ENDPOINTS_DISABLED = Counter(
     "fluxora_webhook_endpoints_disabled",
     "Endpoints disabled by this process, by reason (gone: HTTP 410, failing: failing for "

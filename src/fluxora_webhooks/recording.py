@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -216,23 +217,35 @@ class Completer:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.d = dispatcher
         self._queue: asyncio.Queue[Detached] = asyncio.Queue()
-        # Detached requests not settled yet: in flight, or waiting to be recorded.
-        self.outstanding = 0
+        # Detached requests not settled yet (in flight, or waiting to be recorded), each
+        # with the moment its request ends at the latest (its timeout).
+        self._ends: dict[int, float] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def detached(self) -> None:
+    @property
+    def outstanding(self) -> int:
+        return len(self._ends)
+
+    def detached(self, send: Send) -> None:
         """A request was detached from its batch: it is the completer's until settled."""
-        self.outstanding += 1
+        self._ends[id(send)] = time.monotonic() + self.d.settings.timeout_ms / 1000
         self._idle.clear()
+
+    def next_end_in_s(self) -> float:
+        """How long until the first detached request ends at the latest (0: none)."""
+        if not self._ends:
+            return 0.0
+        return max(0.0, min(self._ends.values()) - time.monotonic())
 
     def submit(self, send: Send, result: AttemptResult) -> None:
         self._queue.put_nowait(Detached(send, result))
 
-    def settled(self, count: int = 1) -> None:
+    def settled(self, sends: Sequence[Send]) -> None:
         """Recorded, or given up (its row is sent again when its lease ends)."""
-        self.outstanding -= count
-        if self.outstanding <= 0:
+        for send in sends:
+            self._ends.pop(id(send), None)
+        if not self._ends:
             self._idle.set()
 
     async def run(self) -> None:
@@ -271,11 +284,11 @@ class Completer:
                         len(group),
                         type(exc).__name__,
                     )
-                    self.settled(len(group))
+                    self.settled([item.send for item in group])
                     return
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-        self.settled(len(group))
+        self.settled([item.send for item in group])
         for decision in prepared.decisions:
             self.d.count(decision.outcome, decision.reason)
         reports: dict[str, list[tuple[Any, bool | None]]] = {}

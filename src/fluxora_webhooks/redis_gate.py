@@ -48,14 +48,15 @@ from importlib import resources
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import metrics
-from .gate import ALLOW, Admission, AdmitCode
-from .redis_connect import client_for, detect_cluster
+from .gate import ALLOW, Admission, AdmitCode, AdmitRequest
+from .redis_connect import ClusterAwareRedis, client_for, detect_cluster
 from .settings import Settings
 from .urlpolicy import redacted
 
@@ -140,7 +141,7 @@ def lua_script(name: str) -> str:
     codes = "".join(f"local {code.name} = {int(code)}\n" for code in AdmitCode)
     parts = [codes] + [
         folder.joinpath(f"{part}.lua").read_text("utf-8")
-        for part in ("clock", "breaker", "ratelimit", name)
+        for part in ("clock", "breaker", "ratelimit", "admit_url", name)
     ]
     return "\n".join(parts)
 
@@ -202,6 +203,7 @@ class RedisGate:
         self._timeout_s = timeout_ms / 1000
         self._state_ttl_ms = breaker_reset_ms + STATE_IDLE_TTL_MS
         self._admit_script = redis.register_script(lua_script("admit"))
+        self._admit_many_script = redis.register_script(lua_script("admit_many"))
         self._report_script = redis.register_script(lua_script("report"))
         password = redis.connection_pool.connection_kwargs.get("password")
         self._outage = _Outage(failure_backoff_ms / 1000, clock, str(password or ""))
@@ -245,15 +247,60 @@ class RedisGate:
         if decided is None:
             return [ALLOW] * len(attempts)
         admissions, transition = decided
-        if transition is not None:
-            _count_transition(url, *transition)
-        rate_limited = sum(1 for a in admissions if a.reason == "rate_limited")
-        circuit_open = sum(1 for a in admissions if a.reason == "circuit_open")
-        if rate_limited:
-            metrics.RATE_LIMIT_DEFERRALS.inc(rate_limited)
-        if circuit_open:
-            metrics.CIRCUIT_DEFERRALS.inc(circuit_open)
+        _counted(url, admissions, transition)
         return admissions
+
+    async def admit_many(self, requests: Sequence[AdmitRequest]) -> list[list[Admission]]:
+        """Several URLs' decisions in one script call on a single Redis node (a batch with
+        rows for many endpoints costs one round trip, not one per URL); on a Redis Cluster
+        (or before it is known which), one :meth:`admit` per URL, concurrently."""
+        if not requests:
+            return []
+        if len(requests) == 1 or not self._single_node():
+            return list(
+                await asyncio.gather(
+                    *(self.admit(r.url, r.attempts, limit=r.limit) for r in requests)
+                )
+            )
+        token = secrets.token_hex(8)
+        keys: list[str] = []
+        args: list[str | int] = [
+            self.window_ms,
+            self.breaker_threshold,
+            self.breaker_reset_ms,
+            self.probe_ttl_ms,
+            self._state_ttl_ms,
+            token,
+        ]
+        for r in requests:
+            keys += [
+                rate_limit_key(r.url, self.prefix),
+                breaker_key(r.url, self.prefix),
+                probe_key(r.url, self.prefix),
+            ]
+            args += [r.limit or self.retry_rps, len(r.attempts)]
+            args.extend("1" if attempt > 1 else "0" for attempt in r.attempts)
+        component = "gate" if self.breaker_threshold > 0 else "ratelimit"
+        counts = [len(r.attempts) for r in requests]
+        decided = await self._call(
+            component,
+            self._admit_many_script,
+            keys,
+            args,
+            lambda reply: _decode_admit_many(reply, token, counts),
+        )
+        if decided is None:
+            return [[ALLOW] * n for n in counts]
+        for r, (admissions, transition) in zip(requests, decided, strict=True):
+            _counted(r.url, admissions, transition)
+        return [admissions for admissions, _ in decided]
+
+    def _single_node(self) -> bool:
+        """Whether every key lives on one Redis server (not a Cluster, and known not to be)."""
+        client = self._redis
+        if isinstance(client, ClusterAwareRedis):
+            return client.is_cluster is False
+        return not isinstance(client, RedisCluster)
 
     async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
         if self.breaker_threshold <= 0:
@@ -399,15 +446,46 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _decode_admit(
-    reply: Any, token: str, count: int
-) -> tuple[list[Admission], tuple[str, str] | None]:
+def _counted(url: str, admissions: Sequence[Admission], transition: tuple[str, str] | None) -> None:
+    if transition is not None:
+        _count_transition(url, *transition)
+    rate_limited = sum(1 for a in admissions if a.reason == "rate_limited")
+    circuit_open = sum(1 for a in admissions if a.reason == "circuit_open")
+    if rate_limited:
+        metrics.RATE_LIMIT_DEFERRALS.inc(rate_limited)
+    if circuit_open:
+        metrics.CIRCUIT_DEFERRALS.inc(circuit_open)
+
+
+Decided = tuple[list[Admission], tuple[str, str] | None]
+
+
+def _decode_admit(reply: Any, token: str, count: int) -> Decided:
     values = list(reply)
     if len(values) != 3 + 2 * count:
         raise ValueError(f"admit script answered {len(values)} values for {count} attempts")
-    from_state, to_state = _text(values[1]), _text(values[2])
+    return _decode_url(values, 1, token, count)
+
+
+def _decode_admit_many(reply: Any, token: str, counts: Sequence[int]) -> list[Decided]:
+    values = list(reply)
+    if len(values) != 1 + sum(2 + 2 * n for n in counts):
+        raise ValueError(
+            f"admit script answered {len(values)} values for {sum(counts)} attempts"
+            f" of {len(counts)} URLs"
+        )
+    out, at = [], 1
+    for n in counts:
+        out.append(_decode_url(values, at, token, n))
+        at += 2 + 2 * n
+    return out
+
+
+def _decode_url(values: Sequence[Any], at: int, token: str, count: int) -> Decided:
+    """One URL's part of an admit reply: from, to, then (code, delay) per attempt."""
+    from_state, to_state = _text(values[at]), _text(values[at + 1])
     admissions: list[Admission] = []
-    for i in range(3, len(values), 2):
+    for i in range(at + 2, at + 2 + 2 * count, 2):
         code, delay = AdmitCode(int(values[i])), int(values[i + 1])
         if code is AdmitCode.ALLOWED:
             admissions.append(ALLOW)

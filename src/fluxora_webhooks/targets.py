@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ class Load:
 
     in_flight: int = 0
     slow_until: float = 0.0
+    suspect_until: float = 0.0  # see detached_at_once
+    next_turn: float = 0.0  # monotonic: when the next deferred row of a slow endpoint may go
     deadlines: list[float] = field(default_factory=list)
     waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
 
@@ -88,6 +91,30 @@ class Load:
 
     def mark_slow(self) -> None:
         self.slow_until = time.monotonic() + SLOW_FOR_S
+
+    @property
+    def detached_at_once(self) -> bool:
+        """Whether its requests leave their batch at once: it is slow, or a request to it
+        was still running when the rest of its batch had answered (it may hang)."""
+        now = time.monotonic()
+        return now < self.slow_until or now < self.suspect_until
+
+    def mark_suspect(self) -> None:
+        self.suspect_until = time.monotonic() + SLOW_FOR_S
+
+    def answered_fast(self) -> None:
+        self.slow_until = self.suspect_until = 0.0
+
+    def next_turn_in_s(self, first_s: float, *, step: float, horizon: float) -> float:
+        """When a row deferred now may come back: the first at ``first_s``, each later one
+        ``step`` after the one before (the rate at which the endpoint frees slots), each
+        jittered within its step; past ``horizon`` anywhere between ``first_s`` and it."""
+        now = time.monotonic()
+        turn = max(self.next_turn, now + first_s)
+        if turn + step > now + horizon:
+            return random.uniform(first_s, max(first_s, horizon))
+        self.next_turn = turn + step
+        return turn - now + random.uniform(0.0, step)
 
     def next_free_in_s(self) -> float:
         """How long until one of its in-flight requests ends at the latest (its timeout)."""

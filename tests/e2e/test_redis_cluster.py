@@ -19,6 +19,7 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.gate import AdmitRequest
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_connect import client_for
 from fluxora_webhooks.redis_gate import (
@@ -106,6 +107,24 @@ async def test_the_gate_runs_on_the_node_that_owns_each_consumers_keys(
         assert await cluster_client.zcard(rate_limit_key(url, prefix)) == 3
         # Two failures reached the threshold: the breaker opened, on the owning node.
         assert await cluster_client.hget(breaker_key(url, prefix), "state") == b"open"
+
+
+async def test_a_batch_of_many_consumers_is_admitted_on_each_ones_node(
+    cluster: RedisCluster, cluster_client: ClusterClient
+) -> None:
+    """admit_many on a cluster: each URL's keys on their own node (one call per URL)."""
+    prefix = f"t{secrets.token_hex(4)}:"
+    urls = consumer_urls(12)
+    before = fail_opens()
+    gate = await _gate(cluster.url(), prefix)
+    try:
+        decided = await gate.admit_many([AdmitRequest(u, [2, 2, 2, 2]) for u in urls])
+    finally:
+        await gate.close()
+    assert fail_opens() == before
+    assert [[a.allowed for a in d] for d in decided] == [[True, True, True, False]] * 12
+    for url in urls:
+        assert await cluster_client.zcard(rate_limit_key(url, prefix)) == 3
 
 
 async def test_noscript_ask_and_moved(cluster: RedisCluster, cluster_client: ClusterClient) -> None:

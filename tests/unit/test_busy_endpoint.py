@@ -1,12 +1,12 @@
 """A row of an endpoint at its concurrency: a fast endpoint's comes back at once, a slow
-one's waits for one of its requests to end (its timeout at the latest), taking no claim
-capacity meanwhile (SPEC 11)."""
+one's waits for one of its requests to end (its timeout at the latest), and its backlog
+comes back no faster than it can take it, taking no claim capacity meanwhile (SPEC 11)."""
 
 from __future__ import annotations
 
 import time
 
-from fluxora_webhooks.dispatcher import BUSY_DEFER_S, Dispatcher
+from fluxora_webhooks.dispatcher import BUSY_DEFER_S, SLOW_HORIZON_TIMEOUTS, Dispatcher
 from tests.support.dispatch import make_settings
 
 
@@ -42,8 +42,15 @@ def test_a_busy_slow_endpoint_waits_for_its_next_request_to_end() -> None:
     target.load.deadlines = [time.monotonic() + 12.0, time.monotonic() + 15.0]
     target.load.mark_slow()
     waits = [dispatcher.capacity_wait_s(target) for _ in range(200)]
-    # Not before its first request ends (12 s), and spread over one more timeout (15 s) so
-    # that its rows do not all come back at the same moment.
-    assert all(w is not None and 11.0 < w <= 12.0 + 15.0 for w in waits)
+    assert all(w is not None for w in waits)
     spread = [w for w in waits if w is not None]
-    assert max(spread) - min(spread) > 5.0
+    # Not before its first request ends (12 s), and never beyond the horizon.
+    horizon = SLOW_HORIZON_TIMEOUTS * 15.0
+    assert all(11.0 < w <= horizon for w in spread)
+    # The first rows come back one after the other, one slot's share of a timeout apart
+    # (2 slots per 15 s: 7.5 s), as fast as the endpoint can take them and no faster...
+    paced = spread[:6]
+    assert paced == sorted(paced) and paced[-1] - paced[0] > 5 * 7.5 - 7.5
+    # ...and the rest, beyond the horizon, spread over it, not all at the same moment.
+    rest = spread[10:]
+    assert max(rest) - min(rest) > 20.0
