@@ -16,6 +16,10 @@ Sections (``--only`` picks some):
 - ``ordered``: one ordered endpoint, many streams of several events each, all in one
   transaction; deliveries per second, the receiver's check that each stream arrived in
   order, and the same load to an unordered endpoint.
+- ``ordered_head``: an ordered endpoint at a steady rate over many streams, then the same
+  with one stream's head refused (503) for a moment: the other streams' commit-to-receipt
+  latency in both runs, and how long the waiting stream's events wait (for the head's
+  retry, the first step of ``WEBHOOK_RETRY_SCHEDULE``), all in order.
 - ``isolation``: 20 healthy endpoints (``--isolation 900:100``: any number), each its own
   tenant, then the same beside one (or many) that reads each request and never answers
   (the sender waits for its timeout), each hanging endpoint getting its share of the same
@@ -63,7 +67,7 @@ from procs import Child, Children, CpuMeter
 HERE = Path(__file__).resolve().parent
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "isolation")
+SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "ordered_head", "isolation")
 
 # Targets (issues 12, 13, 16).
 FANOUT_RAW_MIN = 0.6
@@ -74,6 +78,8 @@ ISOLATION_RATIO_MIN = 0.8
 ISOLATION_P99_MAX_MS = 50.0
 # Bursts of the isolation section, alone and beside the hanging endpoints: the best of each.
 ISOLATION_ROUNDS = 2
+# ordered_head's second endpoint: a retry limit of its own, above the section's rate.
+HEAD_RATE_LIMIT = 1000
 
 
 @dataclass(frozen=True)
@@ -94,13 +100,40 @@ class Preset:
     timeout_ms: int | None = None  # the dispatcher's WEBHOOK_TIMEOUT_MS (None: its default)
     hanging: int = 1  # endpoints that never answer, beside the healthy ones
     extra: dict[str, str] = field(default_factory=dict)
+    # ordered_head: events/s over this many streams of an ordered endpoint, for this long,
+    # one stream's head refused (503) for head_fail_s, so that it waits for its retry.
+    head_streams: int = 100
+    head_rate: int = 200
+    head_seconds: float = 10.0
+    head_fail_s: float = 1.0
 
 
 PRESETS = {
     "full": Preset(30_000, (16, 64, 128), 100, 1000, 10, 200, 10.0, 1000, 20, 20, 2000, 400, 10.0),
-    "quick": Preset(15_000, (64,), 100, 300, 10, 200, 5.0, 1000, 10, 20, 500, 400, 5.0),
+    "quick": Preset(
+        15_000, (64,), 100, 300, 10, 200, 5.0, 1000, 10, 20, 500, 400, 5.0, head_seconds=5.0
+    ),
     # Every section, seconds; a short timeout so the hanging endpoint's requests end.
-    "tiny": Preset(2000, (16,), 100, 10, 10, 20, 1.0, 50, 4, 20, 20, 100, 1.0, timeout_ms=2000),
+    "tiny": Preset(
+        2000,
+        (16,),
+        100,
+        10,
+        10,
+        20,
+        1.0,
+        50,
+        4,
+        20,
+        20,
+        100,
+        1.0,
+        timeout_ms=2000,
+        head_streams=10,
+        head_rate=50,
+        head_seconds=1.0,
+        head_fail_s=0.2,
+    ),
 }
 
 
@@ -246,6 +279,7 @@ class ManyBench(Plumbing):
         paths: Sequence[str],
         *,
         ordered: bool = False,
+        rate_limit: int | None = None,
     ) -> list[str]:
         """One endpoint per path: all of ``tenant``, or each of its own (a list, one per
         path: a customer per endpoint)."""
@@ -262,6 +296,7 @@ class ManyBench(Plumbing):
                     url=self.receiver_url + path,
                     tenant=owner,
                     ordered=ordered,
+                    rate_limit=rate_limit,
                     allowed_networks=allowed,
                 )
                 ids.append(endpoint.id)
@@ -501,6 +536,83 @@ class ManyBench(Plumbing):
         out["ratio"] = _ratio(out["ord"]["rate"], out["unord"]["rate"])
         return out
 
+    async def section_ordered_head(self) -> dict[str, Any]:
+        """An ordered endpoint at a steady rate over many streams, each event its own
+        transaction carrying its commit time: first as it is, then with one stream's head
+        refused (503) for a moment, so that the stream waits for the head's retry (the
+        first of WEBHOOK_RETRY_SCHEDULE) while the other streams go on. The other streams'
+        commit-to-receipt latency in both runs, and the waiting stream's."""
+        p = self.preset
+        url = await self.database()
+        await self.add_endpoints(url, "head", ["/ordered/head"], ordered=True)
+        # The same with a retry limit of its own above its traffic (SPEC 5 holds a retry
+        # while the endpoint takes WEBHOOK_RETRY_RPS attempts a second, new events included).
+        await self.add_endpoints(
+            url, "head-limit", ["/ordered/head-limit"], ordered=True, rate_limit=HEAD_RATE_LIMIT
+        )
+        await self.dispatcher()
+        out: dict[str, Any] = {
+            "streams": p.head_streams,
+            "rate": p.head_rate,
+            "seconds": p.head_seconds,
+            "head_refused_s": p.head_fail_s,
+        }
+        runs = (
+            ("all_flowing", "head", False),
+            ("head_retrying", "head", True),
+            ("head_retrying_own_limit", "head-limit", True),
+        )
+        for label, tenant, stuck in runs:
+            await self.truncate(url)
+            await self.reset()
+            total = int(p.head_rate * p.head_seconds)
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                start = time.perf_counter() + 0.1
+                fail_until = time.time() + 0.1 + p.head_fail_s
+                for i in range(total):
+                    delay = start + i / p.head_rate - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    watched = stuck and i % 10 == 0  # a tenth of the events: the stuck stream
+                    stream = "stuck" if watched else f"st-{i % p.head_streams}"
+                    event: dict[str, Any] = {"stream": stream, "seq": i, "t0": time.time()}
+                    if watched:
+                        event["watch"] = True
+                        if i == 0:
+                            event["fail_until"] = fail_until
+                    await conn.execute(
+                        "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                        " VALUES (%s, %s, 'bench.ordered', %s::jsonb)",
+                        (tenant, stream, json.dumps(event)),
+                    )
+            stats = await self.wait_count(total, 120)
+            others = sorted(stats["latencies_ms"])
+            watched_ms = sorted(stats["watched_ms"])
+            out[label] = {
+                "events": total,
+                "received": stats["count"],
+                "refused": stats["refused"],
+                "out_of_order": stats["out_of_order"],
+                "others_p50_ms": percentile(others, 50),
+                "others_p99_ms": percentile(others, 99),
+                "others_max_ms": others[-1] if others else float("nan"),
+                "stuck_events": len(watched_ms),
+                "stuck_p50_ms": percentile(watched_ms, 50) if watched_ms else None,
+                "stuck_max_ms": watched_ms[-1] if watched_ms else None,
+            }
+            self.log(
+                "ordered {l}: others p99 {p:.1f} ms; stuck stream max {m}".format(
+                    l=label,
+                    p=out[label]["others_p99_ms"],
+                    m="-" if not watched_ms else f"{watched_ms[-1]:,.0f} ms",
+                )
+            )
+        out["in_order"] = all(out[label]["out_of_order"] == 0 for label, _, _ in runs)
+        out["others_p99_ratio"] = _ratio(
+            out["head_retrying"]["others_p99_ms"], out["all_flowing"]["others_p99_ms"]
+        )
+        return out
+
     async def section_isolation(self) -> dict[str, Any]:
         """Each endpoint its own tenant (a customer each, so an event goes to one endpoint):
         the healthy ones alone, then beside the hanging ones, each getting its share of
@@ -680,6 +792,33 @@ def render_table(out: dict[str, Any]) -> str:
                         note,
                     )
                 )
+    head = out.get("ordered_head")
+    if head:
+        refused = f"one stream's head refused {head['head_refused_s']:g} s, retried"
+        for key, label in (
+            ("all_flowing", "every stream flowing"),
+            ("head_retrying", refused),
+            ("head_retrying_own_limit", f"{refused} (endpoint rate_limit {HEAD_RATE_LIMIT})"),
+        ):
+            r = head.get(key)
+            if not r:
+                continue
+            note = f"{r['received']} receipts, {r['out_of_order']} out of order"
+            if r.get("stuck_events"):
+                note += (
+                    f"; that stream's {r['stuck_events']} events: p50"
+                    f" {_n(r['stuck_p50_ms'])} ms, max {_n(r['stuck_max_ms'])} ms"
+                    f" ({r['refused']} refused)"
+                )
+            rows.append(
+                (
+                    f"ordered, {head['streams']} streams at {head['rate']} events/s, {label}",
+                    f"other streams p50 {_n(r['others_p50_ms'], 2)} ms,"
+                    f" p99 {_n(r['others_p99_ms'], 2)} ms",
+                    "",
+                    note,
+                )
+            )
     iso = out.get("isolation")
     if iso:
         n = iso["healthy_endpoints"]

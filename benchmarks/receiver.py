@@ -9,7 +9,9 @@ producer's commit time, unix seconds) from the JSON body and records ``now - t0`
 For the many-endpoint benchmark (``many.py``), every request path is its own endpoint:
 receipts are counted per path; ``POST /ordered...`` reads ``stream`` and ``seq`` from the
 body and counts a receipt that comes before an earlier one of its stream (per path) as out
-of order; ``POST /hang...`` is read and never answered (the consumer that hangs until the
+of order, answers 503 while the body's ``fail_until`` (unix seconds) is ahead (not a
+receipt), and records ``now - t0`` when the body has ``t0`` (apart for events marked
+``watch``); ``POST /hang...`` is read and never answered (the consumer that hangs until the
 sender's timeout), counted apart and not as a receipt.
 
 Control endpoints (loopback, used by ``run.py``): ``GET /_stats``, ``POST /_reset``.
@@ -38,6 +40,7 @@ OK_CLOSE = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n"
     b"Connection: close\r\n\r\nok"
 )
+UNAVAILABLE = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
 BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -58,6 +61,8 @@ class Stats:
         self.last_seq: dict[tuple[str, str], int] = {}
         self.out_of_order = 0
         self.repeats = 0
+        self.refused = 0  # 503s of /ordered requests carrying a future fail_until
+        self.watched_ms: list[float] = []  # latencies of /ordered events marked "watch"
 
     def as_json(self) -> bytes:
         return json.dumps(
@@ -74,6 +79,8 @@ class Stats:
                 "streams": len(self.last_seq),
                 "out_of_order": self.out_of_order,
                 "repeats": self.repeats,
+                "refused": self.refused,
+                "watched_ms": self.watched_ms,
             }
         ).encode()
 
@@ -165,6 +172,14 @@ class HttpProtocol(asyncio.Protocol):
         if target.startswith("/hang"):
             stats.hung += 1
             return None
+        if target.startswith("/ordered"):
+            try:
+                event = json.loads(body)
+            except ValueError:
+                event = {}
+            if isinstance(event, dict) and now < float(event.get("fail_until", 0)):
+                stats.refused += 1
+                return UNAVAILABLE
         if not stats.count:
             stats.first = now
         stats.last = now
@@ -179,6 +194,9 @@ class HttpProtocol(asyncio.Protocol):
                 stats.latencies_ms.append((now - t0) * 1000)
         elif target.startswith("/ordered"):
             self.check_order(path, body)
+            if isinstance(event, dict) and "t0" in event:
+                late = (now - float(event["t0"])) * 1000
+                (stats.watched_ms if event.get("watch") else stats.latencies_ms).append(late)
         return OK
 
     @staticmethod

@@ -14,7 +14,7 @@ from tests.support.procs import run_benchmark
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "isolation")
+SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "ordered_head", "isolation")
 
 
 def test_many_tiny_gives_every_section(tmp_path: Path) -> None:
@@ -32,6 +32,12 @@ def test_many_tiny_gives_every_section(tmp_path: Path) -> None:
     assert ordered["in_order"], ordered
     assert ordered["ord"]["received"] == ordered["ord"]["deliveries"]
     assert ordered["ord"]["out_of_order"] == 0
+    head = result["ordered_head"]
+    assert head["in_order"], head
+    stuck = head["head_retrying"]
+    assert stuck["received"] == stuck["events"] and stuck["refused"] >= 1
+    # The stream behind the refused head waited for its retry; the others did not.
+    assert stuck["stuck_events"] > 0 and stuck["stuck_max_ms"] > stuck["others_p99_ms"]
     isolation = result["isolation"]
     assert isolation["beside_dead"]["received"] >= isolation["beside_dead"]["deliveries"]
     assert isolation["dead_requests_seen"] > 0, "the hanging endpoint was never tried"
@@ -43,6 +49,7 @@ def test_many_tiny_gives_every_section(tmp_path: Path) -> None:
         "| fan-out x10 at",
         "| ordered endpoint",
         "| unordered endpoint",
+        "one stream's head refused",
         "healthy endpoints, beside a hanging endpoint",
     ):
         assert row in text, f"no {row!r} row:\n{text}"
