@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from fluxora_webhooks.migrations import migrate
-from tests.support.chaos import stop_processes, tracebacks
+from tests.support.chaos import stop_processes, tracebacks, wait_ready
 from tests.support.dispatch import wait_until
-from tests.support.procs import dispatcher_env, start_dispatcher
+from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
 from tests.support.receiver import Received, Receiver
 from tests.support.replication import ReplicatedPostgres, make_synchronous
 
@@ -105,7 +105,7 @@ async def test_dispatchers_follow_a_promoted_synchronous_standby_losing_nothing_
         url, redis_url, receiver.url, redis_prefix,
         WEBHOOK_BATCH_SIZE="5", WEBHOOK_CLAIM_LOOPS="2", WEBHOOK_POLL_INTERVAL_MS="1000",
     )  # fmt: skip
-    procs = [await start_dispatcher(env, tmp_path / f"dispatcher-{i}.log") for i in range(2)]
+    procs = [await _started(env, tmp_path / f"dispatcher-{i}.log") for i in range(2)]
     producer = Producer(url)
     producing = asyncio.create_task(producer.run())
     try:
@@ -170,3 +170,18 @@ async def _drained(url: str) -> bool:
 async def _migrate(url: str) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await migrate(conn)
+
+
+async def _started(env: dict[str, str], log: Path) -> DispatcherProcess:
+    """A dispatcher that is dispatching. Started once more if it could not reach the new
+    cluster at start-up (a loaded machine: the 5 s connect timeout): this test is about
+    what happens after, when the primary dies."""
+    proc = await start_dispatcher(env, log)
+    try:
+        await wait_ready(proc)
+    except AssertionError:
+        if proc.proc.returncode is None or "cannot reach the database" not in proc.log():
+            raise
+        proc = await start_dispatcher(env, log.with_suffix(".again.log"))
+        await wait_ready(proc)
+    return proc
