@@ -12,7 +12,8 @@ body and counts a receipt that comes before an earlier one of its stream (per pa
 of order, answers 503 while the body's ``fail_until`` (unix seconds) is ahead (not a
 receipt), and records ``now - t0`` when the body has ``t0`` (apart for events marked
 ``watch``); ``POST /hang...`` is read and never answered (the consumer that hangs until the
-sender's timeout), counted apart and not as a receipt.
+sender's timeout), counted apart and not as a receipt; ``POST /spare...`` is answered and
+counted apart too (endpoints in the place of the hanging ones, for an all-healthy run).
 
 Control endpoints (loopback, used by ``run.py``): ``GET /_stats``, ``POST /_reset``.
 
@@ -58,6 +59,7 @@ class Stats:
         self.connections = 0  # opened since the reset: keep-alive keeps this small
         self.paths: dict[str, int] = {}
         self.hung = 0
+        self.spare = 0  # answered, counted apart (the endpoints that would hang)
         self.last_seq: dict[tuple[str, str], int] = {}
         self.out_of_order = 0
         self.repeats = 0
@@ -76,6 +78,7 @@ class Stats:
                 "connections": self.connections,
                 "paths": self.paths,
                 "hung": self.hung,
+                "spare": self.spare,
                 "streams": len(self.last_seq),
                 "out_of_order": self.out_of_order,
                 "repeats": self.repeats,
@@ -172,6 +175,9 @@ class HttpProtocol(asyncio.Protocol):
         if target.startswith("/hang"):
             stats.hung += 1
             return None
+        if target.startswith("/spare"):
+            stats.spare += 1
+            return OK
         if target.startswith("/ordered"):
             try:
                 event = json.loads(body)
