@@ -221,7 +221,9 @@ async def test_removal_dead_letters_pending_deliveries_and_tells_the_operator(
             assert await endpoints.remove(conn, ep.id) == 5
             with pytest.raises(NotFoundError):
                 await endpoints.get(conn, ep.id)
-            await operator.wait_for(6)  # endpoint.disabled + five dead letters
+            # endpoint.disabled + five dead letters (a generous wait: beside the suite's
+            # million-row tests the database can be slow for seconds)
+            await operator.wait_for(6, timeout=30)
     reasons = await rows(
         database_url,
         "SELECT reason, count(*) FROM webhook_dead_letter WHERE endpoint_id = %s GROUP BY 1",
