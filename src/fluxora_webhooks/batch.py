@@ -247,12 +247,12 @@ class Batch:
         load.mark_suspect()
         left = PATIENCE_S - (time.monotonic() - send.started_at)
         if left <= 0:
-            send.target.load.mark_slow()
+            load.mark_slow()
             return
 
         def check() -> None:
             if send.task is not None and not send.task.done():
-                send.target.load.mark_slow()
+                load.mark_slow()
 
         asyncio.get_running_loop().call_later(left, check)
 
@@ -284,7 +284,7 @@ class Batch:
         others have, those stragglers get STRAGGLER_FACTOR times as long as the batch
         has taken so far (at least STRAGGLER_MIN_S) before they are detached: a consumer
         that hangs, seen for the first time, then costs its batch a few milliseconds,
-        not the whole patience (the next ones are detached at once: it is slow now)."""
+        not the whole patience (the next ones are detached at once: it is suspect now)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + PATIENCE_S

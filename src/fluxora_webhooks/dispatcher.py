@@ -439,7 +439,7 @@ class Dispatcher:
         load = target.load
         settings = self.settings
         return (
-            not load.slow
+            not load.detached_at_once  # neither slow nor suspect: its slots free quickly
             and load.in_flight >= settings.endpoint_concurrency
             and self.connections_used() < settings.max_connections
             and load.queued < settings.claim_loops * settings.batch_size

@@ -64,6 +64,12 @@ class Signer:
         if previous is not None:
             self._standard.append(hmac.new(standard_key(previous), digestmod=hashlib.sha256))
 
+    @property
+    def secrets(self) -> int:
+        """How many secrets sign each attempt's webhook-signature (2 during a rotation's
+        overlap)."""
+        return len(self._standard)
+
     def headers(
         self, *, delivery_id: str, event_type: str, attempt: int, body: bytes, timestamp: int
     ) -> dict[str, str]:

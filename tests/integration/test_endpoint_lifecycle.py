@@ -276,16 +276,22 @@ async def test_recover_requeues_ten_thousand_dead_letters_in_one_call(
 async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(
     database_url: str, consumer: Receiver
 ) -> None:
-    async with running_dispatcher(settings(), database_url):
+    async with running_dispatcher(settings(), database_url) as dispatcher:
+
+        async def signing_with(endpoint_id: str, secrets: int) -> bool:
+            target = dispatcher.targets.get(endpoint_id)
+            return target is not None and target.signer.secrets == secrets
+
         conn = await connect(database_url)
         async with conn:
             ep, old = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
             _, new = await endpoints.rotate_secret(conn, ep.id)
-            await asyncio.sleep(0.3)
+            # The change reaches the running dispatcher (NOTIFY, then a reload).
+            await wait_until(lambda: signing_with(ep.id, 2), what="the rotation")
             await send(database_url, 1)
             await consumer.wait_for(1)
             _, newest = await endpoints.rotate_secret(conn, ep.id, keep_previous_ms=0)
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: signing_with(ep.id, 1), what="the overlap's end")
             await send(database_url, 1)
             await consumer.wait_for(2)
     during, after = consumer.received
