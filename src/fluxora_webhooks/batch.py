@@ -58,9 +58,10 @@ UNKNOWN_ENDPOINT_DEFER_MS = 10_000
 GONE = 410
 
 
-@dataclass
+@dataclass(eq=False)
 class Send:
-    """A row being sent: its endpoint, its admission and its request."""
+    """A row being sent: its endpoint, its admission and its request (each one itself:
+    compared and hashed by identity)."""
 
     row: Claimed
     target: Target

@@ -219,7 +219,7 @@ class Completer:
         self._queue: asyncio.Queue[Detached] = asyncio.Queue()
         # Detached requests not settled yet (in flight, or waiting to be recorded), each
         # with the moment its request ends at the latest (its timeout).
-        self._ends: dict[int, float] = {}
+        self._ends: dict[Send, float] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -229,7 +229,7 @@ class Completer:
 
     def detached(self, send: Send) -> None:
         """A request was detached from its batch: it is the completer's until settled."""
-        self._ends[id(send)] = time.monotonic() + self.d.settings.timeout_ms / 1000
+        self._ends[send] = time.monotonic() + self.d.settings.timeout_ms / 1000
         self._idle.clear()
 
     def next_end_in_s(self) -> float:
@@ -244,7 +244,7 @@ class Completer:
     def settled(self, sends: Sequence[Send]) -> None:
         """Recorded, or given up (its row is sent again when its lease ends)."""
         for send in sends:
-            self._ends.pop(id(send), None)
+            self._ends.pop(send, None)
         if not self._ends:
             self._idle.set()
 

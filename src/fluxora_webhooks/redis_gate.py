@@ -141,7 +141,7 @@ def lua_script(name: str) -> str:
     codes = "".join(f"local {code.name} = {int(code)}\n" for code in AdmitCode)
     parts = [codes] + [
         folder.joinpath(f"{part}.lua").read_text("utf-8")
-        for part in ("clock", "breaker", "ratelimit", "admit_url", name)
+        for part in ("clock", "breaker", "ratelimit", name)
     ]
     return "\n".join(parts)
 
@@ -203,7 +203,6 @@ class RedisGate:
         self._timeout_s = timeout_ms / 1000
         self._state_ttl_ms = breaker_reset_ms + STATE_IDLE_TTL_MS
         self._admit_script = redis.register_script(lua_script("admit"))
-        self._admit_many_script = redis.register_script(lua_script("admit_many"))
         self._report_script = redis.register_script(lua_script("report"))
         password = redis.connection_pool.connection_kwargs.get("password")
         self._outage = _Outage(failure_backoff_ms / 1000, clock, str(password or ""))
@@ -220,48 +219,20 @@ class RedisGate:
         ``retry_rps``."""
         if not attempts:
             return []
-        token = secrets.token_hex(8)
-        keys = [
-            rate_limit_key(url, self.prefix),
-            breaker_key(url, self.prefix),
-            probe_key(url, self.prefix),
-        ]
-        args: list[str | int] = [
-            self.window_ms,
-            limit or self.retry_rps,
-            self.breaker_threshold,
-            self.breaker_reset_ms,
-            self.probe_ttl_ms,
-            self._state_ttl_ms,
-            token,
-        ]
-        args.extend("1" if attempt > 1 else "0" for attempt in attempts)
-        component = "gate" if self.breaker_threshold > 0 else "ratelimit"
-        decided = await self._call(
-            component,
-            self._admit_script,
-            keys,
-            args,
-            lambda reply: _decode_admit(reply, token, len(attempts)),
-        )
-        if decided is None:
-            return [ALLOW] * len(attempts)
-        admissions, transition = decided
-        _counted(url, admissions, transition)
-        return admissions
+        return (await self._admit([AdmitRequest(url, attempts, limit)]))[0]
 
     async def admit_many(self, requests: Sequence[AdmitRequest]) -> list[list[Admission]]:
         """Several URLs' decisions in one script call on a single Redis node (a batch with
         rows for many endpoints costs one round trip, not one per URL); on a Redis Cluster
-        (or before it is known which), one :meth:`admit` per URL, concurrently."""
-        if not requests:
-            return []
-        if len(requests) == 1 or not self._single_node():
-            return list(
-                await asyncio.gather(
-                    *(self.admit(r.url, r.attempts, limit=r.limit) for r in requests)
-                )
-            )
+        (or before it is known which), one call per URL, concurrently."""
+        if len(requests) <= 1 or self._single_node():
+            return await self._admit(requests) if requests else []
+        return [
+            decided[0] for decided in await asyncio.gather(*(self._admit([r]) for r in requests))
+        ]
+
+    async def _admit(self, requests: Sequence[AdmitRequest]) -> list[list[Admission]]:
+        """One admit script call for ``requests``, whose keys must all live on one node."""
         token = secrets.token_hex(8)
         keys: list[str] = []
         args: list[str | int] = [
@@ -284,10 +255,10 @@ class RedisGate:
         counts = [len(r.attempts) for r in requests]
         decided = await self._call(
             component,
-            self._admit_many_script,
+            self._admit_script,
             keys,
             args,
-            lambda reply: _decode_admit_many(reply, token, counts),
+            lambda reply: _decode_admit(reply, token, counts),
         )
         if decided is None:
             return [[ALLOW] * n for n in counts]
@@ -460,14 +431,7 @@ def _counted(url: str, admissions: Sequence[Admission], transition: tuple[str, s
 Decided = tuple[list[Admission], tuple[str, str] | None]
 
 
-def _decode_admit(reply: Any, token: str, count: int) -> Decided:
-    values = list(reply)
-    if len(values) != 3 + 2 * count:
-        raise ValueError(f"admit script answered {len(values)} values for {count} attempts")
-    return _decode_url(values, 1, token, count)
-
-
-def _decode_admit_many(reply: Any, token: str, counts: Sequence[int]) -> list[Decided]:
+def _decode_admit(reply: Any, token: str, counts: Sequence[int]) -> list[Decided]:
     values = list(reply)
     if len(values) != 1 + sum(2 + 2 * n for n in counts):
         raise ValueError(
