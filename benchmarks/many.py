@@ -334,6 +334,18 @@ class ManyBench(Plumbing):
             row = await cur.fetchone()
             return int(row[0]) if row else -1
 
+    async def claims(self, database_url: str, endpoint_ids: Sequence[str]) -> dict[str, int]:
+        """How often the endpoints' rows were claimed: rows, and deferrals among them (each
+        deferral is a claim that sent nothing)."""
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            cur = await c.execute(
+                "SELECT count(*), COALESCE(sum(deferrals), 0) FROM webhook_outbox"
+                " WHERE endpoint_id = ANY(%s)",
+                (list(endpoint_ids),),
+            )
+            row = await cur.fetchone()
+            return {"rows": int(row[0]), "deferrals": int(row[1])} if row else {}
+
     async def burst(
         self,
         database_url: str,
@@ -662,6 +674,7 @@ class ManyBench(Plumbing):
                 url, every, p.isolation_events, deliveries, dispatcher, rounds=ISOLATION_ROUNDS
             )
             hung = out["beside_dead"]["hung_all_rounds"]  # the steady run resets the counts
+            out["dead_claims_last_round"] = await self.claims(url, dead)
             out["dead_backlog_before_latency_run"] = await self.pending(url, dead)
             out["beside_dead_latency"] = await self.steady(
                 url,

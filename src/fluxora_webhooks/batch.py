@@ -56,6 +56,9 @@ LEASE_GRACE_MS = 5_000
 # of another configuration) waits this long before it is looked at again.
 UNKNOWN_ENDPOINT_DEFER_MS = 10_000
 GONE = 410
+# A claim loop that keeps claiming full batches resumes each claim after its previous batch
+# (Resume); at least this often it claims from the start of the index again.
+FULL_CLAIM_EVERY_S = 1.0
 
 
 @dataclass(eq=False)
@@ -84,11 +87,43 @@ class Send:
         return self.target.id
 
 
+@dataclass
+class Resume:
+    """Where a claim loop's next claim starts looking.
+
+    The rows a batch completes leave their entries in the claim's partial index until VACUUM
+    removes them, and a claim from the start of the index walks all of them: a burst of
+    thousands of rows made each claim read hundreds of index pages more, for the same ten
+    rows, until autovacuum came. So after a full batch the next claim looks only after that
+    batch's last row. What it cannot see then, a row before that position that became
+    claimable late (its claim rolled back, its dispatcher died, its producer's transaction
+    began before the batch's rows were written and committed after), the next claim from
+    the start finds: after a batch that was not full, and at least every
+    FULL_CLAIM_EVERY_S. Rows due later (retries, deferrals, a promoted head) are written
+    after the position, never before it."""
+
+    after: tuple[datetime, int] | None = None
+    full_at: float = float("-inf")  # time.monotonic() of the last claim from the start
+
+    def position(self) -> tuple[datetime, int] | None:
+        """Where the next claim starts: None for the start of the index."""
+        now = time.monotonic()
+        if self.after is None or now - self.full_at >= FULL_CLAIM_EVERY_S:
+            self.full_at = now
+            return None
+        return self.after
+
+    def claimed(self, rows: Sequence[Claimed], batch_size: int) -> None:
+        last = rows[-1] if len(rows) >= batch_size else None
+        self.after = None if last is None or last.created_at is None else (last.created_at, last.id)
+
+
 class Batch:
     """One claim transaction of a :class:`~fluxora_webhooks.dispatcher.Dispatcher`."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, resume: Resume | None = None) -> None:
         self.d = dispatcher
+        self.resume = resume if resume is not None else Resume()
         self.completions: list[Completion] = []
         self.sends: list[Send] = []
         self.route: list[int] = []
@@ -104,7 +139,9 @@ class Batch:
         settings = self.d.settings
         async with conn.transaction():
             since = self.d.claim_since
-            rows = await claim_due(conn, settings.batch_size, since=since)
+            rows = await claim_due(
+                conn, settings.batch_size, since=since, after=self.resume.position()
+            )
             self.claimed = len(rows)
             self.parts = {row.id: row.partition_at for row in rows}
             if rows:
@@ -114,6 +151,8 @@ class Batch:
             next_due = (
                 await next_due_in_ms(conn, since=since) if len(rows) < settings.batch_size else 0
             )
+        # Only once committed: a batch rolled back leaves its rows before the position.
+        self.resume.claimed(rows, settings.batch_size)
         self.d.after_commit(self)
         return len(rows), next_due
 

@@ -27,7 +27,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
-from .batch import GONE, PATIENCE_S, Batch, Send, breaker_signal
+from .batch import GONE, PATIENCE_S, Batch, Resume, Send, breaker_signal
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
@@ -292,13 +292,14 @@ class Dispatcher:
         assert self._pool is not None
         backoff = 0.05
         while not self.stopping:
+            resume = Resume()  # a loop's position, from the start on a new connection
             try:
                 conn = await self._unless_stopping(self._pool.getconn(timeout=_POOL_RECONNECT_S))
                 if conn is None:
                     return
                 try:
                     while not self.stopping:
-                        claimed, next_due = await self._run_batch(conn)
+                        claimed, next_due = await self._run_batch(conn, resume)
                         backoff = 0.05
                         if claimed >= self.settings.batch_size:
                             self._waker.wake()  # more may be due: let an idle loop help
@@ -357,12 +358,14 @@ class Dispatcher:
         wait = poll if next_due_ms is None else min(poll, next_due_ms + 1)
         return max(wait, 1) / 1000
 
-    async def _run_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
+    async def _run_batch(
+        self, conn: psycopg.AsyncConnection[Any], resume: Resume | None = None
+    ) -> tuple[int, int | None]:
         """One claim transaction (:class:`Batch`). Returns (rows claimed, ms until the next
         future due row)."""
         if not self.targets.loaded:
             await self.targets.load_all(conn)
-        batch = Batch(self)
+        batch = Batch(self, resume)
         try:
             return await batch.run(conn)
         except DB_ERRORS:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import cache
 from typing import Any, overload
 
 import psycopg
@@ -152,6 +153,7 @@ class Claimed:
     traceparent: str | None = None
     tracestate: str | None = None
     partition_at: datetime | None = None  # names the row together with its id
+    created_at: datetime | None = None  # when it was due: where the claim found it
 
     @property
     def is_retry(self) -> bool:
@@ -199,15 +201,22 @@ class Recorded:
 
 
 async def claim_due(
-    conn: psycopg.AsyncConnection[Any], batch: int, *, since: datetime | None = None
+    conn: psycopg.AsyncConnection[Any],
+    batch: int,
+    *,
+    since: datetime | None = None,
+    after: tuple[datetime, int] | None = None,
 ) -> list[Claimed]:
     """Lock up to ``batch`` due rows (``FOR UPDATE SKIP LOCKED``) in the open transaction.
     ``since``: on a partitioned outbox, the write time before which no row is pending (see
-    :func:`fluxora_webhooks.partitions.pending_since`)."""
-    if since is None:
-        cur = await conn.execute(query("claim_due"), {"batch": batch})
-    else:
-        cur = await conn.execute(query("claim_due_partitioned"), {"batch": batch, "since": since})
+    :func:`fluxora_webhooks.partitions.pending_since`). ``after``: (created_at, id) of the
+    last row of the loop's previous, full batch; only rows after it are looked at (see
+    :class:`fluxora_webhooks.batch.Resume`)."""
+    name = "claim_due" if since is None else "claim_due_partitioned"
+    params: dict[str, Any] = {"batch": batch, "since": since}
+    if after is not None:
+        params["after_at"], params["after_id"] = after
+    cur = await conn.execute(_claim_sql(name, resumed=after is not None), params)
     return [
         Claimed(
             int(r[0]),
@@ -225,9 +234,27 @@ async def claim_due(
             r[12],
             r[13],
             r[14],
+            r[15],
         )
         for r in await cur.fetchall()
     ]
+
+
+_CLAIM_ORDER = "ORDER BY created_at ASC, id ASC"
+
+
+@cache
+def _claim_sql(name: str, *, resumed: bool) -> str:
+    """The named claim, or (``resumed``) the same claim starting after a position of its
+    index: ``(created_at, id) > (after)``, an index condition of webhook_outbox_due_idx, so
+    the scan begins there instead of walking the entries the loop's earlier batches left
+    behind (dead until VACUUM removes them)."""
+    sql = query(name)
+    if not resumed:
+        return sql
+    assert sql.count(_CLAIM_ORDER) == 1, f"{name}: one ORDER BY expected"
+    bound = "  AND (created_at, id) > (%(after_at)s, %(after_id)s)\n"
+    return sql.replace(_CLAIM_ORDER, bound + _CLAIM_ORDER)
 
 
 async def next_due_in_ms(

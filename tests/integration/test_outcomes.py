@@ -14,6 +14,7 @@ from aiohttp import web
 
 from fluxora_webhooks import deadletters
 from fluxora_webhooks.outbox import enqueue
+from fluxora_webhooks.redis_gate import connect_gate
 from fluxora_webhooks.retry import RetryPolicy
 from tests.support.dispatch import make_settings, pending, rows, running_dispatcher, wait_until
 from tests.support.receiver import Received, Receiver
@@ -340,4 +341,51 @@ async def test_a_row_the_database_rejects_never_blocks_the_batch_nor_spins(
         ("ok-1", True, "delivered", 0, False),
         ("ok-2", True, "delivered", 0, False),
         ("poison", False, None, 1, True),  # deferred a minute, nothing lost
+    ]
+
+
+async def test_a_batch_with_a_deferral_whose_statement_fails_is_recorded_row_by_row(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver
+) -> None:
+    """A batch holding a deferred row is written without a savepoint too; when its
+    statement fails, the delivered rows are not sent again and the deferral is kept."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.stream_id = 'poison' AND NEW.processed THEN"
+            " RAISE EXCEPTION 'rejected'; END IF; RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER poison BEFORE UPDATE ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION poison()"
+        )
+        # Two retries (attempt 2) under a retry rate of 1 a second: the second is deferred
+        # in the same batch as the first and the poisoned row.
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, attempt)"
+            " VALUES ('ok-1', 'ok.1', '{}', 2), ('poison', 'poison', '{}', 1),"
+            " ('ok-2', 'ok.2', '{}', 2)"
+        )
+    gate = await connect_gate(
+        redis_url, retry_rps=1, breaker_threshold=0, breaker_reset_ms=1000,
+        probe_ttl_ms=5000, prefix=prefix,
+    )  # fmt: skip
+    settings = make_settings(receiver.url, claim_loops=1, retry_rps=1)
+    try:
+        async with running_dispatcher(settings, database_url, gate=gate, policy=FAST):
+            await receiver.wait_for(3, timeout=20)
+            await asyncio.sleep(1.0)  # a row recorded twice would be sent again by now
+    finally:
+        await gate.close()
+    sent = sorted(r.headers["x-fluxora-event"] for r in receiver.received)
+    assert sent == ["ok.1", "ok.2", "poison"]
+    got = await rows(
+        database_url,
+        "SELECT stream_id, processed, outcome, deferrals > 0, created_at > now() + interval '50 s'"
+        " FROM webhook_outbox ORDER BY stream_id",
+    )
+    assert got == [
+        ("ok-1", True, "delivered", False, False),
+        ("ok-2", True, "delivered", True, False),  # deferred by the rate, then delivered
+        ("poison", False, None, True, True),
     ]

@@ -6,7 +6,7 @@
 -- are due at 'infinity', so the claim never sees them.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
        replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
-       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at
+       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at, created_at
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
@@ -22,7 +22,7 @@ FOR UPDATE SKIP LOCKED;
 -- is seen at the next reading, never missed: the reading looks at every partition.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
        replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
-       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at
+       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at, created_at
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
