@@ -23,7 +23,7 @@ from psycopg_pool import PoolTimeout
 
 from .batch import Batch, Effects, Send, apply_effects, breaker_signal, effects_of, outcome_of
 from .delivery import AttemptResult
-from .outbox import Completion, Outcome, Recorded, complete, relock_claimed
+from .outbox import Completion, Outcome, Recorded, complete, promote_heads, relock_claimed
 from .retry import Decision
 
 if TYPE_CHECKING:
@@ -124,6 +124,12 @@ class Recorder:
     ) -> int:
         if not (recorded.ordered or effects.ordered or effects.gone or effects.failed):
             return 0
+        if not (effects.gone or effects.failed):
+            # Only ordered streams' next heads: no savepoint (two round trips and a
+            # subtransaction on every batch to an ordered endpoint). Should the promotion
+            # fail, the transaction rolls back and the batch is recorded again row by row
+            # (Dispatcher._run_batch); the streams' heads are then chosen by the sweep.
+            return await promote_heads(conn, [*recorded.ordered, *effects.ordered])
         try:
             async with conn.transaction():
                 return await apply_effects(self.d, conn, recorded, effects)
