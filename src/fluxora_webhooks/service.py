@@ -44,6 +44,54 @@ from .telemetry import from_env as tracer_from_env
 
 log = logging.getLogger("fluxora_webhooks.service")
 
+# At start-up, the longest pause between two attempts to reach the database.
+STARTUP_RETRY_MAX_S = 5.0
+
+
+def _curable_by_waiting(exc: psycopg.OperationalError) -> bool:
+    """The server was not reached (refused, timed out, no route, no such host yet) or is
+    starting, recovering or shutting down, as during a restart or a failover; not a
+    refusal that waiting does not change (authentication, no such database or role).
+    A failed connection carries no SQLSTATE: the server's refusals are its FATAL lines."""
+    text = str(exc)
+    if exc.sqlstate is not None:
+        return exc.sqlstate.startswith("08") or exc.sqlstate in ("57P01", "57P02", "57P03")
+    return "FATAL:" not in text or "the database system is" in text
+
+
+async def wait_for_database(url: str, wait_ms: int, stopping: asyncio.Event) -> bool:
+    """At start-up: until the database accepts a connection, for up to ``wait_ms``
+    (``WEBHOOK_STARTUP_WAIT_MS``), each failure logged, so a dispatcher started beside a
+    database that is still starting (or failing over) waits for it instead of exiting.
+    Returns False when a stop came first; raises the last error once the time is up, or
+    at once for a failure that waiting does not cure."""
+    deadline = time.monotonic() + wait_ms / 1000
+    pause = 0.5
+    while True:
+        try:
+            conn = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+        except psycopg.OperationalError as exc:
+            left = deadline - time.monotonic()
+            if not _curable_by_waiting(exc) or left <= 0:
+                raise
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.warning(
+                "database not reachable yet (%s); trying again for up to %.0f s more"
+                " (WEBHOOK_STARTUP_WAIT_MS)",
+                logs.scrub(reason),
+                left,
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(pause, left)):
+                    await stopping.wait()
+            if stopping.is_set():
+                return False
+            pause = min(pause * 2, STARTUP_RETRY_MAX_S)
+            continue
+        await conn.close()
+        return True
+
+
 DRAIN_GRACE_S = 5.0
 GAUGE_REFRESH_S = 5.0
 # The reading of the endpoints' health for the per-endpoint series gives up after this.
@@ -111,6 +159,11 @@ class Service:
         task: asyncio.Task[None] | None = None
         try:
             self.tracer = tracer_from_env(self.env)
+            ready = await wait_for_database(
+                self.database_url, self.settings.startup_wait_ms, self._stop_requested
+            )
+            if not ready:
+                return
             await self.check()
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)

@@ -321,6 +321,9 @@ class Settings:
     workers: int = 1
     # Many endpoints (SPEC 11, 12).
     endpoint_concurrency: int = 20
+    # How long `run` waits at start-up for a database that does not answer yet (0: not at
+    # all); a refusal that waiting does not cure (authentication) stops it at once.
+    startup_wait_ms: int = 30_000
     disable_after_ms: int | None = 5 * 86_400_000  # None: never
     operator_url: str = ""
     operator_secret: bytes = field(default=b"", repr=False)
@@ -410,6 +413,7 @@ _INTEGERS: dict[str, tuple[str, int, int]] = {
     "claim_loops": ("WEBHOOK_CLAIM_LOOPS", 1, 64),
     "max_connections": ("WEBHOOK_MAX_CONNECTIONS", 1, 100_000),
     "endpoint_concurrency": ("WEBHOOK_ENDPOINT_CONCURRENCY", 1, 10_000),
+    "startup_wait_ms": ("WEBHOOK_STARTUP_WAIT_MS", 0, 3_600_000),
 }
 
 

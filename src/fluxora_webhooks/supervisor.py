@@ -48,7 +48,13 @@ from .errors import ConfigError, SchemaError
 from .migrations import check_schema
 from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
 from .queries import query
-from .service import DRAIN_GRACE_S, ENDPOINT_READING_TIMEOUT_MS, GAUGE_REFRESH_S, start_api
+from .service import (
+    DRAIN_GRACE_S,
+    ENDPOINT_READING_TIMEOUT_MS,
+    GAUGE_REFRESH_S,
+    start_api,
+    wait_for_database,
+)
 from .settings import Settings
 from .telemetry import check_env as check_telemetry_env
 
@@ -159,6 +165,11 @@ class Supervisor:
         slots: list[asyncio.Task[None]] = []
         try:
             check_telemetry_env(self.env)
+            ready = await wait_for_database(
+                self.database_url, self.settings.startup_wait_ms, self._stopping
+            )
+            if not ready:
+                return
             await self._check_database()
             if self._stopping.is_set():
                 return

@@ -1,0 +1,118 @@
+"""`run` started before its database answers waits for it (WEBHOOK_STARTUP_WAIT_MS), each
+attempt logged, and then dispatches; a refusal that waiting does not cure stops it at once;
+a stop during the wait exits cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from tests.support.chaos import free_port, stop_processes, tracebacks, wait_ready
+from tests.support.dispatch import enqueue_many
+from tests.support.procs import dispatcher_env, start_dispatcher
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.e2e
+
+WAITING = "database not reachable yet"
+
+
+def _on_port(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=f"{user}{host}:{port}"))
+
+
+@contextlib.asynccontextmanager
+async def _proxy(port: int, target: str) -> AsyncIterator[None]:
+    """From now on, 127.0.0.1:``port`` forwards to the database ``target`` names."""
+    parts = urlsplit(target)
+    host, dest = parts.hostname or "127.0.0.1", parts.port or 5432
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, dest)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+
+
+async def _log_says(proc: object, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.log():  # type: ignore[attr-defined]
+        if proc.proc.returncode is not None or time.monotonic() > deadline:  # type: ignore[attr-defined]
+            raise AssertionError(f"{text!r} not in the log:\n{proc.log()}")  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+
+
+async def test_run_waits_for_a_database_that_comes_up_late_then_dispatches(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    port = free_port()  # nothing listens there yet: connection refused
+    env = dispatcher_env(_on_port(database_url, port), redis_url, receiver.url, prefix)
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await _log_says(proc, WAITING, timeout=30)
+        await asyncio.sleep(1.0)  # a second attempt or more, still waiting, still running
+        assert proc.proc.returncode is None, proc.log()
+        async with _proxy(port, database_url):
+            await wait_ready(proc, timeout=30)
+            await enqueue_many(database_url, 3)
+            await receiver.wait_for(3, timeout=30)
+            codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+    assert codes == [0], proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+    assert len({r.delivery_id for r in receiver.received}) == 3
+
+
+async def test_a_refusal_that_waiting_does_not_cure_stops_start_up_at_once(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    parts = urlsplit(database_url)
+    missing = urlunsplit(parts._replace(path="/no_such_database_here"))
+    env = dispatcher_env(
+        missing, redis_url, receiver.url, prefix, WEBHOOK_STARTUP_WAIT_MS="600000"
+    )  # ten minutes of waiting allowed: it must not use them
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        code = await proc.wait(60)
+    finally:
+        await stop_processes([proc])
+    assert code == 1, proc.log()
+    assert "cannot reach the database" in proc.log() and "does not exist" in proc.log()
+    assert WAITING not in proc.log() and tracebacks(proc.log()) == 0
+
+
+async def test_a_stop_during_the_wait_exits_cleanly(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    env = dispatcher_env(_on_port(database_url, free_port()), redis_url, receiver.url, prefix)
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await _log_says(proc, WAITING, timeout=30)
+        proc.terminate()
+        code = await proc.wait(30)
+    finally:
+        await stop_processes([proc])
+    assert code == 0, proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+    assert receiver.received == []
