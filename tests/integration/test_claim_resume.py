@@ -22,6 +22,15 @@ async def _connect(url: str) -> psycopg.AsyncConnection[Any]:
     return await psycopg.AsyncConnection.connect(url, autocommit=True)
 
 
+async def _pending(conn: psycopg.AsyncConnection[Any], n: int) -> None:
+    """``n`` events in one producer transaction (so with one created_at)."""
+    await conn.execute(
+        "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+        " SELECT 's' || g, 'e', '{}'::jsonb FROM generate_series(1, %s) g",
+        (n,),
+    )
+
+
 async def _claim_and_complete(conn: psycopg.AsyncConnection[Any], resume: Resume) -> list[int]:
     """One batch as the dispatcher runs it: claim, mark processed, commit, then move the
     loop's position."""
@@ -48,10 +57,7 @@ async def test_a_full_batch_is_followed_by_a_claim_after_it(database_url: str) -
     async with await _connect(database_url) as conn:
         # One producer transaction: every row has the same created_at, so the position must
         # be (created_at, id), not created_at alone.
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's' || g, 'e', '{}'::jsonb FROM generate_series(1, 35) g"
-        )
+        await _pending(conn, 35)
         resume = Resume()
         first = await _claim_and_complete(conn, resume)
         assert len(first) == BATCH and resume.after is not None
@@ -68,10 +74,7 @@ async def test_a_row_claimable_behind_the_position_is_found_by_the_next_claim_fr
     database_url: str,
 ) -> None:
     async with await _connect(database_url) as conn:
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's' || g, 'e', '{}'::jsonb FROM generate_series(1, 40) g"
-        )
+        await _pending(conn, 40)
         resume = Resume()
         await _claim_and_complete(conn, resume)
         # A producer whose transaction began before those rows were written commits now
@@ -94,10 +97,7 @@ async def test_a_row_claimable_behind_the_position_is_found_by_the_next_claim_fr
 
 async def test_a_batch_rolled_back_leaves_the_position_before_its_rows(database_url: str) -> None:
     async with await _connect(database_url) as conn:
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's' || g, 'e', '{}'::jsonb FROM generate_series(1, 30) g"
-        )
+        await _pending(conn, 30)
         resume = Resume()
         first = await _claim_and_complete(conn, resume)
         before = resume.after
@@ -118,10 +118,7 @@ async def test_the_resumed_claim_skips_the_dead_entries_of_earlier_batches(
         # Nothing removes the dead entries during the test: the state of a burst between
         # two visits of autovacuum.
         await conn.execute("ALTER TABLE webhook_outbox SET (autovacuum_enabled = false)")
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's' || g, 'e', '{}'::jsonb FROM generate_series(1, 20000) g"
-        )
+        await _pending(conn, 20000)
         resume = Resume()
         for _ in range(1500):
             await _claim_and_complete(conn, resume)
