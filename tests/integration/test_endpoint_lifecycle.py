@@ -19,6 +19,7 @@ from aiohttp import web
 from standardwebhooks import Webhook
 
 from fluxora_webhooks import endpoints, enqueue, verify
+from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.errors import ConfigError, ConflictError, NotFoundError, VerificationError
 from fluxora_webhooks.settings import Settings
 from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
@@ -206,6 +207,26 @@ async def test_a_success_ends_the_streak_and_idle_time_alone_disables_nothing(
             await asyncio.sleep(1.5)  # ...and time passes without another failure
             assert (await endpoints.get(conn, ep.id)).enabled
             await wait_until(lambda: _delivered(database_url, ep.id, 2), what="delivered")
+
+
+async def test_an_endpoint_disabled_right_after_start_up_is_told_to_the_operator(
+    database_url: str, consumer: Receiver, operator: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator endpoint is in the registry once the dispatcher is ready: an operator
+    event written at once is not skipped for want of it, however late the registry task
+    (here: never) gets to its own first sync."""
+
+    async def late(self: Dispatcher) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Dispatcher, "_housekeeping", late)
+    async with running_dispatcher(settings(operator), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            await endpoints.disable(conn, ep.id)
+        await operator.wait_for(1, timeout=30)
+    assert [r.headers["x-fluxora-event"] for r in operator.received] == ["endpoint.disabled"]
 
 
 async def test_removal_dead_letters_pending_deliveries_and_tells_the_operator(
