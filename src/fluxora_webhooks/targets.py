@@ -161,8 +161,6 @@ class Targets:
     ) -> None:
         self._env = dict(env)
         self._by_id: dict[str, Target] = {}
-        # Tenants that have at least one endpoint of the table (not built-in).
-        self._tenants_with_endpoints: set[str] = set()
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -195,7 +193,6 @@ class Targets:
         for endpoint_id in list(self._by_id):
             if endpoint_id not in seen and endpoint_id not in self._env:
                 del self._by_id[endpoint_id]
-        self._tenants_with_endpoints = {t.tenant for t in self._by_id.values() if not t.builtin}
         self.loaded = True
 
     async def reload(self, conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> Target | None:
@@ -209,12 +206,8 @@ class Targets:
                 builtin.enabled, builtin.failing_since = True, None
                 return builtin
             self._by_id.pop(endpoint_id, None)
-            self._tenants_with_endpoints = {t.tenant for t in self._by_id.values() if not t.builtin}
             return None
-        target = self._apply(Endpoint.from_row(row))
-        if target is not None and not target.builtin:
-            self._tenants_with_endpoints.add(target.tenant)
-        return target
+        return self._apply(Endpoint.from_row(row))
 
     def _apply(self, endpoint: Endpoint) -> Target | None:
         failing = None if endpoint.failing_since is None else endpoint.failing_since.timestamp()
