@@ -99,8 +99,10 @@ class Resume:
     claimable late (its claim rolled back, its dispatcher died, its producer's transaction
     began before the batch's rows were written and committed after), the next claim from
     the start finds: after a batch that was not full, and at least every
-    FULL_CLAIM_EVERY_S. Rows due later (retries, deferrals, a promoted head) are written
-    after the position, never before it."""
+    FULL_CLAIM_EVERY_S. Retries and deferrals are due after the position (their due time
+    is the clock after the requests); a row another transaction makes due as of its own
+    start (an ordered stream's next head, an event it routes, parked rows an enable resumes)
+    may be behind it, and waits for that claim from the start."""
 
     after: tuple[datetime, int] | None = None
     full_at: float = float("-inf")  # time.monotonic() of the last claim from the start
@@ -139,18 +141,18 @@ class Batch:
         settings = self.d.settings
         async with conn.transaction():
             since = self.d.claim_since
-            rows = await claim_due(
-                conn, settings.batch_size, since=since, after=self.resume.position()
-            )
+            after = self.resume.position()
+            rows = await claim_due(conn, settings.batch_size, since=since, after=after)
             self.claimed = len(rows)
             self.parts = {row.id: row.partition_at for row in rows}
             if rows:
                 await self._plan(conn, rows)
                 await self._send()
                 await self.d.recorder.record(conn, self)
-            next_due = (
-                await next_due_in_ms(conn, since=since) if len(rows) < settings.batch_size else 0
-            )
+            # A resumed claim that came back short looked only after its position: the
+            # next claim, from the start, goes at once (0) rather than after a poll.
+            short = len(rows) < settings.batch_size
+            next_due = await next_due_in_ms(conn, since=since) if short and after is None else 0
         # Only once committed: a batch rolled back leaves its rows before the position.
         self.resume.claimed(rows, settings.batch_size)
         self.d.after_commit(self)

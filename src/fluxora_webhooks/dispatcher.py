@@ -181,15 +181,15 @@ class Dispatcher:
             asyncio.create_task(self._claim_loop(i), name=f"fluxora-claim-{i}")
             for i in range(loops)
         ]
-        # The built-in endpoints are in the registry before this dispatcher is ready, so an
-        # operator event written right after its start (an endpoint disabled from the CLI)
-        # finds the operator endpoint it goes to. If the database does not answer now, the
-        # registry task keeps trying.
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(_POOL_RECONNECT_S):
-                await self.with_connection(self._sync_builtins)
-        self.ready.set()
         try:
+            # The built-in endpoints are in the registry before this dispatcher is ready, so
+            # an operator event written right after its start (an endpoint disabled from the
+            # CLI) finds the operator endpoint it goes to. If the database does not answer
+            # now, the registry task keeps trying.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_POOL_RECONNECT_S):
+                    await self.with_connection(self._sync_builtins)
+            self.ready.set()
             await asyncio.gather(*tasks)
             # Requests that outlived their batch: recorded before we go, within the bound
             # of one request (their rows are leased, so nothing is lost if we cannot).

@@ -83,7 +83,7 @@ class Recorder:
                     conn, batch.completions, batch.parts, batch.route
                 )
                 recorded = Recorded()
-        batch.promoted = await self._effects(conn, recorded, effects)
+        batch.promoted = await self._effects(conn, recorded, effects, in_batch=True)
 
     async def record_again(
         self, conn: psycopg.AsyncConnection[Any], batch: Batch
@@ -120,15 +120,22 @@ class Recorder:
             await self._effects(conn, recorded, prepared.effects)
 
     async def _effects(
-        self, conn: psycopg.AsyncConnection[Any], recorded: Recorded, effects: Effects
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        recorded: Recorded,
+        effects: Effects,
+        *,
+        in_batch: bool = False,
     ) -> int:
         if not (recorded.ordered or effects.ordered or effects.gone or effects.failed):
             return 0
-        if not (effects.gone or effects.failed):
-            # Only ordered streams' next heads: no savepoint (two round trips and a
-            # subtransaction on every batch to an ordered endpoint). Should the promotion
-            # fail, the transaction rolls back and the batch is recorded again row by row
-            # (Dispatcher._run_batch); the streams' heads are then chosen by the sweep.
+        if in_batch and not (effects.gone or effects.failed):
+            # Only ordered streams' next heads, in a batch's claim transaction: no savepoint
+            # (two round trips and a subtransaction on every batch to an ordered endpoint).
+            # Should the promotion fail, the transaction rolls back and the batch is
+            # recorded again row by row (Dispatcher._run_batch); the sweep chooses those
+            # heads. Detached requests' outcomes keep the savepoint: nothing records them
+            # again row by row, and they must stand.
             return await promote_heads(conn, [*recorded.ordered, *effects.ordered])
         try:
             async with conn.transaction():

@@ -55,8 +55,19 @@ def _curable_by_waiting(exc: psycopg.OperationalError) -> bool:
     A failed connection carries no SQLSTATE: the server's refusals are its FATAL lines."""
     text = str(exc)
     if exc.sqlstate is not None:
-        return exc.sqlstate.startswith("08") or exc.sqlstate in ("57P01", "57P02", "57P03")
-    return "FATAL:" not in text or "the database system is" in text
+        return exc.sqlstate.startswith("08") or exc.sqlstate in _CURABLE_STATES
+    return "FATAL:" not in text or any(words in text for words in _CURABLE_REFUSALS)
+
+
+# Starting, shutting down, crash recovery; out of connection slots (a reconnect storm
+# after a failover): a refusal that passes.
+_CURABLE_STATES = ("57P01", "57P02", "57P03", "53300")
+_CURABLE_REFUSALS = (
+    "the database system is",
+    "too many clients already",
+    "remaining connection slots are reserved",
+    "try again later",
+)
 
 
 async def wait_for_database(url: str, wait_ms: int, stopping: asyncio.Event) -> bool:
@@ -68,8 +79,22 @@ async def wait_for_database(url: str, wait_ms: int, stopping: asyncio.Event) -> 
     deadline = time.monotonic() + wait_ms / 1000
     pause = 0.5
     while True:
+        attempt = asyncio.ensure_future(
+            psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+        )
+        stop = asyncio.ensure_future(stopping.wait())
         try:
-            conn = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+            await asyncio.wait({attempt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not attempt.done():  # a stop during the attempt itself (connect_timeout is 10 s)
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                late = await attempt
+                await late.close()
+            return False
+        try:
+            conn = attempt.result()
         except psycopg.OperationalError as exc:
             left = deadline - time.monotonic()
             if not _curable_by_waiting(exc) or left <= 0:
@@ -163,6 +188,7 @@ class Service:
                 self.database_url, self.settings.startup_wait_ms, self._stop_requested
             )
             if not ready:
+                log.info("stopped before the database answered")
                 return
             await self.check()
             if self.redis_url:
@@ -182,6 +208,14 @@ class Service:
                 await self._start_api()
             background = self._start_background() if self.run_background else None
             task = asyncio.create_task(self.dispatcher.run(), name="fluxora-dispatcher")
+            # "dispatching" once the dispatcher is ready (its built-in endpoints recorded).
+            started = asyncio.ensure_future(self.dispatcher.ready.wait())
+            try:
+                await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                started.cancel()
+            if task.done():
+                task.result()  # the dispatcher failed at its start: raise its error
             log.info(
                 "dispatching (batch %d, %d claim loops, poll %d ms)",
                 self.settings.batch_size,

@@ -116,3 +116,32 @@ async def test_a_stop_during_the_wait_exits_cleanly(
     assert code == 0, proc.log()
     assert tracebacks(proc.log()) == 0, proc.log()
     assert receiver.received == []
+
+
+async def test_a_stop_during_a_connection_attempt_that_hangs_exits_cleanly(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """A server that accepts and never answers: the attempt would last its 10 s
+    connect_timeout; a SIGTERM during it is not held for that long."""
+    reached = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        reached.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    env = dispatcher_env(_on_port(database_url, port), redis_url, receiver.url, prefix)
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await asyncio.wait_for(reached.wait(), 30)  # `run` is in its connection attempt
+        proc.terminate()
+        code = await proc.wait(8)  # before that attempt would have timed out
+    finally:
+        await stop_processes([proc])
+        for writer in held:
+            writer.close()
+        server.close()
+    assert code == 0, proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
