@@ -1,0 +1,42 @@
+"""Which failures to reach the database at start-up `run` waits out (a server not reached,
+starting, shutting down or out of slots) and which stop it at once (refusals that waiting
+does not change). A failed connection carries no SQLSTATE: the server's FATAL line tells."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from fluxora_webhooks.service import _curable_by_waiting
+
+REACH = 'connection failed: connection to server at "10.0.0.5", port 5432 failed: '
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        REACH + "Connection refused\n\tIs the server running on that host?",
+        REACH + "timeout expired",
+        'connection failed: could not translate host name "db" to address',
+        REACH + "FATAL:  the database system is starting up",
+        REACH + "FATAL:  the database system is shutting down",
+        REACH + "FATAL:  the database system is in recovery mode",
+        REACH + "FATAL:  sorry, too many clients already",
+        REACH + "FATAL:  remaining connection slots are reserved for roles with SUPERUSER",
+    ],
+)
+def test_a_failure_that_passes_is_waited_out(message: str) -> None:
+    assert _curable_by_waiting(psycopg.OperationalError(message))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        REACH + 'FATAL:  password authentication failed for user "app"',
+        REACH + 'FATAL:  database "shop" does not exist',
+        REACH + 'FATAL:  role "app" does not exist',
+        REACH + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "app"',
+    ],
+)
+def test_a_refusal_stops_start_up_at_once(message: str) -> None:
+    assert not _curable_by_waiting(psycopg.OperationalError(message))
