@@ -61,6 +61,19 @@ GONE = 410
 FULL_CLAIM_EVERY_S = 1.0
 
 
+def recorded_endpoint(row: Claimed) -> str | None:
+    """The endpoint a row's outcome is written with: an event row sent as the default
+    endpoint's delivery becomes that delivery (None: the row's own endpoint)."""
+    return DEFAULT_ID if row.is_event else None
+
+
+def deferral(row: Claimed, delay_ms: int) -> Completion:
+    """``row`` back in the outbox, due again in ``delay_ms`` (at least 1), no attempt spent."""
+    return Completion(
+        row.id, Outcome.DEFERRED, delay_ms=max(1, delay_ms), endpoint_id=recorded_endpoint(row)
+    )
+
+
 @dataclass(eq=False)
 class Send:
     """A row being sent: its endpoint, its admission and its request (each one itself:
@@ -181,7 +194,7 @@ class Batch:
                 if found is None:
                     continue
                 target = found
-            endpoint_id = DEFAULT_ID if row.is_event else None
+            endpoint_id = recorded_endpoint(row)
             if not target.enabled:
                 # The cache may be a moment behind an enable (its NOTIFY is on its way):
                 # the registry decides before a row is parked.
@@ -192,10 +205,7 @@ class Batch:
             wait = self.d.capacity_wait_s(target)
             queue = wait is not None and self.d.may_wait_for_slot(target)
             if wait is not None and not queue:
-                self.completions.append(
-                    Completion(row.id, Outcome.DEFERRED, delay_ms=max(1, int(wait * 1000)),
-                               endpoint_id=endpoint_id)
-                )  # fmt: skip
+                self.completions.append(deferral(row, int(wait * 1000)))
                 continue
             if queue:
                 queued.add(row.id)
@@ -209,14 +219,7 @@ class Batch:
                 continue
             if row.id not in queued:
                 target.load.release()
-            self.completions.append(
-                Completion(
-                    row.id,
-                    Outcome.DEFERRED,
-                    delay_ms=max(admission.delay_ms, 1),
-                    endpoint_id=DEFAULT_ID if row.is_event else None,
-                )
-            )
+            self.completions.append(deferral(row, admission.delay_ms))
 
     async def _target(self, conn: psycopg.AsyncConnection[Any], row: Claimed) -> Target | None:
         """The row's endpoint. Unknown here: reloaded from the registry; an endpoint gone
@@ -309,14 +312,7 @@ class Batch:
         send.withheld = True
         if not send.queued:
             send.target.load.release()  # reserved by the plan, never sent
-        self.completions.append(
-            Completion(
-                send.row.id,
-                Outcome.DEFERRED,
-                delay_ms=max(1, int(wait * 1000)),
-                endpoint_id=DEFAULT_ID if send.row.is_event else None,
-            )
-        )
+        self.completions.append(deferral(send.row, int(wait * 1000)))
         metrics.SHARE_DEFERRED.inc()
         return True
 
@@ -365,7 +361,7 @@ class Batch:
                 send.row.id,
                 Outcome.LEASED,
                 delay_ms=self.d.settings.timeout_ms + LEASE_GRACE_MS,
-                endpoint_id=DEFAULT_ID if send.row.is_event else None,
+                endpoint_id=recorded_endpoint(send.row),
                 lease=send.lease,
             )
         )
@@ -397,7 +393,7 @@ def outcome_of(
 ) -> tuple[Completion, Decision]:
     """The completion of one attempt (a 410 parks the delivery: its endpoint is disabled)."""
     row = send.row
-    endpoint_id = DEFAULT_ID if row.is_event else None
+    endpoint_id = recorded_endpoint(row)
     if result.status == GONE and not send.target.builtin:
         decision = Decision(Outcome.PARKED, reason="gone")
         return (

@@ -72,6 +72,31 @@ _POLICY_KEYS_MAX = 100_000
 T = TypeVar("T")
 
 
+async def unless_stopping(
+    step: Awaitable[T],
+    stopping: asyncio.Event,
+    *,
+    late: Callable[[T], Awaitable[None]] | None = None,
+) -> T | None:
+    """``step``'s result (or its error), or None as soon as ``stopping`` is set: ``step`` is
+    then cancelled, and what it still produced (a connection obtained just as the stop
+    came) is handed to ``late``."""
+    work = asyncio.ensure_future(step)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, *DB_ERRORS):
+        result = await work
+        if late is not None:
+            await late(result)
+    return None
+
+
 class Dispatcher:
     """Delivers due outbox rows to every endpoint until :meth:`stop` is called: the table's
     endpoints, and the built-in ``default`` (``settings.webhook_url``) and ``operator``
@@ -341,20 +366,11 @@ class Dispatcher:
     async def _unless_stopping(self, step: Awaitable[T]) -> T | None:
         """``step``'s result, or None as soon as :meth:`stop` is called (``step`` is then
         cancelled): a stop never waits for a pool connection or a back-off."""
-        work = asyncio.ensure_future(step)
-        stop = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *DB_ERRORS):
-            late = await work
-            if isinstance(late, psycopg.AsyncConnection) and self._pool is not None:
-                await self._pool.putconn(late)  # obtained just as the stop came
-        return None
+        return await unless_stopping(step, self._stopping, late=self._put_back)
+
+    async def _put_back(self, late: object) -> None:
+        if isinstance(late, psycopg.AsyncConnection) and self._pool is not None:
+            await self._pool.putconn(late)  # obtained just as the stop came
 
     def _sleep_s(self, next_due_ms: int | None) -> float:
         """How long an idle loop waits (a NOTIFY or a busy loop's wake-up cuts it short)."""
@@ -366,7 +382,7 @@ class Dispatcher:
         return max(wait, 1) / 1000
 
     async def _run_batch(
-        self, conn: psycopg.AsyncConnection[Any], resume: Resume | None = None
+        self, conn: psycopg.AsyncConnection[Any], resume: Resume
     ) -> tuple[int, int | None]:
         """One claim transaction (:class:`Batch`). Returns (rows claimed, ms until the next
         future due row)."""

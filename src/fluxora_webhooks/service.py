@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logs, metrics
-from .dispatcher import Dispatcher
+from .dispatcher import Dispatcher, unless_stopping
 from .errors import ConfigError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
@@ -70,31 +70,24 @@ _CURABLE_REFUSALS = (
 )
 
 
-async def wait_for_database(url: str, wait_ms: int, stopping: asyncio.Event) -> bool:
+async def wait_for_database(
+    url: str, wait_ms: int, stopping: asyncio.Event
+) -> psycopg.AsyncConnection[Any] | None:
     """At start-up: until the database accepts a connection, for up to ``wait_ms``
     (``WEBHOOK_STARTUP_WAIT_MS``), each failure logged, so a dispatcher started beside a
     database that is still starting (or failing over) waits for it instead of exiting.
-    Returns False when a stop came first; raises the last error once the time is up, or
-    at once for a failure that waiting does not cure."""
+    Returns that connection (autocommit), or None when a stop came first, also during an
+    attempt (connect_timeout is 10 s); raises the last error once the time is up, or at
+    once for a failure that waiting does not cure."""
     deadline = time.monotonic() + wait_ms / 1000
     pause = 0.5
     while True:
-        attempt = asyncio.ensure_future(
-            psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
-        )
-        stop = asyncio.ensure_future(stopping.wait())
         try:
-            await asyncio.wait({attempt, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not attempt.done():  # a stop during the attempt itself (connect_timeout is 10 s)
-            attempt.cancel()
-            with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
-                late = await attempt
-                await late.close()
-            return False
-        try:
-            conn = attempt.result()
+            return await unless_stopping(
+                psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10),
+                stopping,
+                late=_close,
+            )
         except psycopg.OperationalError as exc:
             left = deadline - time.monotonic()
             if not _curable_by_waiting(exc) or left <= 0:
@@ -106,15 +99,16 @@ async def wait_for_database(url: str, wait_ms: int, stopping: asyncio.Event) -> 
                 logs.scrub(reason),
                 left,
             )
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(pause, left)):
-                    await stopping.wait()
-            if stopping.is_set():
-                return False
-            pause = min(pause * 2, STARTUP_RETRY_MAX_S)
-            continue
-        await conn.close()
-        return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(pause, left)):
+                await stopping.wait()
+        if stopping.is_set():
+            return None
+        pause = min(pause * 2, STARTUP_RETRY_MAX_S)
+
+
+async def _close(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.close()
 
 
 DRAIN_GRACE_S = 5.0
@@ -184,13 +178,14 @@ class Service:
         task: asyncio.Task[None] | None = None
         try:
             self.tracer = tracer_from_env(self.env)
-            ready = await wait_for_database(
+            conn = await wait_for_database(
                 self.database_url, self.settings.startup_wait_ms, self._stop_requested
             )
-            if not ready:
+            if conn is None:
                 log.info("stopped before the database answered")
                 return
-            await self.check()
+            async with conn:
+                await check_schema(conn)  # refuse a missing, older or newer schema
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)
             self.dispatcher = Dispatcher(

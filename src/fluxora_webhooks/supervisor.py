@@ -165,12 +165,13 @@ class Supervisor:
         slots: list[asyncio.Task[None]] = []
         try:
             check_telemetry_env(self.env)
-            ready = await wait_for_database(
+            conn = await wait_for_database(
                 self.database_url, self.settings.startup_wait_ms, self._stopping
             )
-            if not ready:
+            if conn is None:
                 return
-            await self._check_database()
+            async with conn:
+                await self._check_database(conn)
             if self._stopping.is_set():
                 return
             self.metrics_dir = tempfile.mkdtemp(prefix="fluxora-metrics-")
@@ -222,12 +223,9 @@ class Supervisor:
             self._stopping.set()
         self._signal_workers(signal.SIGTERM)
 
-    async def _check_database(self) -> None:
-        async with await psycopg.AsyncConnection.connect(
-            self.database_url, autocommit=True, connect_timeout=10
-        ) as conn:
-            await check_schema(conn)
-            check_budget(self.settings, await read_budget(conn))
+    async def _check_database(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await check_schema(conn)
+        check_budget(self.settings, await read_budget(conn))
 
     # -- workers ---------------------------------------------------------------------
 
