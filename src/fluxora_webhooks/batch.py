@@ -4,15 +4,17 @@
 
     BEGIN
       claim_due (FOR UPDATE SKIP LOCKED)           -- event rows and delivery rows
+      route_events: the event rows' fan-out; up to a batch of its due deliveries join
       plan: each row's endpoint; parked if it is disabled, deferred if it is saturated
       gate.admit per URL (Redis: rate limit + circuit breaker)
       POST the admitted rows concurrently; a request that outlives the batch's patience
         (or goes to an endpoint that is slow right now) is detached under a lease
-      complete (one statement): outcomes, holds, retries, dead letters, the fan-out of
-        the event rows, failure streaks; then ordered streams' next heads, auto-disable
+      complete (one statement): outcomes, holds, retries, dead letters, failure
+        streaks; then ordered streams' next heads, auto-disable
     COMMIT
 
-A crash before COMMIT releases the locks and the rows are claimed again: at-least-once. A
+A crash before COMMIT releases the locks and the rows are claimed again: at-least-once (an
+event routed again gives its deliveries the same ids, so a consumer can tell a repeat). A
 detached request goes on after the commit and is recorded by the :class:`Completer`; if its
 dispatcher dies, the lease ends and the row is due again. So a slow endpoint never holds
 a batch of healthy ones, and its requests never occupy claim capacity.
@@ -35,7 +37,15 @@ from . import metrics
 from .delivery import AttemptResult
 from .endpoints import DEFAULT_ID
 from .gate import Admission
-from .outbox import Claimed, Completion, Outcome, Recorded, claim_due, next_due_in_ms
+from .outbox import (
+    Claimed,
+    Completion,
+    Outcome,
+    Recorded,
+    claim_due,
+    next_due_in_ms,
+    route_events,
+)
 from .retry import Decision, Kind
 from .targets import Target
 
@@ -141,9 +151,14 @@ class Batch:
         self.resume = resume if resume is not None else Resume()
         self.completions: list[Completion] = []
         self.sends: list[Send] = []
-        self.route: list[int] = []
         self.claimed = 0
-        self.parts: dict[int, datetime | None] = {}  # each claimed row's partition_at
+        self.parts: dict[int, datetime | None] = {}  # each planned row's partition_at
+        self.events: dict[int, datetime | None] = {}  # the claimed event rows' (id: part)
+        # The event rows route_events routed to an endpoint, and the ordered streams whose
+        # next head the batch chooses once recorded; route_failed: it was rejected.
+        self.prerouted: frozenset[int] = frozenset()
+        self.routed_ordered: list[tuple[str, str]] = []
+        self.route_failed = False
         # Filled when recorded: the attempts decided in the batch, and how many deliveries
         # of ordered streams became due.
         self.done: list[tuple[Send, AttemptResult, Decision]] = []
@@ -159,7 +174,7 @@ class Batch:
             self.claimed = len(rows)
             self.parts = {row.id: row.partition_at for row in rows}
             if rows:
-                await self._plan(conn, rows)
+                await self._plan(conn, await self._route(conn, rows))
                 await self._send()
                 await self.d.recorder.record(conn, self)
             # A resumed claim that came back short looked only after its position: the
@@ -173,12 +188,33 @@ class Batch:
 
     # -- planning ---------------------------------------------------------------------
 
+    async def _route(
+        self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]
+    ) -> Sequence[Claimed]:
+        """Route the claimed event rows now, before the requests, and return the rows to
+        plan: the claimed ones and up to a batch of the deliveries just routed that are due
+        now. They are sent in this transaction rather than claimed in a next one: one
+        transaction per event instead of two (the fan-out's commit-to-receipt time)."""
+        self.events = {row.id: row.partition_at for row in rows if row.is_event}
+        if not self.events:
+            return rows
+        try:
+            routing = await route_events(conn, self.events, cap=self.d.settings.batch_size)
+        except psycopg.Error:
+            # Rejected: the event rows are routed again one by one (Dispatcher._run_batch).
+            self.route_failed = True
+            raise
+        self.prerouted = routing.events
+        self.routed_ordered = routing.ordered
+        for row in routing.due:
+            self.parts[row.id] = row.partition_at
+        return [*rows, *routing.due]
+
     async def _plan(self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]) -> None:
         candidates: list[tuple[Claimed, Target]] = []
         queued: set[int] = set()  # rows that will wait in this process for a slot
         for row in rows:
             if row.is_event:
-                self.route.append(row.id)
                 # The built-in default endpoint is the default tenant's (every event type).
                 default = (
                     self.d.targets.get(DEFAULT_ID)

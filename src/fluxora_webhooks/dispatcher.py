@@ -395,7 +395,7 @@ class Dispatcher:
             self.after_rollback(batch)
             raise
         except psycopg.Error as exc:
-            if not batch.completions and not batch.sends:
+            if not batch.completions and not batch.sends and not batch.route_failed:
                 self.after_rollback(batch)
                 raise  # nothing was sent: the claim itself failed
             log.error("batch completion failed (%s); completing row by row", type(exc).__name__)

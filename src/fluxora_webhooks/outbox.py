@@ -1,8 +1,9 @@
 """The outbox: enqueue (producer side) and the dispatcher's claim and completion queries.
 
 Rows are of two kinds. An *event row* is what a producer writes (``endpoint_id`` NULL);
-the dispatcher that claims it routes it in the same transaction (:func:`complete` with
-``route``): one delivery row per matching endpoint of its tenant, and the event row itself
+the dispatcher that claims it routes it in the same transaction (:func:`route_events`,
+before the batch's requests, which take up to a batch of its due deliveries along): one
+delivery row per matching endpoint of its tenant, and the event row itself
 becomes the delivery of the built-in ``default`` endpoint, or is marked ``routed`` /
 ``unrouted`` where there is none. A *delivery row* is one attempt of one delivery (an
 endpoint, a delivery id); a retry is a new delivery row due later, as before.
@@ -11,7 +12,7 @@ endpoint, a delivery id); a retry is a new delivery row due later, as before.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -217,27 +218,64 @@ async def claim_due(
     if after is not None:
         params["after_at"], params["after_id"] = after
     cur = await conn.execute(_claim_sql(name, resumed=after is not None), params)
-    return [
-        Claimed(
-            int(r[0]),
-            r[1],
-            r[2],
-            r[3].encode("utf-8"),
-            int(r[4]),
-            bool(r[5]),
-            int(r[6]),
-            r[7],
-            r[8],
-            r[9],
-            r[10],
-            r[11],
-            r[12],
-            r[13],
-            r[14],
-            r[15],
-        )
-        for r in await cur.fetchall()
-    ]
+    return [_claimed(r) for r in await cur.fetchall()]
+
+
+def _claimed(r: Sequence[Any]) -> Claimed:
+    """A row in the claim's columns."""
+    return Claimed(
+        int(r[0]),
+        r[1],
+        r[2],
+        r[3].encode("utf-8"),
+        int(r[4]),
+        bool(r[5]),
+        int(r[6]),
+        r[7],
+        r[8],
+        r[9],
+        r[10],
+        r[11],
+        r[12],
+        r[13],
+        r[14],
+        r[15],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """What :func:`route_events` wrote."""
+
+    due: list[Claimed]  # delivery rows due now, to send in the same batch
+    events: frozenset[int]  # the event rows that reached at least one endpoint
+    written: int  # delivery rows written (due, waiting and parked)
+    # (endpoint, stream) pairs of ordered endpoints whose next head may now be chosen.
+    ordered: list[tuple[str, str]]
+
+
+async def route_events(
+    conn: psycopg.AsyncConnection[Any],
+    events: Mapping[int, datetime | None],
+    *,
+    cap: int,
+) -> Routing:
+    """Fan out the claimed event rows ``events`` (id: partition_at) in the open
+    transaction; up to ``cap`` of the delivery rows due now come back to be sent in it."""
+    known = [at for at in events.values() if at is not None]
+    params = {
+        "ids": list(events),
+        "parts": list(events.values()),
+        "part_lo": min(known, default=_EPOCH),
+        "part_hi": max(known, default=_EPOCH),
+        "cap": cap,
+    }
+    cur = await conn.execute(query("route_events"), params)
+    rows = await cur.fetchall()
+    first = rows[0]
+    due = [_claimed(r) for r in rows if r[0] is not None]
+    pairs = list(zip(first[18] or [], first[19] or [], strict=True))
+    return Routing(due, frozenset(first[16] or ()), int(first[17]), pairs)
 
 
 _CLAIM_ORDER = "ORDER BY created_at ASC, id ASC"
@@ -285,6 +323,7 @@ def complete_statement(
     parts: Mapping[int, datetime | None],
     *,
     route: Sequence[int] = (),
+    prerouted: Collection[int] = (),
     succeeded: Sequence[str] = (),
     failed: Sequence[str] = (),
 ) -> tuple[str, list[Any]]:
@@ -307,6 +346,7 @@ def complete_statement(
         "part_lo": min(known, default=_EPOCH),
         "part_hi": max(known, default=_EPOCH),
         "route": list(route),
+        "prerouted": list(prerouted),
         "succeeded": list(succeeded),
         "failed": [e for e in failed if e not in succeeded],
     }
@@ -319,16 +359,19 @@ async def complete(
     parts: Mapping[int, datetime | None],
     *,
     route: Sequence[int] = (),
+    prerouted: Collection[int] = (),
     succeeded: Sequence[str] = (),
     failed: Sequence[str] = (),
 ) -> Recorded:
     """Write every outcome of a batch in one statement, and route its event rows ``route``
-    (whatever their own outcome). ``parts``: each row's ``partition_at`` by id (with its id,
-    it names the row). ``succeeded`` / ``failed``: the endpoints that had a delivered / a
+    (whatever their own outcome). ``prerouted``: event rows :func:`route_events` already
+    routed to at least one endpoint (an event row with a ``routed`` outcome in neither is
+    marked ``unrouted``). ``parts``: each row's ``partition_at`` by id (with its id, it
+    names the row). ``succeeded`` / ``failed``: the endpoints that had a delivered / a
     failed attempt, whose failure streak (``failing_since``) ends / starts.
     """
     text, params = complete_statement(
-        completions, parts, route=route, succeeded=succeeded, failed=failed
+        completions, parts, route=route, prerouted=prerouted, succeeded=succeeded, failed=failed
     )
     cur = psycopg.AsyncRawCursor(conn)
     await cur.execute(text, params)

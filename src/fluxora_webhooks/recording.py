@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,11 @@ class Recorder:
         effects = effects_of(done)
         if all(c.outcome in _PLAIN for c in batch.completions):
             recorded = await complete(
-                conn, batch.completions, batch.parts, route=batch.route, **_streaks(effects)
+                conn,
+                batch.completions,
+                batch.parts,
+                prerouted=batch.prerouted,
+                **_streaks(effects),
             )
         else:
             try:
@@ -72,7 +76,7 @@ class Recorder:
                         conn,
                         batch.completions,
                         batch.parts,
-                        route=batch.route,
+                        prerouted=batch.prerouted,
                         **_streaks(effects),
                     )
             except DB_ERRORS:
@@ -80,9 +84,11 @@ class Recorder:
             except psycopg.Error as exc:
                 log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
                 batch.completions = await self._one_by_one(
-                    conn, batch.completions, batch.parts, batch.route
+                    conn, batch.completions, batch.parts, prerouted=batch.prerouted
                 )
                 recorded = Recorded()
+        if batch.routed_ordered:
+            recorded = replace(recorded, ordered=[*batch.routed_ordered, *recorded.ordered])
         batch.promoted = await self._effects(conn, recorded, effects, in_batch=True)
 
     async def record_again(
@@ -91,11 +97,16 @@ class Recorder:
         """After a batch's transaction rolled back on its statement: lock again the rows
         still ours to record and record each on its own. A row another loop claimed
         meanwhile is skipped: that loop sends it again (at-least-once)."""
+        completions = batch.completions
+        if batch.route_failed:  # rejected before anything was planned or sent
+            completions = [Completion(i, Outcome.ROUTED) for i in batch.events]
         async with conn.transaction():
-            mine = await relock_claimed(conn, {c.id: batch.parts[c.id] for c in batch.completions})
-            kept = [c for c in batch.completions if c.id in mine]
+            # The deliveries routed in the rolled-back transaction are gone: its event rows
+            # are routed again, each on its own, under the same delivery ids.
+            mine = await relock_claimed(conn, {c.id: batch.parts[c.id] for c in completions})
+            kept = [c for c in completions if c.id in mine]
             return await self._one_by_one(
-                conn, kept, batch.parts, [i for i in batch.route if i in mine]
+                conn, kept, batch.parts, route=[i for i in batch.events if i in mine]
             )
 
     def prepare_detached(self, items: Sequence[Detached]) -> Prepared:
@@ -153,11 +164,15 @@ class Recorder:
         conn: psycopg.AsyncConnection[Any],
         completions: Sequence[Completion],
         parts: Mapping[int, datetime | None],
-        route: Sequence[int],
+        *,
+        route: Sequence[int] = (),
+        prerouted: Collection[int] = (),
     ) -> list[Completion]:
         recorded = []
         for one in completions:
-            done = await self._complete_one(conn, one, parts, [one.id] if one.id in route else [])
+            done = await self._complete_one(
+                conn, one, parts, [one.id] if one.id in route else [], prerouted
+            )
             if done is not None:
                 recorded.append(done)
         return recorded
@@ -168,10 +183,13 @@ class Recorder:
         one: Completion,
         parts: Mapping[int, datetime | None],
         route: list[int],
+        prerouted: Collection[int],
     ) -> Completion | None:
-        """Record one row's outcome; failing that, dead-letter it; failing that, defer it a
-        minute (never left due at once: that would re-send it in a tight loop). Returns what
-        was recorded (None: nothing could be; the row stays pending)."""
+        """Record one row's outcome (routing it if it is in ``route``); failing that,
+        dead-letter it; failing that, defer it a minute (never left due at once: that would
+        re-send it in a tight loop). The fallbacks do not route: an event whose fan-out the
+        database rejects would be rejected again. Returns what was recorded (None: nothing
+        could be; the row stays pending)."""
         fallbacks = (
             one,
             Completion(
@@ -188,7 +206,13 @@ class Recorder:
         for recording in fallbacks:
             try:
                 async with conn.transaction():
-                    await complete(conn, [recording], parts, route=route)
+                    await complete(
+                        conn,
+                        [recording],
+                        parts,
+                        route=route if recording is one else (),
+                        prerouted=prerouted,
+                    )
                 return recording
             except DB_ERRORS:
                 raise

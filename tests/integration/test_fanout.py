@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import ipaddress
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -149,3 +150,122 @@ async def _settled(database_url: str) -> bool:
         database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed"
     )
     return int(pending) == 0
+
+
+async def _xmins(database_url: str) -> dict[str, list[str]]:
+    """The transaction that last wrote each row: the event row and its deliveries."""
+    found = await rows(
+        database_url,
+        "SELECT xmin::text, COALESCE(endpoint_id, '(event)') FROM webhook_outbox ORDER BY id",
+    )
+    by_txn: dict[str, list[str]] = {}
+    for txn, what in found:
+        by_txn.setdefault(txn, []).append(what)
+    return by_txn
+
+
+@pytest.mark.parametrize(("endpoints_n", "batch_size"), [(3, 10), (5, 2)])
+async def test_an_events_deliveries_are_sent_by_the_transaction_that_routes_it(
+    database_url: str, receivers: list[Receiver], endpoints_n: int, batch_size: int
+) -> None:
+    """Routed and sent in one claim transaction (no second claim and commit per event), up
+    to a batch of them; the rest are claimed after its commit like any other row."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for r in receivers[:endpoints_n]:
+            await add(conn, r, tenant="acme")
+        await enqueue(conn, tenant="acme", stream_id="s", event_type="stream.created", payload={})
+    settings = settings_for(None, claim_loops=1, batch_size=batch_size)
+    async with running_dispatcher(settings, database_url):
+        await wait_until(lambda: _settled(database_url), what="all delivered")
+    assert all(len(r.received) == 1 for r in receivers[:endpoints_n])
+    outcomes = await rows(
+        database_url, "SELECT outcome, count(*) FROM webhook_outbox GROUP BY 1 ORDER BY 1"
+    )
+    assert outcomes == [("delivered", endpoints_n), ("routed", 1)]
+    by_txn = await _xmins(database_url)
+    routing = next(txn for txn, what in by_txn.items() if "(event)" in what)
+    assert len(by_txn[routing]) == 1 + min(endpoints_n, batch_size)
+    assert sum(len(v) for v in by_txn.values()) == 1 + endpoints_n
+
+
+async def test_a_routing_batch_rolled_back_after_its_requests_sends_the_same_delivery_ids(
+    database_url: str, receivers: list[Receiver]
+) -> None:
+    """The batch that routed an event and sent its deliveries fails at its completion: the
+    event is routed again, and each endpoint gets its delivery again under the same id (a
+    repeat the consumer can tell), with one delivery row per endpoint in the end."""
+    targets = receivers[:3]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        # The first completion of a delivery row is rejected (a sequence: not rolled back).
+        await conn.execute("CREATE SEQUENCE reject_once")
+        await conn.execute(
+            "CREATE FUNCTION reject_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.processed AND NOT OLD.processed AND NEW.event_id IS NOT NULL"
+            " AND nextval('reject_once') = 1 THEN RAISE EXCEPTION 'rejected'; END IF;"
+            " RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER reject_once BEFORE UPDATE ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION reject_once()"
+        )
+        for r in targets:
+            await add(conn, r, tenant="acme")
+        await enqueue(conn, tenant="acme", stream_id="s", event_type="stream.created", payload={})
+    try:
+        async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
+            await wait_until(lambda: _settled(database_url), what="all delivered")
+            for r in targets:
+                await r.wait_for(2)
+    finally:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("DROP TRIGGER reject_once ON webhook_outbox")
+    ids = [{hit.delivery_id for hit in r.received} for r in targets]
+    assert [len(r.received) for r in targets] == [2, 2, 2]
+    assert all(len(one) == 1 for one in ids)  # both requests under one id
+    assert len(set().union(*ids)) == 3  # and one id per endpoint
+    delivered = await rows(
+        database_url,
+        "SELECT delivery_id::text FROM webhook_outbox WHERE outcome = 'delivered' ORDER BY 1",
+    )
+    assert sorted(d for (d,) in delivered) == sorted(next(iter(one)) for one in ids)
+
+
+async def test_an_event_whose_routing_is_rejected_costs_the_other_events_nothing(
+    database_url: str, receivers: list[Receiver]
+) -> None:
+    """The database rejects one event's fan-out (a trigger here): the batch's events are
+    routed again one by one; the others are delivered and the rejected one becomes a dead
+    letter that names why, rather than being claimed and rejected for ever."""
+    target = receivers[0]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE FUNCTION reject_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.event_id IS NOT NULL AND NEW.stream_id = 'poison' THEN"
+            " RAISE EXCEPTION 'rejected'; END IF; RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER reject_poison BEFORE INSERT ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION reject_poison()"
+        )
+        await add(conn, target, tenant="acme")
+        async with conn.transaction():
+            for stream in ("ok-1", "poison", "ok-2"):
+                await enqueue(
+                    conn, tenant="acme", stream_id=stream, event_type="e", payload={"s": stream}
+                )
+    try:
+        async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
+            await wait_until(lambda: _settled(database_url), what="settled")
+    finally:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("DROP TRIGGER reject_poison ON webhook_outbox")
+    assert sorted(json.loads(hit.body)["s"] for hit in target.received) == ["ok-1", "ok-2"]
+    events = await rows(
+        database_url,
+        "SELECT stream_id, outcome FROM webhook_outbox WHERE event_id IS NULL ORDER BY stream_id",
+    )
+    assert events == [("ok-1", "routed"), ("ok-2", "routed"), ("poison", "dead_letter")]
+    [(reason, error)] = await rows(
+        database_url, "SELECT reason, last_error FROM webhook_dead_letter"
+    )
+    assert reason == "internal_error" and "database rejected" in error

@@ -65,12 +65,11 @@ WITH r AS (
     ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason,
            endpoint_id, lease, partition_at)
 ),
--- Fan-out: one delivery row per endpoint of the event's tenant that subscribes to its type
--- and existed when it was enqueued, with a delivery id of its own. Parked while the
--- endpoint is disabled; an ordered endpoint's delivery waits for its stream's head.
+-- Fan-out, for event rows route_events did not route (a batch recorded again after its
+-- transaction rolled back): as route_events, with the same delivery ids.
 ev AS (
     SELECT o.id, o.tenant, o.stream_id, o.event_type, o.payload, o.enqueued_at, o.traceparent,
-           o.tracestate
+           o.tracestate, o.delivery_id
     FROM r JOIN webhook_outbox o ON o.id = r.id AND o.partition_at = r.partition_at
     WHERE r.id = ANY(%(route)s::bigint[]) AND o.endpoint_id IS NULL
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
@@ -78,13 +77,14 @@ ev AS (
 routed AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
-         stream_seq, hold, created_at, traceparent, tracestate)
+         stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
     SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
            CASE WHEN e.ordered THEN ev.id END,
            CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
            CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
                 ELSE now() END,
-           ev.traceparent, ev.tracestate
+           ev.traceparent, ev.tracestate,
+           md5(ev.delivery_id::text || chr(31) || e.id)::uuid
     FROM ev
     JOIN webhook_endpoints e ON e.tenant = ev.tenant
     WHERE e.id NOT IN ('default', 'operator')
@@ -106,6 +106,7 @@ done AS (
     SET processed = true, processed_at = clock_timestamp(),
         outcome = CASE
             WHEN r.outcome <> 'routed' THEN r.outcome
+            WHEN o.id = ANY(%(prerouted)s::bigint[]) THEN 'routed'
             WHEN EXISTS (SELECT 1 FROM routed x WHERE x.event_id = o.id) THEN 'routed'
             ELSE 'unrouted' END,
         endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id),
@@ -197,6 +198,64 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
        ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
        (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
        + (SELECT count(*) FROM streak_started);
+
+-- name: route_events
+-- Fan-out of a batch's event rows, before its requests: one delivery row per endpoint of
+-- the event's tenant that subscribes to its type and existed when it was enqueued. Parked
+-- while the endpoint is disabled; an ordered endpoint's delivery waits for its stream's
+-- head. The delivery id is derived from the event's and the endpoint's, so an event routed
+-- again after its batch rolled back (its requests may have gone out) gets the same ids and
+-- its consumers can tell the repeat. Up to %(cap)s of the rows due now are returned in the
+-- claim's columns and sent in the same batch; the rest are claimed like any other once it
+-- commits. Each row of the answer also carries the events that reached an endpoint, how
+-- many rows were written and the ordered (endpoint, stream) pairs whose next head the
+-- batch chooses after its completion (also where this event reached no ordered endpoint).
+WITH ev AS (
+    SELECT o.id, o.tenant, o.stream_id, o.event_type, o.payload, o.enqueued_at, o.traceparent,
+           o.tracestate, o.delivery_id
+    FROM unnest(%(ids)s::bigint[], %(parts)s::timestamptz[]) AS r(id, partition_at)
+    JOIN webhook_outbox o ON o.id = r.id AND o.partition_at = r.partition_at
+    WHERE o.endpoint_id IS NULL AND NOT o.processed
+      AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
+),
+routed AS (
+    INSERT INTO webhook_outbox
+        (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
+         stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
+    SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
+           CASE WHEN e.ordered THEN ev.id END,
+           CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
+           CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
+                ELSE now() END,
+           ev.traceparent, ev.tracestate,
+           md5(ev.delivery_id::text || chr(31) || e.id)::uuid
+    FROM ev
+    JOIN webhook_endpoints e ON e.tenant = ev.tenant
+    WHERE e.id NOT IN ('default', 'operator')
+      AND e.created_at <= ev.enqueued_at
+      AND EXISTS (
+          SELECT 1 FROM unnest(e.event_types) AS p(pattern)
+          WHERE p.pattern = '*' OR p.pattern = ev.event_type
+             OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+    RETURNING id, delivery_id, event_type, payload, attempt, replay, tenant, stream_id,
+              endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at,
+              created_at, hold
+),
+ordered_pairs AS (
+    SELECT DISTINCT e.id AS endpoint_id, ev.stream_id
+    FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant AND e.ordered
+)
+SELECT x.id, x.delivery_id::text, x.event_type, x.payload::text, x.attempt, x.replay,
+       floor(EXTRACT(EPOCH FROM now()))::bigint, x.tenant, x.stream_id, x.endpoint_id,
+       x.event_id, x.stream_seq, x.traceparent, x.tracestate, x.partition_at, x.created_at,
+       ARRAY(SELECT DISTINCT event_id FROM routed),
+       (SELECT count(*) FROM routed),
+       ARRAY(SELECT endpoint_id FROM ordered_pairs ORDER BY 1, stream_id),
+       ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1)
+FROM (SELECT 1) one
+LEFT JOIN LATERAL (
+    SELECT * FROM routed WHERE hold IS NULL ORDER BY id LIMIT %(cap)s
+) x ON true;
 
 -- name: promote_lock
 -- Serialises, per (endpoint, stream), choosing an ordered stream's next head: a routing
