@@ -369,9 +369,10 @@ class ManyBench(Plumbing):
             meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
             meter.start()
             await self.insert_events(database_url, tenant, events)
+            committed = time.time()
             stats = await self.wait_count(deliveries, max(60.0, deliveries / 200))
             cpu = meter.stop()
-            rate = self.rate(stats)
+            rate = self.rate_since(stats, committed)
             runs.append(
                 {
                     "events": events,
@@ -379,6 +380,7 @@ class ManyBench(Plumbing):
                     "received": stats["count"],
                     "hung": stats["hung"],  # requests read by hanging endpoints, unanswered
                     "rate": rate,
+                    "rate_first_to_last_receipt": self.rate(stats),
                     "cpu_pct": cpu,
                     "dispatcher_cpu_us_per_delivery": round(
                         10_000 * cpu.get("dispatcher", 0) / rate, 1
@@ -528,13 +530,15 @@ class ManyBench(Plumbing):
                         "pad": PAD,
                     },
                 )
+            committed = time.time()
             stats = await self.wait_count(total, max(60.0, total / 100))
             cpu = meter.stop()
-            rate = self.rate(stats)
+            rate = self.rate_since(stats, committed)
             out[tenant] = {
                 "deliveries": total,
                 "received": stats["count"],
                 "rate": rate,
+                "rate_first_to_last_receipt": self.rate(stats),
                 "cpu_pct": cpu,
                 "streams_seen": stats["streams"],
                 "out_of_order": stats["out_of_order"],
