@@ -61,6 +61,15 @@ _INDEXES = (
         "(tenant, stream_id, id) WHERE NOT processed AND endpoint_id IS NULL",
     ),
     ("webhook_outbox_event_idx", "(event_id) WHERE event_id IS NOT NULL"),
+    (
+        "webhook_outbox_tenant_events_idx",
+        "(tenant, id) WHERE event_id IS NULL AND tenant <> '' AND tenant <> '!operator'",
+    ),
+    (
+        "webhook_outbox_endpoint_deliveries_idx",
+        "(endpoint_id, id) WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL"
+        " AND endpoint_id <> 'default' AND endpoint_id <> 'operator'",
+    ),
     ("webhook_outbox_id_idx", "(id)"),
 )
 _AUTOVACUUM = (
