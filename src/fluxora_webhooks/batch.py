@@ -154,6 +154,9 @@ class Batch:
         self.claimed = 0
         self.parts: dict[int, datetime | None] = {}  # each planned row's partition_at
         self.events: dict[int, datetime | None] = {}  # the claimed event rows' (id: part)
+        # Event rows routed by the completion statement: those of tenants with no endpoint
+        # known to this dispatcher (nothing to send in the batch, so no statement of its own).
+        self.route: list[int] = []
         # The event rows route_events routed to an endpoint, and the ordered streams whose
         # next head the batch chooses once recorded; route_failed: it was rejected.
         self.prerouted: frozenset[int] = frozenset()
@@ -194,12 +197,23 @@ class Batch:
         """Route the claimed event rows now, before the requests, and return the rows to
         plan: the claimed ones and up to a batch of the deliveries just routed that are due
         now. They are sent in this transaction rather than claimed in a next one: one
-        transaction per event instead of two (the fan-out's commit-to-receipt time)."""
+        transaction per event instead of two (the fan-out's commit-to-receipt time). The
+        event rows of tenants with no endpoint known here (a single-consumer outbox's, all
+        of them) are routed by the completion statement instead, which costs them no
+        statement of their own; an endpoint created a moment ago gets them all the same."""
         self.events = {row.id: row.partition_at for row in rows if row.is_event}
-        if not self.events:
+        early = {}
+        for row in rows:
+            if not row.is_event:
+                continue
+            if self.d.targets.routes_tenant(row.tenant):
+                early[row.id] = row.partition_at
+            else:
+                self.route.append(row.id)
+        if not early:
             return rows
         try:
-            routing = await route_events(conn, self.events, cap=self.d.settings.batch_size)
+            routing = await route_events(conn, early, cap=self.d.settings.batch_size)
         except psycopg.Error:
             # Rejected: the event rows are routed again one by one (Dispatcher._run_batch).
             self.route_failed = True

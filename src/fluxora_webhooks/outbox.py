@@ -265,7 +265,6 @@ async def route_events(
     known = [at for at in events.values() if at is not None]
     params = {
         "ids": list(events),
-        "parts": list(events.values()),
         "part_lo": min(known, default=_EPOCH),
         "part_hi": max(known, default=_EPOCH),
         "cap": cap,

@@ -66,6 +66,7 @@ class Recorder:
                 conn,
                 batch.completions,
                 batch.parts,
+                route=batch.route,
                 prerouted=batch.prerouted,
                 **_streaks(effects),
             )
@@ -76,6 +77,7 @@ class Recorder:
                         conn,
                         batch.completions,
                         batch.parts,
+                        route=batch.route,
                         prerouted=batch.prerouted,
                         **_streaks(effects),
                     )
@@ -84,7 +86,11 @@ class Recorder:
             except psycopg.Error as exc:
                 log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
                 batch.completions = await self._one_by_one(
-                    conn, batch.completions, batch.parts, prerouted=batch.prerouted
+                    conn,
+                    batch.completions,
+                    batch.parts,
+                    route=batch.route,
+                    prerouted=batch.prerouted,
                 )
                 recorded = Recorded()
         if batch.routed_ordered:

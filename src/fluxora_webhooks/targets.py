@@ -161,6 +161,7 @@ class Targets:
     ) -> None:
         self._env = dict(env)
         self._by_id: dict[str, Target] = {}
+        self._tenants: frozenset[str] | None = None  # of the endpoints in _by_id; None: stale
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -182,6 +183,14 @@ class Targets:
     def all(self) -> Iterable[Target]:
         return self._by_id.values()
 
+    def routes_tenant(self, tenant: str) -> bool:
+        """Whether an endpoint of ``tenant`` (not a built-in one) is known here. A hint
+        only: the routing itself reads the registry, so an endpoint not known here yet is
+        routed to all the same, just not sent to by the batch that routes it."""
+        if self._tenants is None:
+            self._tenants = frozenset(t.tenant for t in self._by_id.values() if not t.builtin)
+        return tenant in self._tenants
+
     async def load_all(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Read the whole registry (at start, and as the periodic fallback)."""
         cur = conn.cursor(row_factory=dict_row)
@@ -194,6 +203,7 @@ class Targets:
             if endpoint_id not in seen and endpoint_id not in self._env:
                 del self._by_id[endpoint_id]
         self.loaded = True
+        self._tenants = None
 
     async def reload(self, conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> Target | None:
         """Read one endpoint again (after its NOTIFY); None when it no longer exists."""
@@ -206,6 +216,7 @@ class Targets:
                 builtin.enabled, builtin.failing_since = True, None
                 return builtin
             self._by_id.pop(endpoint_id, None)
+            self._tenants = None
             return None
         return self._apply(Endpoint.from_row(row))
 
@@ -236,4 +247,5 @@ class Targets:
         if old is not None:  # this process's bookkeeping outlives a reload
             target.load = old.load
         self._by_id[endpoint.id] = target
+        self._tenants = None
         return target

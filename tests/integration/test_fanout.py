@@ -19,6 +19,7 @@ from standardwebhooks import Webhook
 
 from fluxora_webhooks import endpoints, enqueue, verify
 from fluxora_webhooks.settings import Settings
+from fluxora_webhooks.targets import Targets
 from tests.support.dispatch import SECRET, make_settings, rows, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
 
@@ -269,3 +270,23 @@ async def test_an_event_whose_routing_is_rejected_costs_the_other_events_nothing
         database_url, "SELECT reason, last_error FROM webhook_dead_letter"
     )
     assert reason == "internal_error" and "database rejected" in error
+
+
+async def test_an_event_of_a_tenant_not_known_to_the_dispatcher_yet_is_routed_all_the_same(
+    database_url: str, receivers: list[Receiver], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dispatcher's cache of endpoints only decides whether a batch routes its events
+    before its requests (and sends their deliveries itself); an endpoint it has not heard
+    of yet still gets the event, routed by the batch's completion and sent after it."""
+    monkeypatch.setattr(Targets, "routes_tenant", lambda self, tenant: False)
+    targets = receivers[:2]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for r in targets:
+            await add(conn, r, tenant="acme")
+        await enqueue(conn, tenant="acme", stream_id="s", event_type="stream.created", payload={})
+    async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
+        await wait_until(lambda: _settled(database_url), what="all delivered")
+    assert [len(r.received) for r in targets] == [1, 1]
+    by_txn = await _xmins(database_url)
+    routing = next(txn for txn, what in by_txn.items() if "(event)" in what)
+    assert by_txn[routing] == ["(event)"]  # routed there, sent by a later batch

@@ -211,11 +211,13 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
 -- many rows were written and the ordered (endpoint, stream) pairs whose next head the
 -- batch chooses after its completion (also where this event reached no ordered endpoint).
 WITH ev AS (
+    -- id = ANY: one probe of the key per event whatever the planner's statistics say (a
+    -- join with the unnested ids was planned as a scan of the outbox right after a bulk
+    -- insert); ids are unique, the partition_at bounds are for a partitioned outbox.
     SELECT o.id, o.tenant, o.stream_id, o.event_type, o.payload, o.enqueued_at, o.traceparent,
            o.tracestate, o.delivery_id
-    FROM unnest(%(ids)s::bigint[], %(parts)s::timestamptz[]) AS r(id, partition_at)
-    JOIN webhook_outbox o ON o.id = r.id AND o.partition_at = r.partition_at
-    WHERE o.endpoint_id IS NULL AND NOT o.processed
+    FROM webhook_outbox o
+    WHERE o.id = ANY(%(ids)s::bigint[]) AND o.endpoint_id IS NULL AND NOT o.processed
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
 ),
 routed AS (
