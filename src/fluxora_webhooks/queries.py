@@ -33,6 +33,21 @@ _FILES = (
 )
 
 
+_USE = re.compile(r"^([ \t]*)--\s*use:\s*(\w+)\s*$", re.MULTILINE)
+
+
+def expand_uses(blocks: dict[str, str]) -> dict[str, str]:
+    """Replace each ``-- use: x`` line with block ``x`` (a fragment two statements share,
+    such as the fan-out's INSERT), indented as the line."""
+
+    def use(match: re.Match[str]) -> str:
+        indent, name = match.group(1), match.group(2)
+        assert name in blocks, f"-- use: {name}: no such block"
+        return "\n".join(indent + line if line else line for line in blocks[name].splitlines())
+
+    return {name: _USE.sub(use, body) for name, body in blocks.items()}
+
+
 @cache
 def _all() -> dict[str, str]:
     blocks: dict[str, str] = {}
@@ -41,7 +56,7 @@ def _all() -> dict[str, str]:
         found = parse_blocks(text)
         assert not found.keys() & blocks.keys(), f"duplicate block names in {name}"
         blocks.update(found)
-    return blocks
+    return expand_uses(blocks)
 
 
 def query(name: str) -> str:

@@ -47,6 +47,32 @@ FROM webhook_outbox
 WHERE processed = false AND created_at > now() AND created_at < 'infinity'
   AND partition_at >= %(since)s;
 
+-- name: fan_out_insert
+-- A fragment, in route_events and complete_batch (a "use" line names it there): one
+-- delivery row per endpoint of the event's tenant (from "ev") that subscribes to its type
+-- and existed when it was enqueued. Parked while the endpoint is disabled; an ordered
+-- endpoint's delivery waits for its stream's head. The delivery id is derived from the
+-- event's and the endpoint's, so an event routed again after its batch rolled back (its
+-- requests may have gone out) gets the same ids.
+INSERT INTO webhook_outbox
+    (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
+     stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
+SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
+       CASE WHEN e.ordered THEN ev.id END,
+       CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
+       CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
+            ELSE now() END,
+       ev.traceparent, ev.tracestate,
+       md5(ev.delivery_id::text || chr(31) || e.id)::uuid
+FROM ev
+JOIN webhook_endpoints e ON e.tenant = ev.tenant
+WHERE e.id NOT IN ('default', 'operator')
+  AND e.created_at <= ev.enqueued_at
+  AND EXISTS (
+      SELECT 1 FROM unnest(e.event_types) AS p(pattern)
+      WHERE p.pattern = '*' OR p.pattern = ev.event_type
+         OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+
 -- name: complete_batch
 -- Every outcome of one batch in one statement: route its event rows, mark attempts
 -- processed, hold rows (deferred, parked, leased), insert retries (same delivery id, next
@@ -65,8 +91,9 @@ WITH r AS (
     ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason,
            endpoint_id, lease, partition_at)
 ),
--- Fan-out, for event rows route_events did not route (a batch recorded again after its
--- transaction rolled back): as route_events, with the same delivery ids.
+-- Fan-out (fan_out_insert) of the event rows route_events did not route: those of tenants
+-- with no endpoint known to the dispatcher, and a batch's recorded again after its
+-- transaction rolled back (with the same delivery ids).
 ev AS (
     SELECT o.id, o.tenant, o.stream_id, o.event_type, o.payload, o.enqueued_at, o.traceparent,
            o.tracestate, o.delivery_id
@@ -75,24 +102,7 @@ ev AS (
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
 ),
 routed AS (
-    INSERT INTO webhook_outbox
-        (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
-         stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
-    SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
-           CASE WHEN e.ordered THEN ev.id END,
-           CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
-           CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
-                ELSE now() END,
-           ev.traceparent, ev.tracestate,
-           md5(ev.delivery_id::text || chr(31) || e.id)::uuid
-    FROM ev
-    JOIN webhook_endpoints e ON e.tenant = ev.tenant
-    WHERE e.id NOT IN ('default', 'operator')
-      AND e.created_at <= ev.enqueued_at
-      AND EXISTS (
-          SELECT 1 FROM unnest(e.event_types) AS p(pattern)
-          WHERE p.pattern = '*' OR p.pattern = ev.event_type
-             OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+    -- use: fan_out_insert
     RETURNING event_id
 ),
 -- Every ordered endpoint of a routed event's tenant: its stream's head is chosen next
@@ -200,16 +210,12 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
        + (SELECT count(*) FROM streak_started);
 
 -- name: route_events
--- Fan-out of a batch's event rows, before its requests: one delivery row per endpoint of
--- the event's tenant that subscribes to its type and existed when it was enqueued. Parked
--- while the endpoint is disabled; an ordered endpoint's delivery waits for its stream's
--- head. The delivery id is derived from the event's and the endpoint's, so an event routed
--- again after its batch rolled back (its requests may have gone out) gets the same ids and
--- its consumers can tell the repeat. Up to %(cap)s of the rows due now are returned in the
--- claim's columns and sent in the same batch; the rest are claimed like any other once it
--- commits. Each row of the answer also carries the events that reached an endpoint, how
--- many rows were written and the ordered (endpoint, stream) pairs whose next head the
--- batch chooses after its completion (also where this event reached no ordered endpoint).
+-- Fan-out of a batch's event rows, before its requests (fan_out_insert, as complete_batch
+-- routes the others). Up to %(cap)s of the rows due now are returned in the claim's
+-- columns and sent in the same batch; the rest are claimed like any other once it commits.
+-- Each row of the answer also carries the events that reached an endpoint, how many rows
+-- were written and the ordered (endpoint, stream) pairs whose next head the batch chooses
+-- after its completion (also where this event reached no ordered endpoint).
 WITH ev AS (
     -- id = ANY: one probe of the key per event whatever the planner's statistics say (a
     -- join with the unnested ids was planned as a scan of the outbox right after a bulk
@@ -221,24 +227,7 @@ WITH ev AS (
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
 ),
 routed AS (
-    INSERT INTO webhook_outbox
-        (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
-         stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
-    SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
-           CASE WHEN e.ordered THEN ev.id END,
-           CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
-           CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
-                ELSE now() END,
-           ev.traceparent, ev.tracestate,
-           md5(ev.delivery_id::text || chr(31) || e.id)::uuid
-    FROM ev
-    JOIN webhook_endpoints e ON e.tenant = ev.tenant
-    WHERE e.id NOT IN ('default', 'operator')
-      AND e.created_at <= ev.enqueued_at
-      AND EXISTS (
-          SELECT 1 FROM unnest(e.event_types) AS p(pattern)
-          WHERE p.pattern = '*' OR p.pattern = ev.event_type
-             OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+    -- use: fan_out_insert
     RETURNING id, delivery_id, event_type, payload, attempt, replay, tenant, stream_id,
               endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at,
               created_at, hold
