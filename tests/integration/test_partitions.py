@@ -158,3 +158,41 @@ async def _produce(database_url: str, n: int) -> None:
 
 async def _eq(value: Any, wanted: int) -> bool:
     return bool(await value == wanted)
+
+
+async def test_a_partitioned_outbox_fans_out_and_sends_in_the_routing_transaction(
+    database_url: str,
+) -> None:
+    """Routing looks its events up in the partitions they are in: on a partitioned outbox an
+    event reaches each endpoint of its tenant, sent by the transaction that routed it."""
+    import ipaddress
+
+    from fluxora_webhooks import endpoints, enqueue
+
+    loopback = (ipaddress.ip_network("127.0.0.0/8"),)
+    targets = [Receiver(), Receiver()]
+    for r in targets:
+        await r.start()
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            assert await partitions.convert(c, interval_ms=DAY) is True
+            for r in targets:
+                await endpoints.create(c, url=r.url, tenant="acme", allowed_networks=loopback)
+            for n in range(5):
+                await enqueue(c, tenant="acme", stream_id=f"s{n}", event_type="e", payload={})
+        settings = make_settings("", allowed_networks=loopback, secret=b"", claim_loops=1)
+        async with running_dispatcher(settings, database_url):
+            for r in targets:
+                await r.wait_for(5)
+            await wait_until(lambda: _eq(pending(database_url), 0), what="all processed")
+    finally:
+        for r in targets:
+            await r.stop()
+    found = await rows(
+        database_url,
+        "SELECT e.outcome, count(d.*), count(DISTINCT d.xmin::text),"
+        " bool_and(d.xmin::text = e.xmin::text), bool_and(d.outcome = 'delivered')"
+        " FROM webhook_outbox e JOIN webhook_outbox d ON d.event_id = e.id"
+        " WHERE e.event_id IS NULL GROUP BY e.id, e.outcome",
+    )
+    assert found == [("routed", 2, 1, True, True)] * 5
