@@ -154,6 +154,7 @@ class Batch:
         self.claimed = 0
         self.parts: dict[int, datetime | None] = {}  # each planned row's partition_at
         self.events: dict[int, datetime | None] = {}  # the claimed event rows' (id: part)
+        self.for_default: set[int] = set()  # those the default endpoint delivers itself
         # Event rows routed by the completion statement: those of tenants with no endpoint
         # known to this dispatcher (nothing to send in the batch, so no statement of its own).
         self.route: list[int] = []
@@ -206,6 +207,8 @@ class Batch:
         for row in rows:
             if not row.is_event:
                 continue
+            if self.d.targets.has_default and row.tenant == "":
+                self.for_default.add(row.id)
             if self.d.targets.routes_tenant(row.tenant):
                 early[row.id] = row.partition_at
             else:
@@ -230,11 +233,7 @@ class Batch:
         for row in rows:
             if row.is_event:
                 # The built-in default endpoint is the default tenant's (every event type).
-                default = (
-                    self.d.targets.get(DEFAULT_ID)
-                    if self.d.targets.has_default and row.tenant == ""
-                    else None
-                )
+                default = self.d.targets.get(DEFAULT_ID) if row.id in self.for_default else None
                 if default is None:
                     self.completions.append(Completion(row.id, Outcome.ROUTED))
                     continue

@@ -23,6 +23,7 @@ from psycopg_pool import PoolTimeout
 
 from .batch import Batch, Effects, Send, apply_effects, breaker_signal, effects_of, outcome_of
 from .delivery import AttemptResult
+from .endpoints import DEFAULT_ID
 from .outbox import Completion, Outcome, Recorded, complete, promote_heads, relock_claimed
 from .retry import Decision
 
@@ -105,7 +106,14 @@ class Recorder:
         meanwhile is skipped: that loop sends it again (at-least-once)."""
         completions = batch.completions
         if batch.route_failed:  # rejected before anything was planned or sent
-            completions = [Completion(i, Outcome.ROUTED) for i in batch.events]
+            # Routed one by one; an event the default endpoint delivers itself becomes that
+            # delivery, due at once (marked routed, it would never reach the default).
+            completions = [
+                Completion(i, Outcome.DEFERRED, endpoint_id=DEFAULT_ID)
+                if i in batch.for_default
+                else Completion(i, Outcome.ROUTED)
+                for i in batch.events
+            ]
         async with conn.transaction():
             # The deliveries routed in the rolled-back transaction are gone: its event rows
             # are routed again, each on its own, under the same delivery ids.

@@ -290,3 +290,38 @@ async def test_an_event_of_a_tenant_not_known_to_the_dispatcher_yet_is_routed_al
     by_txn = await _xmins(database_url)
     routing = next(txn for txn, what in by_txn.items() if "(event)" in what)
     assert by_txn[routing] == ["(event)"]  # routed there, sent by a later batch
+
+
+async def test_a_rejected_routing_still_reaches_the_default_endpoint(
+    database_url: str, receivers: list[Receiver]
+) -> None:
+    """The database rejects one default-tenant event's fan-out, so the batch's routing
+    statement fails before anything was sent: the default endpoint still delivers every
+    event it would have, and the other endpoint gets the events it can be routed."""
+    default, other = receivers[0], receivers[1]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE FUNCTION reject_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.event_id IS NOT NULL AND NEW.stream_id = 'poison' THEN"
+            " RAISE EXCEPTION 'rejected'; END IF; RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER reject_poison BEFORE INSERT ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION reject_poison()"
+        )
+        await add(conn, other)  # the default tenant's own endpoint, beside the default one
+        async with conn.transaction():
+            for stream in ("ok-1", "poison", "ok-2"):
+                await enqueue(conn, stream_id=stream, event_type="e", payload={"s": stream})
+    try:
+        async with running_dispatcher(settings_for(default, claim_loops=1), database_url):
+            await wait_until(lambda: _settled(database_url), what="settled")
+    finally:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("DROP TRIGGER reject_poison ON webhook_outbox")
+    assert sorted(json.loads(hit.body)["s"] for hit in other.received) == ["ok-1", "ok-2"]
+    assert sorted(json.loads(hit.body)["s"] for hit in default.received) == ["ok-1", "ok-2"]
+    [(stream, reason)] = await rows(
+        database_url, "SELECT stream_id, reason FROM webhook_dead_letter"
+    )
+    assert (stream, reason) == ("poison", "internal_error")
