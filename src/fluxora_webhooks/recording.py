@@ -119,9 +119,23 @@ class Recorder:
             # are routed again, each on its own, under the same delivery ids.
             mine = await relock_claimed(conn, {c.id: batch.parts[c.id] for c in completions})
             kept = [c for c in completions if c.id in mine]
-            return await self._one_by_one(
-                conn, kept, batch.parts, route=[i for i in batch.events if i in mine]
+            ordered: list[tuple[str, str]] = []
+            recorded = await self._one_by_one(
+                conn,
+                kept,
+                batch.parts,
+                route=[i for i in batch.events if i in mine],
+                ordered=ordered,
             )
+            if ordered:  # the ordered streams' next heads (the sweep, should this fail)
+                try:
+                    async with conn.transaction():
+                        await promote_heads(conn, ordered)
+                except DB_ERRORS:
+                    raise
+                except psycopg.Error as exc:
+                    log.error("choosing next heads failed (%s)", exc.sqlstate)
+            return recorded
 
     def prepare_detached(self, items: Sequence[Detached]) -> Prepared:
         """Decide the outcomes of requests that outlived their batch (once: the write may
@@ -181,11 +195,14 @@ class Recorder:
         *,
         route: Sequence[int] = (),
         prerouted: Collection[int] = (),
+        ordered: list[tuple[str, str]] | None = None,
     ) -> list[Completion]:
+        """Each of ``completions`` on its own (:meth:`_complete_one`); the ordered streams
+        whose next head may now be chosen are added to ``ordered``."""
         recorded = []
         for one in completions:
             done = await self._complete_one(
-                conn, one, parts, [one.id] if one.id in route else [], prerouted
+                conn, one, parts, [one.id] if one.id in route else [], prerouted, ordered
             )
             if done is not None:
                 recorded.append(done)
@@ -198,35 +215,46 @@ class Recorder:
         parts: Mapping[int, datetime | None],
         route: list[int],
         prerouted: Collection[int],
+        ordered: list[tuple[str, str]] | None = None,
     ) -> Completion | None:
         """Record one row's outcome (routing it if it is in ``route``); failing that,
         dead-letter it; failing that, defer it a minute (never left due at once: that would
-        re-send it in a tight loop). The fallbacks do not route: an event whose fan-out the
-        database rejects would be rejected again. Returns what was recorded (None: nothing
+        re-send it in a tight loop). An event row tries all three with its routing first
+        (what failed may be its own outcome's write: its fan-out must not be lost to it),
+        then the last two without (what failed may be the fan-out itself: rejected again
+        on every claim, it would never end). Returns what was recorded (None: nothing
         could be; the row stays pending)."""
-        fallbacks = (
-            one,
-            Completion(
-                one.id,
-                Outcome.DEAD_LETTER,
-                status_code=one.status_code,
-                error=f"could not record outcome {one.outcome!r}: database rejected the row",
-                reason="internal_error",
-                endpoint_id=one.endpoint_id,
-                lease=one.lease,
-            ),
-            Completion(one.id, Outcome.DEFERRED, delay_ms=60_000, lease=one.lease),
+        dead = Completion(
+            one.id,
+            Outcome.DEAD_LETTER,
+            status_code=one.status_code,
+            error=f"could not record outcome {one.outcome!r}: database rejected the row",
+            reason="internal_error",
+            endpoint_id=one.endpoint_id,
+            lease=one.lease,
         )
-        for recording in fallbacks:
+
+        def later(routed: bool) -> Completion:
+            # An event row whose fan-out is written (now or earlier in the batch) and that
+            # the default endpoint delivers becomes that delivery, due later; one whose
+            # fan-out is not written stays an event row, to be routed when it is due.
+            endpoint_id = one.endpoint_id if routed else None
+            return Completion(
+                one.id, Outcome.DEFERRED, delay_ms=60_000, endpoint_id=endpoint_id, lease=one.lease
+            )
+
+        written = one.id in prerouted
+        tries = [(one, route), (dead, route), (later(bool(route) or written), route)]
+        if route:
+            tries += [(dead, []), (later(written), [])]
+        for recording, routing in tries:
             try:
                 async with conn.transaction():
-                    await complete(
-                        conn,
-                        [recording],
-                        parts,
-                        route=route if recording is one else (),
-                        prerouted=prerouted,
+                    done = await complete(
+                        conn, [recording], parts, route=routing, prerouted=prerouted
                     )
+                if ordered is not None:
+                    ordered.extend(done.ordered)
                 return recording
             except DB_ERRORS:
                 raise

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from standardwebhooks import Webhook
 
-from fluxora_webhooks import endpoints, enqueue, verify
+from fluxora_webhooks import deadletters, endpoints, enqueue, verify
 from fluxora_webhooks.settings import Settings
 from fluxora_webhooks.targets import Targets
 from tests.support.dispatch import SECRET, make_settings, rows, running_dispatcher, wait_until
@@ -270,6 +270,19 @@ async def test_an_event_whose_routing_is_rejected_costs_the_other_events_nothing
         database_url, "SELECT reason, last_error FROM webhook_dead_letter"
     )
     assert reason == "internal_error" and "database rejected" in error
+    # Replayed once the cause is gone, it goes back as the tenant's event and is routed to
+    # the tenant's endpoint (not to the default endpoint, which is another tenant's).
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        replayed, _ = await deadletters.replay_or_purge_on(conn, "replay", [], include_all=True)
+    assert len(replayed) == 1
+    async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
+        await target.wait_for(3)
+        await wait_until(lambda: _settled(database_url), what="settled")
+    assert sorted(json.loads(hit.body)["s"] for hit in target.received) == [
+        "ok-1",
+        "ok-2",
+        "poison",
+    ]
 
 
 async def test_an_event_of_a_tenant_not_known_to_the_dispatcher_yet_is_routed_all_the_same(
@@ -296,8 +309,8 @@ async def test_a_rejected_routing_still_reaches_the_default_endpoint(
     database_url: str, receivers: list[Receiver]
 ) -> None:
     """The database rejects one default-tenant event's fan-out, so the batch's routing
-    statement fails before anything was sent: the default endpoint still delivers every
-    event it would have, and the other endpoint gets the events it can be routed."""
+    statement fails before anything was sent: the other events still reach both the
+    default endpoint and the tenant's own one; the rejected event becomes a dead letter."""
     default, other = receivers[0], receivers[1]
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await conn.execute(
@@ -325,3 +338,49 @@ async def test_a_rejected_routing_still_reaches_the_default_endpoint(
         database_url, "SELECT stream_id, reason FROM webhook_dead_letter"
     )
     assert (stream, reason) == ("poison", "internal_error")
+
+
+async def test_an_event_whose_own_outcome_is_rejected_still_fans_out(
+    database_url: str, receivers: list[Receiver]
+) -> None:
+    """The database rejects recording the default endpoint's delivery of one event (its
+    outcome, not its fan-out): that delivery becomes a dead letter, and the event still
+    reaches the tenant's own endpoint."""
+    default, other = receivers[0], receivers[1]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE FUNCTION reject_outcome() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.stream_id = 'bad' AND NEW.outcome = 'delivered'"
+            " AND NEW.endpoint_id = 'default' THEN RAISE EXCEPTION 'rejected'; END IF;"
+            " RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER reject_outcome BEFORE UPDATE ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION reject_outcome()"
+        )
+        await add(conn, other)
+        async with conn.transaction():
+            for stream in ("ok", "bad"):
+                await enqueue(conn, stream_id=stream, event_type="e", payload={"s": stream})
+    try:
+        async with running_dispatcher(settings_for(default, claim_loops=1), database_url):
+            await wait_until(lambda: _settled(database_url), what="settled")
+            await other.wait_for(2)
+    finally:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("DROP TRIGGER reject_outcome ON webhook_outbox")
+    # The batch that sent them rolled back: each was sent again under its delivery id.
+    by_stream: dict[str, set[str]] = {}
+    for hit in other.received:
+        by_stream.setdefault(json.loads(hit.body)["s"], set()).add(hit.delivery_id)
+    assert sorted(by_stream) == ["bad", "ok"] and all(len(v) == 1 for v in by_stream.values())
+    recorded = await rows(
+        database_url,
+        "SELECT stream_id FROM webhook_outbox WHERE endpoint_id NOT IN ('default')"
+        " AND outcome = 'delivered' ORDER BY 1",
+    )
+    assert recorded == [("bad",), ("ok",)]
+    [(stream, endpoint, reason)] = await rows(
+        database_url, "SELECT stream_id, endpoint_id, reason FROM webhook_dead_letter"
+    )
+    assert (stream, endpoint, reason) == ("bad", "default", "internal_error")

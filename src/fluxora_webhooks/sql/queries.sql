@@ -377,8 +377,10 @@ ORDER BY dead_at DESC, id DESC;
 -- name: dlq_replay
 -- Back into the outbox, due now, same delivery id and endpoint, attempts counted afresh;
 -- parked while its endpoint is disabled, waiting for its stream's head when ordered. A
--- dead letter with no endpoint (written before endpoints existed, or by plain SQL) is the
--- default endpoint's. One of an endpoint removed since stays where it is.
+-- dead letter with no endpoint is the default endpoint's (written before endpoints
+-- existed, or by plain SQL) when it is the default tenant's; another tenant's is an event
+-- whose fan-out the database rejected, and goes back as that event, to be routed again
+-- (under the same delivery ids). One of an endpoint removed since stays where it is.
 WITH picked AS (
     UPDATE webhook_dead_letter d
     SET state = 'replayed', state_changed_at = now()
@@ -386,14 +388,17 @@ WITH picked AS (
       AND (%(all)s OR d.delivery_id::text = ANY(%(keys)s) OR d.id::text = ANY(%(keys)s))
       AND (COALESCE(d.endpoint_id, 'default') IN ('default', 'operator')
            OR EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id))
-    RETURNING d.*, COALESCE(d.endpoint_id, 'default') AS target
+    RETURNING d.*,
+              CASE WHEN d.endpoint_id IS NULL AND d.tenant NOT IN ('', '!operator') THEN NULL
+                   ELSE COALESCE(d.endpoint_id, 'default') END AS target
 ),
 queued AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
          endpoint_id, event_id, stream_seq, hold, created_at, traceparent, tracestate)
     SELECT p.tenant, p.stream_id, p.event_type, p.payload, p.delivery_id, p.enqueued_at, true,
-           p.target, p.event_id, CASE WHEN e.ordered THEN p.stream_seq END,
+           p.target, CASE WHEN p.target IS NOT NULL THEN p.event_id END,
+           CASE WHEN e.ordered THEN p.stream_seq END,
            CASE WHEN e.state = 'disabled' THEN 'parked'
                 WHEN e.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
            CASE WHEN e.state = 'disabled' OR (e.ordered AND p.stream_seq IS NOT NULL)
