@@ -6,6 +6,7 @@ them; an event no endpoint subscribes to is recorded as unrouted."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -26,6 +27,8 @@ from tests.support.receiver import Receiver
 pytestmark = pytest.mark.integration
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+# The fan-out of events of the stream 'poison' is rejected (rejecting(..., "INSERT", ...)).
+POISON_FAN_OUT = "NEW.event_id IS NOT NULL AND NEW.stream_id = 'poison'"
 
 
 @pytest_asyncio.fixture
@@ -153,6 +156,28 @@ async def _settled(database_url: str) -> bool:
     return int(pending) == 0
 
 
+@contextlib.asynccontextmanager
+async def rejecting(database_url: str, event: str, condition: str) -> AsyncIterator[None]:
+    """While open, the database rejects each outbox row ``event`` (INSERT or UPDATE) for
+    which ``condition`` (PL/pgSQL, over NEW and OLD) holds: a row it cannot write."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE FUNCTION reject() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF "
+            + condition
+            + " THEN RAISE EXCEPTION 'rejected'; END IF; RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER reject BEFORE " + event + " ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION reject()"
+        )
+    try:
+        yield
+    finally:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("DROP TRIGGER reject ON webhook_outbox")
+            await conn.execute("DROP FUNCTION reject()")
+
+
 async def _xmins(database_url: str) -> dict[str, list[str]]:
     """The transaction that last wrote each row: the event row and its deliveries."""
     found = await rows(
@@ -199,27 +224,17 @@ async def test_a_routing_batch_rolled_back_after_its_requests_sends_the_same_del
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         # The first completion of a delivery row is rejected (a sequence: not rolled back).
         await conn.execute("CREATE SEQUENCE reject_once")
-        await conn.execute(
-            "CREATE FUNCTION reject_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-            " IF NEW.processed AND NOT OLD.processed AND NEW.event_id IS NOT NULL"
-            " AND nextval('reject_once') = 1 THEN RAISE EXCEPTION 'rejected'; END IF;"
-            " RETURN NEW; END $$"
-        )
-        await conn.execute(
-            "CREATE TRIGGER reject_once BEFORE UPDATE ON webhook_outbox"
-            " FOR EACH ROW EXECUTE FUNCTION reject_once()"
-        )
         for r in targets:
             await add(conn, r, tenant="acme")
         await enqueue(conn, tenant="acme", stream_id="s", event_type="stream.created", payload={})
-    try:
-        async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
-            await wait_until(lambda: _settled(database_url), what="all delivered")
-            for r in targets:
-                await r.wait_for(2)
-    finally:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            await conn.execute("DROP TRIGGER reject_once ON webhook_outbox")
+    first = "NEW.processed AND NOT OLD.processed AND NEW.event_id IS NOT NULL"
+    async with (
+        rejecting(database_url, "UPDATE", first + " AND nextval('reject_once') = 1"),
+        running_dispatcher(settings_for(None, claim_loops=1), database_url),
+    ):
+        await wait_until(lambda: _settled(database_url), what="all delivered")
+        for r in targets:
+            await r.wait_for(2)
     ids = [{hit.delivery_id for hit in r.received} for r in targets]
     assert [len(r.received) for r in targets] == [2, 2, 2]
     assert all(len(one) == 1 for one in ids)  # both requests under one id
@@ -239,27 +254,17 @@ async def test_an_event_whose_routing_is_rejected_costs_the_other_events_nothing
     letter that names why, rather than being claimed and rejected for ever."""
     target = receivers[0]
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "CREATE FUNCTION reject_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-            " IF NEW.event_id IS NOT NULL AND NEW.stream_id = 'poison' THEN"
-            " RAISE EXCEPTION 'rejected'; END IF; RETURN NEW; END $$"
-        )
-        await conn.execute(
-            "CREATE TRIGGER reject_poison BEFORE INSERT ON webhook_outbox"
-            " FOR EACH ROW EXECUTE FUNCTION reject_poison()"
-        )
         await add(conn, target, tenant="acme")
         async with conn.transaction():
             for stream in ("ok-1", "poison", "ok-2"):
                 await enqueue(
                     conn, tenant="acme", stream_id=stream, event_type="e", payload={"s": stream}
                 )
-    try:
-        async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
-            await wait_until(lambda: _settled(database_url), what="settled")
-    finally:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            await conn.execute("DROP TRIGGER reject_poison ON webhook_outbox")
+    async with (
+        rejecting(database_url, "INSERT", POISON_FAN_OUT),
+        running_dispatcher(settings_for(None, claim_loops=1), database_url),
+    ):
+        await wait_until(lambda: _settled(database_url), what="settled")
     assert sorted(json.loads(hit.body)["s"] for hit in target.received) == ["ok-1", "ok-2"]
     events = await rows(
         database_url,
@@ -313,25 +318,15 @@ async def test_a_rejected_routing_still_reaches_the_default_endpoint(
     default endpoint and the tenant's own one; the rejected event becomes a dead letter."""
     default, other = receivers[0], receivers[1]
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "CREATE FUNCTION reject_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-            " IF NEW.event_id IS NOT NULL AND NEW.stream_id = 'poison' THEN"
-            " RAISE EXCEPTION 'rejected'; END IF; RETURN NEW; END $$"
-        )
-        await conn.execute(
-            "CREATE TRIGGER reject_poison BEFORE INSERT ON webhook_outbox"
-            " FOR EACH ROW EXECUTE FUNCTION reject_poison()"
-        )
         await add(conn, other)  # the default tenant's own endpoint, beside the default one
         async with conn.transaction():
             for stream in ("ok-1", "poison", "ok-2"):
                 await enqueue(conn, stream_id=stream, event_type="e", payload={"s": stream})
-    try:
-        async with running_dispatcher(settings_for(default, claim_loops=1), database_url):
-            await wait_until(lambda: _settled(database_url), what="settled")
-    finally:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            await conn.execute("DROP TRIGGER reject_poison ON webhook_outbox")
+    async with (
+        rejecting(database_url, "INSERT", POISON_FAN_OUT),
+        running_dispatcher(settings_for(default, claim_loops=1), database_url),
+    ):
+        await wait_until(lambda: _settled(database_url), what="settled")
     assert sorted(json.loads(hit.body)["s"] for hit in other.received) == ["ok-1", "ok-2"]
     assert sorted(json.loads(hit.body)["s"] for hit in default.received) == ["ok-1", "ok-2"]
     [(stream, reason)] = await rows(
@@ -348,27 +343,17 @@ async def test_an_event_whose_own_outcome_is_rejected_still_fans_out(
     reaches the tenant's own endpoint."""
     default, other = receivers[0], receivers[1]
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "CREATE FUNCTION reject_outcome() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-            " IF NEW.stream_id = 'bad' AND NEW.outcome = 'delivered'"
-            " AND NEW.endpoint_id = 'default' THEN RAISE EXCEPTION 'rejected'; END IF;"
-            " RETURN NEW; END $$"
-        )
-        await conn.execute(
-            "CREATE TRIGGER reject_outcome BEFORE UPDATE ON webhook_outbox"
-            " FOR EACH ROW EXECUTE FUNCTION reject_outcome()"
-        )
         await add(conn, other)
         async with conn.transaction():
             for stream in ("ok", "bad"):
                 await enqueue(conn, stream_id=stream, event_type="e", payload={"s": stream})
-    try:
-        async with running_dispatcher(settings_for(default, claim_loops=1), database_url):
-            await wait_until(lambda: _settled(database_url), what="settled")
-            await other.wait_for(2)
-    finally:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            await conn.execute("DROP TRIGGER reject_outcome ON webhook_outbox")
+    bad = "NEW.stream_id = 'bad' AND NEW.outcome = 'delivered' AND NEW.endpoint_id = 'default'"
+    async with (
+        rejecting(database_url, "UPDATE", bad),
+        running_dispatcher(settings_for(default, claim_loops=1), database_url),
+    ):
+        await wait_until(lambda: _settled(database_url), what="settled")
+        await other.wait_for(2)
     # The batch that sent them rolled back: each was sent again under its delivery id.
     by_stream: dict[str, set[str]] = {}
     for hit in other.received:
