@@ -153,7 +153,7 @@ class Batch:
         self.sends: list[Send] = []
         self.claimed = 0
         self.parts: dict[int, datetime | None] = {}  # each planned row's partition_at
-        self.events: dict[int, datetime | None] = {}  # the claimed event rows' (id: part)
+        self.events: list[int] = []  # the claimed event rows
         self.for_default: set[int] = set()  # those the default endpoint delivers itself
         # Event rows routed by the completion statement: those of tenants with no endpoint
         # known to this dispatcher (nothing to send in the batch, so no statement of its own).
@@ -202,11 +202,11 @@ class Batch:
         event rows of tenants with no endpoint known here (a single-consumer outbox's, all
         of them) are routed by the completion statement instead, which costs them no
         statement of their own; an endpoint created a moment ago gets them all the same."""
-        self.events = {row.id: row.partition_at for row in rows if row.is_event}
-        early = {}
+        early: dict[int, datetime | None] = {}
         for row in rows:
             if not row.is_event:
                 continue
+            self.events.append(row.id)
             if self.d.targets.has_default and row.tenant == "":
                 self.for_default.add(row.id)
             if self.d.targets.routes_tenant(row.tenant):

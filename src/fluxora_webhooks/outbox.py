@@ -249,7 +249,6 @@ class Routing:
 
     due: list[Claimed]  # delivery rows due now, to send in the same batch
     events: frozenset[int]  # the event rows that reached at least one endpoint
-    written: int  # delivery rows written (due, waiting and parked)
     # (endpoint, stream) pairs of ordered endpoints whose next head may now be chosen.
     ordered: list[tuple[str, str]]
 
@@ -273,8 +272,8 @@ async def route_events(
     rows = await cur.fetchall()
     first = rows[0]
     due = [_claimed(r) for r in rows if r[0] is not None]
-    pairs = list(zip(first[18] or [], first[19] or [], strict=True))
-    return Routing(due, frozenset(first[16] or ()), int(first[17]), pairs)
+    pairs = list(zip(first[17] or [], first[18] or [], strict=True))
+    return Routing(due, frozenset(first[16] or ()), pairs)
 
 
 _CLAIM_ORDER = "ORDER BY created_at ASC, id ASC"

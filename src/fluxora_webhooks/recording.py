@@ -62,36 +62,25 @@ class Recorder:
             done.append((send, result, decision))
         batch.done = done
         effects = effects_of(done)
+        route, prerouted = batch.route, batch.prerouted
         if all(c.outcome in _PLAIN for c in batch.completions):
             recorded = await complete(
-                conn,
-                batch.completions,
-                batch.parts,
-                route=batch.route,
-                prerouted=batch.prerouted,
+                conn, batch.completions, batch.parts, route=route, prerouted=prerouted,
                 **_streaks(effects),
-            )
+            )  # fmt: skip
         else:
             try:
                 async with conn.transaction():
                     recorded = await complete(
-                        conn,
-                        batch.completions,
-                        batch.parts,
-                        route=batch.route,
-                        prerouted=batch.prerouted,
+                        conn, batch.completions, batch.parts, route=route, prerouted=prerouted,
                         **_streaks(effects),
-                    )
+                    )  # fmt: skip
             except DB_ERRORS:
                 raise
             except psycopg.Error as exc:
                 log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
                 batch.completions = await self._one_by_one(
-                    conn,
-                    batch.completions,
-                    batch.parts,
-                    route=batch.route,
-                    prerouted=batch.prerouted,
+                    conn, batch.completions, batch.parts, route=route, prerouted=prerouted
                 )
                 recorded = Recorded()
         if batch.routed_ordered:
@@ -127,14 +116,8 @@ class Recorder:
                 route=[i for i in batch.events if i in mine],
                 ordered=ordered,
             )
-            if ordered:  # the ordered streams' next heads (the sweep, should this fail)
-                try:
-                    async with conn.transaction():
-                        await promote_heads(conn, ordered)
-                except DB_ERRORS:
-                    raise
-                except psycopg.Error as exc:
-                    log.error("choosing next heads failed (%s)", exc.sqlstate)
+            # The recorded ordered streams' next heads (the sweep, should this fail).
+            await self._effects(conn, Recorded(ordered=ordered), Effects(set(), set(), [], set()))
             return recorded
 
     def prepare_detached(self, items: Sequence[Detached]) -> Prepared:

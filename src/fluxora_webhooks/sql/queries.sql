@@ -213,9 +213,9 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
 -- Fan-out of a batch's event rows, before its requests (fan_out_insert, as complete_batch
 -- routes the others). Up to %(cap)s of the rows due now are returned in the claim's
 -- columns and sent in the same batch; the rest are claimed like any other once it commits.
--- Each row of the answer also carries the events that reached an endpoint, how many rows
--- were written and the ordered (endpoint, stream) pairs whose next head the batch chooses
--- after its completion (also where this event reached no ordered endpoint).
+-- Each row of the answer also carries the events that reached an endpoint and the ordered
+-- (endpoint, stream) pairs whose next head the batch chooses after its completion (also
+-- where this event reached no ordered endpoint).
 WITH ev AS (
     -- id = ANY: one probe of the key per event whatever the planner's statistics say (a
     -- join with the unnested ids was planned as a scan of the outbox right after a bulk
@@ -240,7 +240,6 @@ SELECT x.id, x.delivery_id::text, x.event_type, x.payload::text, x.attempt, x.re
        floor(EXTRACT(EPOCH FROM now()))::bigint, x.tenant, x.stream_id, x.endpoint_id,
        x.event_id, x.stream_seq, x.traceparent, x.tracestate, x.partition_at, x.created_at,
        ARRAY(SELECT DISTINCT event_id FROM routed),
-       (SELECT count(*) FROM routed),
        ARRAY(SELECT endpoint_id FROM ordered_pairs ORDER BY 1, stream_id),
        ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1)
 FROM (SELECT 1) one
