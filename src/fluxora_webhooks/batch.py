@@ -216,7 +216,15 @@ class Batch:
         if not early:
             return rows
         try:
-            routing = await route_events(conn, early, cap=self.d.settings.batch_size)
+            size = self.d.settings.batch_size
+            routing = await route_events(
+                conn,
+                early,
+                cap=size,
+                heads=size if self.d.targets.has_ordered else 0,
+                claimed=[row.id for row in rows if row.stream_seq is not None],
+                since=self.d.claim_since,
+            )
         except psycopg.Error:
             # Rejected: the event rows are routed again one by one (Dispatcher._run_batch).
             self.route_failed = True

@@ -26,6 +26,7 @@ from .queries import native, query
 
 NOTIFY_CHANNEL = "webhook_outbox"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_NO_BOUND = datetime(1, 1, 1, tzinfo=UTC)  # before any partition_at
 ENDPOINTS_CHANNEL = "webhook_endpoints"
 
 
@@ -258,15 +259,23 @@ async def route_events(
     events: Mapping[int, datetime | None],
     *,
     cap: int,
+    heads: int = 0,
+    claimed: Sequence[int] = (),
+    since: datetime | None = None,
 ) -> Routing:
     """Fan out the claimed event rows ``events`` (id: partition_at) in the open
-    transaction; up to ``cap`` of the delivery rows due now come back to be sent in it."""
+    transaction; up to ``cap`` of the delivery rows due now come back to be sent in it:
+    those just routed, then up to ``heads`` ordered streams' heads that are due (not among
+    the batch's ``claimed`` rows; on a partitioned outbox, in partitions from ``since``)."""
     known = [at for at in events.values() if at is not None]
     params = {
         "ids": list(events),
         "part_lo": min(known, default=_EPOCH),
         "part_hi": max(known, default=_EPOCH),
         "cap": cap,
+        "heads": heads,
+        "claimed": list(claimed),
+        "since": since or _NO_BOUND,
     }
     cur = await conn.execute(query("route_events"), params)
     rows = await cur.fetchall()
@@ -390,6 +399,7 @@ async def promote_heads(
         return 0
     unique = sorted(set(pairs))
     params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
-    await conn.execute(query("promote_lock"), params)
-    cur = await conn.execute(query("promote_heads"), params)
+    async with conn.pipeline():  # both in one round trip; the second runs after the lock
+        await conn.execute(query("promote_lock"), params)
+        cur = await conn.execute(query("promote_heads"), params)
     return len(await cur.fetchall())

@@ -57,6 +57,10 @@ _INDEXES = (
         "(endpoint_id, stream_id) WHERE NOT processed AND stream_seq IS NOT NULL AND hold IS NULL",
     ),
     (
+        "webhook_outbox_heads_due_idx",
+        "(created_at, id) WHERE NOT processed AND stream_seq IS NOT NULL AND hold IS NULL",
+    ),
+    (
         "webhook_outbox_unrouted_idx",
         "(tenant, stream_id, id) WHERE NOT processed AND endpoint_id IS NULL",
     ),

@@ -161,7 +161,9 @@ class Targets:
     ) -> None:
         self._env = dict(env)
         self._by_id: dict[str, Target] = {}
-        self._tenants: frozenset[str] | None = None  # of the endpoints in _by_id; None: stale
+        # Of the endpoints in _by_id (None: stale): their tenants, and whether one is ordered.
+        self._tenants: frozenset[str] | None = None
+        self._ordered = False
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -187,9 +189,20 @@ class Targets:
         """Whether an endpoint of ``tenant`` (not a built-in one) is known here. A hint
         only: the routing itself reads the registry, so an endpoint not known here yet is
         routed to all the same, just not sent to by the batch that routes it."""
+        return tenant in self._known()[0]
+
+    @property
+    def has_ordered(self) -> bool:
+        """Whether an ordered endpoint is known here (a hint as well: a routing batch looks
+        for ordered streams' heads to send only then; the claim finds them all the same)."""
+        return self._known()[1]
+
+    def _known(self) -> tuple[frozenset[str], bool]:
         if self._tenants is None:
-            self._tenants = frozenset(t.tenant for t in self._by_id.values() if not t.builtin)
-        return tenant in self._tenants
+            mine = [t for t in self._by_id.values() if not t.builtin]
+            self._tenants = frozenset(t.tenant for t in mine)
+            self._ordered = any(t.ordered for t in mine)
+        return self._tenants, self._ordered
 
     async def load_all(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Read the whole registry (at start, and as the periodic fallback)."""

@@ -176,6 +176,27 @@ async def test_heads_of_streams_with_an_active_delivery_are_left_alone(big_url: 
     plan.check(uses={"webhook_outbox_stream_active_idx"}, max_examined=20 * len(pairs))
 
 
+async def test_a_routing_batch_finds_due_heads_by_their_own_index(big_url: str) -> None:
+    """The heads a routing batch sends in its spare room (route_events): a batch of the
+    1,000 heads in flight, read from the index that holds only them, not the backlog."""
+    params = {
+        "ids": [],
+        "part_lo": datetime(1970, 1, 1, tzinfo=UTC),
+        "part_hi": datetime(1970, 1, 1, tzinfo=UTC),
+        "cap": 10,
+        "heads": 10,
+        "claimed": [],
+        "since": datetime(1, 1, 1, tzinfo=UTC),
+    }
+    async with await connect(big_url) as conn:
+        plan = await explain(conn, query("route_events"), params)
+        async with conn.transaction(force_rollback=True):
+            cur = await conn.execute(query("route_events"), params)
+            found = [r for r in await cur.fetchall() if r[0] is not None]
+    assert len(found) == 10 and all(r[11] is not None for r in found), "ten ordered heads"
+    plan.check(uses={"webhook_outbox_heads_due_idx"}, max_examined=50)
+
+
 async def test_the_sweep_walks_streams_not_their_backlog(big_url: str) -> None:
     streams = bigoutbox.ENDPOINTS // 10 * bigoutbox.ORDERED_STREAMS + 1
     async with await connect(big_url) as conn:

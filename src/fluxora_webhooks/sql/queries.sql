@@ -212,7 +212,8 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
 -- name: route_events
 -- Fan-out of a batch's event rows, before its requests (fan_out_insert, as complete_batch
 -- routes the others). Up to %(cap)s of the rows due now are returned in the claim's
--- columns and sent in the same batch; the rest are claimed like any other once it commits.
+-- columns and sent in the same batch (routed ones, then ordered streams' heads); the rest
+-- are claimed like any other once it commits.
 -- Each row of the answer also carries the events that reached an endpoint and the ordered
 -- (endpoint, stream) pairs whose next head the batch chooses after its completion (also
 -- where this event reached no ordered endpoint).
@@ -235,6 +236,27 @@ routed AS (
 ordered_pairs AS (
     SELECT DISTINCT e.id AS endpoint_id, ev.stream_id
     FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant AND e.ordered
+),
+sendable AS (
+    SELECT * FROM routed WHERE hold IS NULL ORDER BY id LIMIT %(cap)s
+),
+-- The room the routed rows leave is taken by ordered streams' heads due now, oldest
+-- first, claimed as the claim would (SKIP LOCKED; the batch's own claimed rows are
+-- excluded, its locks do not skip them): an ordered endpoint's routed deliveries wait, so
+-- without them an ordered stream's delivery would cost a transaction of its own. Served
+-- by webhook_outbox_heads_due_idx, which holds only heads active now; LIMIT 0 (no ordered
+-- endpoint known to the dispatcher, or no room) reads none of it.
+heads AS (
+    SELECT h.id, h.delivery_id, h.event_type, h.payload, h.attempt, h.replay, h.tenant,
+           h.stream_id, h.endpoint_id, h.event_id, h.stream_seq, h.traceparent, h.tracestate,
+           h.partition_at, h.created_at, h.hold
+    FROM webhook_outbox h
+    WHERE NOT h.processed AND h.stream_seq IS NOT NULL AND h.hold IS NULL
+      AND h.created_at <= now() AND h.partition_at >= %(since)s
+      AND h.id <> ALL(%(claimed)s::bigint[])
+    ORDER BY h.created_at, h.id
+    LIMIT GREATEST(0, LEAST(%(heads)s, %(cap)s - (SELECT count(*) FROM sendable)))
+    FOR UPDATE SKIP LOCKED
 )
 SELECT x.id, x.delivery_id::text, x.event_type, x.payload::text, x.attempt, x.replay,
        floor(EXTRACT(EPOCH FROM now()))::bigint, x.tenant, x.stream_id, x.endpoint_id,
@@ -244,7 +266,7 @@ SELECT x.id, x.delivery_id::text, x.event_type, x.payload::text, x.attempt, x.re
        ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1)
 FROM (SELECT 1) one
 LEFT JOIN LATERAL (
-    SELECT * FROM routed WHERE hold IS NULL ORDER BY id LIMIT %(cap)s
+    SELECT * FROM sendable UNION ALL SELECT * FROM heads
 ) x ON true;
 
 -- name: promote_lock

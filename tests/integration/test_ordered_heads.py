@@ -1,0 +1,110 @@
+"""An ordered endpoint's deliveries (SPEC 14) travel with the routing: a batch that routes
+events sends, in the room its own routed deliveries leave (an ordered endpoint's wait for
+their stream), the ordered streams' heads that are due, claimed as the claim would."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+
+import psycopg
+import pytest
+
+from fluxora_webhooks import endpoints, enqueue
+from fluxora_webhooks.outbox import claim_due, route_events
+from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+
+
+async def _settled(database_url: str) -> bool:
+    [(pending,)] = await rows(
+        database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed"
+    )
+    return int(pending) == 0
+
+
+async def test_a_routing_batch_sends_the_due_heads_of_ordered_streams(database_url: str) -> None:
+    """One loop, one row per claim, one stream of three events: the claim takes the events
+    first (they were written before any head became due), and each routing batch after the
+    first also sends the head its predecessor chose, in order; only the last head needs a
+    claim of its own."""
+    receiver = Receiver()
+    await receiver.start()
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await endpoints.create(
+                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+            )
+            async with conn.transaction():
+                for n in (1, 2, 3):
+                    await enqueue(
+                        conn, tenant="acme", stream_id="s", event_type="e", payload={"n": n}
+                    )
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1, batch_size=1)
+        async with running_dispatcher(settings, database_url):
+            await wait_until(lambda: _settled(database_url), what="all delivered")
+        assert [json.loads(hit.body)["n"] for hit in receiver.received] == [1, 2, 3]
+    finally:
+        await receiver.stop()
+    # The transaction that last wrote each row: an event's routing batch also completed the
+    # delivery of the event before it.
+    found = await rows(
+        database_url,
+        "SELECT xmin::text, (payload->>'n')::int, event_id IS NULL FROM webhook_outbox ORDER BY id",
+    )
+    by_txn: dict[str, set[tuple[int, bool]]] = {}
+    for txn, n, is_event in found:
+        by_txn.setdefault(txn, set()).add((n, is_event))
+    together = sorted(sorted(v) for v in by_txn.values())
+    assert together == [[(1, False), (2, True)], [(1, True)], [(2, False), (3, True)], [(3, False)]]
+
+
+async def test_the_heads_a_routing_batch_takes_are_claimed_once(database_url: str) -> None:
+    """The head this batch claimed itself is not taken a second time (its own lock does not
+    make SKIP LOCKED skip it), and one locked by another batch is skipped."""
+    receiver_url = "http://127.0.0.1:9/"
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = await endpoints.create(
+            conn, url=receiver_url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+        )
+        # A head due now (as promote_heads leaves it), then an event of another stream.
+        cur = await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id,"
+            " event_id, stream_seq, created_at) VALUES ('acme', 'a', 'e', '{}', %s, 0, 0,"
+            " now() - interval '1 second') RETURNING id",
+            (endpoint.id,),
+        )
+        head = await cur.fetchone()
+        assert head is not None
+        await enqueue(conn, tenant="acme", stream_id="b", event_type="e", payload={})
+
+    async def route(conn: psycopg.AsyncConnection[Any], claimed: list[int]) -> list[int]:
+        claim = await claim_due(conn, 10)
+        events = {r.id: r.partition_at for r in claim if r.is_event}
+        routing = await route_events(conn, events, cap=10, heads=10, claimed=claimed)
+        return [r.id for r in routing.due]
+
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        mine = [r.id for r in await claim_due(conn, 10) if not r.is_event]
+        assert mine == [head[0]]  # the claim took the head and the event
+        await conn.rollback()
+        async with conn.transaction():
+            assert await route(conn, claimed=mine) == []  # not a second time
+        async with conn.transaction():
+            assert await route(conn, claimed=[]) == [head[0]]  # (what the exclusion prevents)
+        async with (
+            await psycopg.AsyncConnection.connect(database_url) as other,
+            conn.transaction(),
+        ):
+            # Another batch holds the head: the routing skips it.
+            await conn.execute("SELECT 1 FROM webhook_outbox WHERE id = %s FOR UPDATE", head)
+            async with other.transaction():
+                events = {r.id: r.partition_at for r in await claim_due(other, 10)}
+                assert list(events) != []
+                routing = await route_events(other, events, cap=10, heads=10)
+                assert [r.id for r in routing.due] == []
