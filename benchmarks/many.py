@@ -15,7 +15,8 @@ Sections (``--only`` picks some):
   carrying its commit time, fanned out to 10 endpoints.
 - ``ordered``: one ordered endpoint, many streams of several events each, all in one
   transaction; deliveries per second, the receiver's check that each stream arrived in
-  order, and the same load to an unordered endpoint.
+  order, and the same load to an unordered endpoint; bursts to the two alternate for a few
+  rounds and the fastest of each is compared (every round's rate is kept).
 - ``ordered_head``: an ordered endpoint at a steady rate over many streams, then the same
   with one stream's head refused (503) for a moment: the other streams' commit-to-receipt
   latency in both runs, and how long the waiting stream's events wait (for the head's
@@ -107,6 +108,7 @@ class Preset:
     head_rate: int = 200
     head_seconds: float = 10.0
     head_fail_s: float = 1.0
+    ordered_rounds: int = 3  # ordered section: alternating bursts, the best of each
 
 
 PRESETS = {
@@ -133,6 +135,7 @@ PRESETS = {
         head_streams=10,
         head_rate=50,
         head_seconds=1.0,
+        ordered_rounds=1,
         head_fail_s=0.2,
     ),
 }
@@ -505,51 +508,71 @@ class ManyBench(Plumbing):
         url = await self.database()
         await self.add_endpoints(url, "ord", ["/ordered/ep"], ordered=True)
         await self.add_endpoints(url, "unord", ["/unordered/ep"])
-        total = p.ordered_streams * p.ordered_per_stream
         dispatcher = await self.dispatcher()
         out: dict[str, Any] = {"streams": p.ordered_streams, "per_stream": p.ordered_per_stream}
-        for tenant in ("ord", "unord"):
-            await self.truncate(url)
-            await self.reset()
-            assert self.receiver is not None
-            meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
-            meter.start()
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
-                # One transaction; a stream's events in order of their ids.
-                await c.execute(
-                    "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
-                    " SELECT %(tenant)s, 'st-' || s, 'bench.ordered',"
-                    " jsonb_build_object('kind', 'ordered', 'stream', 'st-' || s,"
-                    " 'seq', k, 'pad', %(pad)s::text)"
-                    " FROM generate_series(1, %(per)s) k, generate_series(1, %(streams)s) s"
-                    " ORDER BY k, s",
-                    {
-                        "tenant": tenant,
-                        "per": p.ordered_per_stream,
-                        "streams": p.ordered_streams,
-                        "pad": PAD,
-                    },
-                )
-            committed = time.time()
-            stats = await self.wait_count(total, max(60.0, total / 100))
-            cpu = meter.stop()
-            rate = self.rate_since(stats, committed)
-            out[tenant] = {
-                "deliveries": total,
-                "received": stats["count"],
-                "rate": rate,
-                "rate_first_to_last_receipt": self.rate(stats),
-                "cpu_pct": cpu,
-                "streams_seen": stats["streams"],
-                "out_of_order": stats["out_of_order"],
-                "repeats": stats["repeats"],
-            }
-            self.log(f"{tenant}ered {total}: {rate:,.0f} deliveries/s")
+        runs: dict[str, list[dict[str, Any]]] = {"ord": [], "unord": []}
+        # Rounds of one ordered and one unordered burst, alternating; the fastest of each
+        # (other load on a shared machine only ever slows a burst down), every round kept.
+        for _ in range(p.ordered_rounds):
+            for tenant in ("ord", "unord"):
+                runs[tenant].append(await self._ordered_burst(url, tenant, dispatcher))
+        for tenant, mine in runs.items():
+            best = dict(max(mine, key=lambda r: r["rate"]))
+            best["rates"] = [r["rate"] for r in mine]
+            # Every round counts for the order, not just the fastest one.
+            best["out_of_order"] = sum(r["out_of_order"] for r in mine)
+            best["repeats"] = sum(r["repeats"] for r in mine)
+            best["streams_seen"] = min(r["streams_seen"] for r in mine)
+            out[tenant] = best
         out["in_order"] = (
             out["ord"]["out_of_order"] == 0 and out["ord"]["streams_seen"] == p.ordered_streams
         )
+        out["round_ratios"] = [
+            _ratio(o["rate"], u["rate"]) for o, u in zip(runs["ord"], runs["unord"], strict=True)
+        ]
         out["ratio"] = _ratio(out["ord"]["rate"], out["unord"]["rate"])
         return out
+
+    async def _ordered_burst(self, url: str, tenant: str, dispatcher: Child) -> dict[str, Any]:
+        """One burst of the ordered section to ``tenant``'s endpoint, on an emptied outbox."""
+        p = self.preset
+        total = p.ordered_streams * p.ordered_per_stream
+        await self.truncate(url)
+        await self.reset()
+        assert self.receiver is not None
+        meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
+        meter.start()
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+            # One transaction; a stream's events in order of their ids.
+            await c.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                " SELECT %(tenant)s, 'st-' || s, 'bench.ordered',"
+                " jsonb_build_object('kind', 'ordered', 'stream', 'st-' || s,"
+                " 'seq', k, 'pad', %(pad)s::text)"
+                " FROM generate_series(1, %(per)s) k, generate_series(1, %(streams)s) s"
+                " ORDER BY k, s",
+                {
+                    "tenant": tenant,
+                    "per": p.ordered_per_stream,
+                    "streams": p.ordered_streams,
+                    "pad": PAD,
+                },
+            )
+        committed = time.time()
+        stats = await self.wait_count(total, max(60.0, total / 100))
+        cpu = meter.stop()
+        rate = self.rate_since(stats, committed)
+        self.log(f"{tenant}ered {total}: {rate:,.0f} deliveries/s")
+        return {
+            "deliveries": total,
+            "received": stats["count"],
+            "rate": rate,
+            "rate_first_to_last_receipt": self.rate(stats),
+            "cpu_pct": cpu,
+            "streams_seen": stats["streams"],
+            "out_of_order": stats["out_of_order"],
+            "repeats": stats["repeats"],
+        }
 
     async def section_ordered_head(self) -> dict[str, Any]:
         """An ordered endpoint at a steady rate over many streams, each event its own
@@ -823,6 +846,10 @@ def render_table(out: dict[str, Any]) -> str:
                     note = f"{ok}: {r['out_of_order']} late, {r['repeats']} repeated"
                     ratio = ordered.get("ratio")
                     note += f"; {ratio:.2f} x unordered" if ratio else ""
+                    rounds = [x for x in ordered.get("round_ratios", []) if x]
+                    if len(rounds) > 1:
+                        shown = ", ".join(f"{x:.2f}" for x in rounds)
+                        note += f" (best of {len(rounds)} rounds each; round by round {shown})"
                 rows.append(
                     (
                         f"{label} endpoint, {shape}",
