@@ -277,7 +277,11 @@ async def route_events(
         "claimed": list(claimed),
         "since": since or _NO_BOUND,
     }
-    cur = await conn.execute(query("route_events"), params)
+    # Native placeholders: the statement is longer than psycopg's parse cache takes (see
+    # queries.native), and it runs on every batch that routes.
+    text, names = native("route_events")
+    cur = psycopg.AsyncRawCursor(conn)
+    await cur.execute(text, [params[n] for n in names])
     rows = await cur.fetchall()
     first = rows[0]
     due = [_claimed(r) for r in rows if r[0] is not None]

@@ -108,7 +108,9 @@ class Recorder:
             # are routed again, each on its own, under the same delivery ids.
             mine = await relock_claimed(conn, {c.id: batch.parts[c.id] for c in completions})
             kept = [c for c in completions if c.id in mine]
-            ordered: list[tuple[str, str]] = []
+            # The ordered streams whose head the batch sent and decided (delivered, dead):
+            # their next heads, with those of the events routed again below.
+            ordered = effects_of([d for d in batch.done if d[0].row.id in mine]).ordered
             recorded = await self._one_by_one(
                 conn,
                 kept,

@@ -11,8 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from fluxora_webhooks import endpoints, enqueue
+from fluxora_webhooks import endpoints, enqueue, partitions
 from fluxora_webhooks.outbox import claim_due, route_events
+from tests.integration.test_fanout import rejecting
 from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
 
@@ -28,15 +29,21 @@ async def _settled(database_url: str) -> bool:
     return int(pending) == 0
 
 
-async def test_a_routing_batch_sends_the_due_heads_of_ordered_streams(database_url: str) -> None:
+@pytest.mark.parametrize("partitioned", [False, True], ids=["plain", "partitioned"])
+async def test_a_routing_batch_sends_the_due_heads_of_ordered_streams(
+    database_url: str, partitioned: bool
+) -> None:
     """One loop, one row per claim, one stream of three events: the claim takes the events
     first (they were written before any head became due), and each routing batch after the
     first also sends the head its predecessor chose, in order; only the last head needs a
-    claim of its own."""
+    claim of its own. The same on a partitioned outbox (the heads looked for in the
+    partitions the claim looks at)."""
     receiver = Receiver()
     await receiver.start()
     try:
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            if partitioned:
+                assert await partitions.convert(conn, interval_ms=86_400_000) is True
             await endpoints.create(
                 conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
             )
@@ -108,3 +115,34 @@ async def test_the_heads_a_routing_batch_takes_are_claimed_once(database_url: st
                 assert list(events) != []
                 routing = await route_events(other, events, cap=10, heads=10)
                 assert [r.id for r in routing.due] == []
+
+
+async def test_a_head_recorded_again_after_a_rollback_is_followed_at_once(
+    database_url: str,
+) -> None:
+    """The batch that sent a stream's head fails at its completion (a trigger rejects it
+    once) and is recorded again row by row: the stream's next head is chosen there and
+    then, not left for the periodic sweep (30 s, beyond this test's wait)."""
+    receiver = Receiver()
+    await receiver.start()
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("CREATE SEQUENCE reject_once")
+            await endpoints.create(
+                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+            )
+            async with conn.transaction():
+                for n in (1, 2):
+                    await enqueue(
+                        conn, tenant="acme", stream_id="s", event_type="e", payload={"n": n}
+                    )
+        first = "NEW.processed AND NOT OLD.processed AND NEW.event_id IS NOT NULL"
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1)
+        async with (
+            rejecting(database_url, "UPDATE", first + " AND nextval('reject_once') = 1"),
+            running_dispatcher(settings, database_url),
+        ):
+            await wait_until(lambda: _settled(database_url), what="both delivered")
+        assert [json.loads(hit.body)["n"] for hit in receiver.received] == [1, 2]
+    finally:
+        await receiver.stop()
