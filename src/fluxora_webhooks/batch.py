@@ -217,12 +217,13 @@ class Batch:
             return rows
         try:
             size = self.d.settings.batch_size
+            heads = size if self.d.targets.has_ordered else 0
             routing = await route_events(
                 conn,
                 early,
                 cap=size,
-                heads=size if self.d.targets.has_ordered else 0,
-                claimed=[row.id for row in rows if row.stream_seq is not None],
+                heads=heads,
+                claimed=[row.id for row in rows if row.stream_seq is not None] if heads else (),
                 since=self.d.claim_since,
             )
         except psycopg.Error:

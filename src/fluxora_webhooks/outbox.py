@@ -26,7 +26,6 @@ from .queries import native, query
 
 NOTIFY_CHANNEL = "webhook_outbox"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_NO_BOUND = datetime(1, 1, 1, tzinfo=UTC)  # before any partition_at
 ENDPOINTS_CHANNEL = "webhook_endpoints"
 
 
@@ -275,7 +274,7 @@ async def route_events(
         "cap": cap,
         "heads": heads,
         "claimed": list(claimed),
-        "since": since or _NO_BOUND,
+        "since": since or _EPOCH,  # no partition_at is earlier
     }
     # Native placeholders: the statement is longer than psycopg's parse cache takes (see
     # queries.native), and it runs on every batch that routes.

@@ -13,20 +13,13 @@ import pytest
 
 from fluxora_webhooks import endpoints, enqueue, partitions
 from fluxora_webhooks.outbox import claim_due, route_events
-from tests.integration.test_fanout import rejecting
+from tests.integration.test_fanout import _settled, rejecting
 from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
-
-
-async def _settled(database_url: str) -> bool:
-    [(pending,)] = await rows(
-        database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed"
-    )
-    return int(pending) == 0
 
 
 @pytest.mark.parametrize("partitioned", [False, True], ids=["plain", "partitioned"])
