@@ -402,7 +402,5 @@ async def promote_heads(
         return 0
     unique = sorted(set(pairs))
     params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
-    async with conn.pipeline():  # both in one round trip; the second runs after the lock
-        await conn.execute(query("promote_lock"), params)
-        cur = await conn.execute(query("promote_heads"), params)
+    cur = await conn.execute(query("promote_heads"), params)
     return len(await cur.fetchall())

@@ -4,6 +4,7 @@ their stream), the ordered streams' heads that are due, claimed as the claim wou
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 from typing import Any
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 
 from fluxora_webhooks import endpoints, enqueue, partitions
-from fluxora_webhooks.outbox import claim_due, route_events
+from fluxora_webhooks.outbox import claim_due, promote_heads, route_events
 from tests.integration.test_fanout import _settled, rejecting
 from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
@@ -139,3 +140,72 @@ async def test_a_head_recorded_again_after_a_rollback_is_followed_at_once(
         assert [json.loads(hit.body)["n"] for hit in receiver.received] == [1, 2]
     finally:
         await receiver.stop()
+
+
+@pytest.mark.parametrize("first", ["completion", "routing"])
+async def test_a_next_head_is_chosen_with_what_the_locks_holder_committed(
+    database_url: str, first: str
+) -> None:
+    """A completion (its stream's head delivered) and a routing (a new waiting delivery of
+    the same stream) choose the stream's next head at the same time. Whichever comes second
+    waits for the other's lock, then sees what it committed: the new delivery becomes the
+    head exactly once. Chosen under the snapshot its statement began with, the second would
+    still see the other's writes as not there, and neither would choose it."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = await endpoints.create(
+            conn, url="http://127.0.0.1:9/", tenant="acme", ordered=True, allowed_networks=LOOPBACK
+        )
+        cur = await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id,"
+            " event_id, stream_seq) VALUES ('acme', 's', 'e', '{}', %s, 0, 0) RETURNING id",
+            (endpoint.id,),
+        )
+        head = await cur.fetchone()
+        assert head is not None
+    pair = [(endpoint.id, "s")]
+
+    async def complete(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute("UPDATE webhook_outbox SET processed = true WHERE id = %s", head)
+
+    async def route(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id,"
+            " event_id, stream_seq, hold, created_at) VALUES ('acme', 's', 'e', '{}', %s, 1, 1,"
+            " 'waiting', 'infinity')",
+            (endpoint.id,),
+        )
+
+    steps = {"completion": complete, "routing": route}
+    second = "routing" if first == "completion" else "completion"
+    async with (
+        await psycopg.AsyncConnection.connect(database_url) as one,
+        await psycopg.AsyncConnection.connect(database_url) as two,
+    ):
+        await steps[first](one)
+        assert await promote_heads(one, pair) == 0  # the head in flight, or nothing waiting
+        await steps[second](two)
+        waiting = asyncio.create_task(promote_heads(two, pair))
+        pid = two.info.backend_pid
+        await wait_until(
+            lambda: _waits_for_a_lock(database_url, pid), what="the second waits for the lock"
+        )
+        assert not waiting.done()
+        await one.commit()
+        assert await waiting == 1
+        await two.commit()
+    found = await rows(
+        database_url,
+        "SELECT stream_seq, processed, hold, created_at <= now()"
+        " FROM webhook_outbox WHERE endpoint_id = %s ORDER BY stream_seq",
+        (endpoint.id,),
+    )
+    assert found == [(0, True, None, True), (1, False, None, True)]
+
+
+async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
+    found = await rows(
+        database_url,
+        "SELECT 1 FROM pg_locks WHERE pid = %s AND locktype = 'advisory' AND NOT granted",
+        (pid,),
+    )
+    return bool(found)

@@ -269,50 +269,14 @@ LEFT JOIN LATERAL (
     SELECT * FROM sendable UNION ALL SELECT * FROM heads
 ) x ON true;
 
--- name: promote_lock
--- Serialises, per (endpoint, stream), choosing an ordered stream's next head: a routing
--- transaction and a completion must not both decide (or both miss) it. In key order, so
--- two transactions never wait on each other in a cycle.
-SELECT pg_advisory_xact_lock(k)
-FROM (
-    SELECT DISTINCT hashtextextended(e || chr(31) || s, 1718973816) AS k
-    FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)
-    ORDER BY k
-) keys;
-
 -- name: promote_heads
--- For each (endpoint, stream): when none of its deliveries is active (due, in flight,
--- leased or waiting to retry) and the endpoint is enabled, the waiting delivery with the
--- lowest place becomes due now -- unless an event of that stream with a lower id is still
--- to be routed (its delivery may come first; routing it promotes again). A few index
--- entries per pair however deep the stream: the head is the first entry of
--- webhook_outbox_stream_idx, the active check one probe of webhook_outbox_stream_active_idx.
-UPDATE webhook_outbox o
-SET hold = NULL, created_at = now()
-FROM (
-    SELECT head.id, head.partition_at
-    FROM (SELECT DISTINCT e, s FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)) p
-    JOIN webhook_endpoints ep ON ep.id = p.e AND ep.state = 'enabled'
-    CROSS JOIN LATERAL (
-        SELECT w.id, w.partition_at, w.hold, w.tenant, w.stream_id, w.stream_seq
-        FROM webhook_outbox w
-        WHERE w.endpoint_id = p.e AND w.stream_id = p.s AND NOT w.processed
-          AND w.stream_seq IS NOT NULL
-        ORDER BY w.stream_seq, w.id
-        LIMIT 1
-    ) head
-    WHERE head.hold = 'waiting'
-      AND NOT EXISTS (
-          SELECT 1 FROM webhook_outbox a
-          WHERE a.endpoint_id = p.e AND a.stream_id = p.s AND NOT a.processed
-            AND a.stream_seq IS NOT NULL AND a.hold IS NULL)
-      AND NOT EXISTS (
-          SELECT 1 FROM webhook_outbox u
-          WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = head.tenant
-            AND u.stream_id = head.stream_id AND u.id < head.stream_seq)
-) h
-WHERE o.id = h.id AND o.partition_at = h.partition_at
-RETURNING o.id;
+-- For each (endpoint, stream) that has none, its next head (the function in migration
+-- 0010): under a per-pair advisory lock taken in key order, then read under a snapshot
+-- taken after the lock was granted, so that a routing transaction and a completion of the
+-- same stream never both decide (or both miss) it. One statement: the lock and the choice
+-- went in two, a pipeline on every batch to an ordered endpoint. Returns the ids of the
+-- deliveries that became due.
+SELECT id FROM webhook_promote_heads(%(endpoints)s::text[], %(streams)s::text[]) AS h(id);
 
 -- name: sweep_lock
 -- One dispatcher at a time looks for stuck ordered streams ("fluxora-webhooks sweep").
