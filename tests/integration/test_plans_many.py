@@ -117,7 +117,29 @@ async def explain_update_within(
     """The plan of the UPDATE that ``statement`` runs inside a function (run and rolled
     back), as auto_explain reports the statements nested in it."""
     reported: list[str] = []
-    conn.add_notice_handler(lambda notice: reported.append(notice.message_primary or ""))
+
+    def report(notice: psycopg.errors.Diagnostic) -> None:
+        reported.append(notice.message_primary or "")
+
+    conn.add_notice_handler(report)
+    try:
+        await _run_explained(conn, statement, params)
+    finally:
+        conn.remove_notice_handler(report)
+    plans = [
+        json.loads(text[text.index("{") :])["Plan"]
+        for text in reported
+        if text.startswith("duration:") and "{" in text
+    ]
+    updates = [p for p in plans if p.get("Operation") == "Update"]
+    assert len(updates) == 1, f"one UPDATE within, not {len(updates)}: {reported}"
+    return Plan(updates[0])
+
+
+async def _run_explained(
+    conn: psycopg.AsyncConnection[Any], statement: str, params: Any = None
+) -> None:
+    """Run ``statement`` and roll it back, auto_explain reporting its nested statements."""
     async with conn.transaction(force_rollback=True):
         await conn.execute("LOAD 'auto_explain'")
         for setting, value in (
@@ -131,14 +153,6 @@ async def explain_update_within(
             await conn.execute("SELECT set_config(%s, %s, true)", (setting, value))
         cur = await conn.execute(statement, params)
         await cur.fetchall()
-    plans = [
-        json.loads(text[text.index("{") :])["Plan"]
-        for text in reported
-        if text.startswith("duration:") and "{" in text
-    ]
-    updates = [p for p in plans if p.get("Operation") == "Update"]
-    assert len(updates) == 1, f"one UPDATE within, not {len(updates)}: {reported}"
-    return Plan(updates[0])
 
 
 async def connect(url: str) -> psycopg.AsyncConnection[Any]:

@@ -275,7 +275,8 @@ LEFT JOIN LATERAL (
 -- taken after the lock was granted, so that a routing transaction and a completion of the
 -- same stream never both decide (or both miss) it. One statement: the lock and the choice
 -- went in two, a pipeline on every batch to an ordered endpoint. Returns the ids of the
--- deliveries that became due.
+-- deliveries that became due. The choice lives in the migration: change it with a new one
+-- (CREATE OR REPLACE FUNCTION), never by editing 0010.
 SELECT id FROM webhook_promote_heads(%(endpoints)s::text[], %(streams)s::text[]) AS h(id);
 
 -- name: sweep_lock
