@@ -381,3 +381,57 @@ async def test_a_stale_probe_lease_does_not_block_the_next_half_open_period(
 
     probe = await take_probe(gate)
     assert await redis_client.get(probe_key(URL, prefix)) == probe.probe_token.encode()
+
+
+def count_reports(gate: RedisGate) -> list[int]:
+    """Count the gate's report script calls (each one Redis round trip)."""
+    calls: list[int] = []
+    script = gate._report_script
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return await script(*args, **kwargs)
+
+    gate._report_script = counted  # type: ignore[assignment]
+    return calls
+
+
+async def test_successes_admitted_on_a_clear_breaker_are_not_sent(
+    redis_client: Redis, prefix: str
+) -> None:
+    """A healthy batch costs one Redis call, not two: its successes, admitted while the
+    breaker had nothing counted, would change nothing there. A failure, a probe, or a
+    success after failures are still reported."""
+    gate = make_gate(redis_client, prefix)
+    calls = count_reports(gate)
+    admissions = await gate.admit(URL, [1, 1])
+    assert all(a.breaker_clear for a in admissions)
+    await gate.report(URL, [(admissions[0], True), (admissions[1], True)])
+    assert calls == []
+    assert await redis_client.exists(breaker_key(URL, prefix)) == 0
+
+    # A failure among them is reported, with the successes in their order.
+    admissions = await gate.admit(URL, [1, 1])
+    await gate.report(URL, [(admissions[0], True), (admissions[1], False)])
+    assert len(calls) == 1
+    assert await read_breaker_state(redis_client, URL, prefix) == BreakerState(CLOSED, 1)
+
+    # Admitted with a failure counted: the success is reported and ends the streak.
+    admissions = await gate.admit(URL, [1])
+    assert not admissions[0].breaker_clear
+    await gate.report(URL, [(admissions[0], True)])
+    assert len(calls) == 2
+    assert await redis_client.exists(breaker_key(URL, prefix)) == 0
+
+
+async def test_a_failure_counted_meanwhile_stands_after_successes_left_unsent(
+    redis_client: Redis, prefix: str
+) -> None:
+    """Another instance counts a failure between this one's admission and its report: the
+    unsent successes leave it counted, as if they had been reported before it (reports are
+    ordered by their arrival, not by when the requests ended)."""
+    mine, other = make_gate(redis_client, prefix), make_gate(redis_client, prefix)
+    admissions = await mine.admit(URL, [1])
+    await fail(other, 1)
+    await mine.report(URL, [(admissions[0], True)])
+    assert await read_breaker_state(redis_client, URL, prefix) == BreakerState(CLOSED, 1)
