@@ -2,15 +2,14 @@
 
 The dispatcher asks once per batch (one Redis round trip for the whole batch on a single
 Redis node; one per URL on a Redis Cluster, whose URLs live in different slots) and reports
-once per batch and URL (the Redis gate leaves out a report that could change nothing). The
-Redis implementation (rate limit + circuit breaker) is
+once per batch. The Redis implementation (rate limit + circuit breaker) is
 :class:`~fluxora_webhooks.redis_gate.RedisGate`; :class:`OpenGate` admits everything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
@@ -32,9 +31,6 @@ class Admission:
     ``allowed`` False means: do not send; defer the row by ``delay_ms`` (from the
     database's now) without consuming an attempt. ``reason`` is ``rate_limited`` or
     ``circuit_open``. ``probe`` marks the single half-open probe of a breaker.
-    ``breaker_clear``: the URL's breaker was closed with no failure counted when this was
-    decided, so a success of the attempt has nothing to change there (a hint for the
-    report, not part of the decision: admissions compare equal without it).
     """
 
     allowed: bool
@@ -42,11 +38,9 @@ class Admission:
     reason: str = ""
     probe: bool = False
     probe_token: str = ""
-    breaker_clear: bool = field(default=False, compare=False)
 
 
 ALLOW = Admission(True)
-ALLOW_CLEAR = Admission(True, breaker_clear=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import metrics
-from .gate import ALLOW, ALLOW_CLEAR, Admission, AdmitCode, AdmitRequest
+from .gate import ALLOW, Admission, AdmitCode, AdmitRequest
 from .redis_connect import ClusterAwareRedis, client_for, detect_cluster
 from .settings import Settings
 from .urlpolicy import redacted
@@ -277,19 +277,12 @@ class RedisGate:
         if self.breaker_threshold <= 0:
             return
         args: list[str | int] = [self.breaker_threshold, self.breaker_reset_ms, self._state_ttl_ms]
-        changes = False
         for admission, outcome in results:
             if not admission.allowed or (outcome is None and not admission.probe):
                 continue  # nothing to record (a probe's None still releases its lease)
             args.append("-" if outcome is None else "1" if outcome else "0")
             args.append(admission.probe_token if admission.probe else "")
-            # A success admitted while the breaker was clear changes nothing there.
-            changes = changes or not (outcome and admission.breaker_clear and not admission.probe)
-        if not changes:
-            # Only such successes: no call (one Redis round trip less per healthy batch).
-            # Should another instance count a failure meanwhile, it stands, as it would had
-            # these successes been reported before it: instances' reports are ordered by
-            # their arrival, never by when the requests ended.
+        if len(args) == 3:
             return
         keys = [breaker_key(url, self.prefix), probe_key(url, self.prefix)]
         transitions = await self._call(
@@ -440,7 +433,7 @@ Decided = tuple[list[Admission], tuple[str, str] | None]
 
 def _decode_admit(reply: Any, token: str, counts: Sequence[int]) -> list[Decided]:
     values = list(reply)
-    if len(values) != 1 + sum(3 + 2 * n for n in counts):
+    if len(values) != 1 + sum(2 + 2 * n for n in counts):
         raise ValueError(
             f"admit script answered {len(values)} values for {sum(counts)} attempts"
             f" of {len(counts)} URLs"
@@ -448,19 +441,18 @@ def _decode_admit(reply: Any, token: str, counts: Sequence[int]) -> list[Decided
     out, at = [], 1
     for n in counts:
         out.append(_decode_url(values, at, token, n))
-        at += 3 + 2 * n
+        at += 2 + 2 * n
     return out
 
 
 def _decode_url(values: Sequence[Any], at: int, token: str, count: int) -> Decided:
-    """One URL's part of an admit reply: from, to, clear, then (code, delay) per attempt."""
+    """One URL's part of an admit reply: from, to, then (code, delay) per attempt."""
     from_state, to_state = _text(values[at]), _text(values[at + 1])
-    allowed = ALLOW_CLEAR if int(values[at + 2]) else ALLOW
     admissions: list[Admission] = []
-    for i in range(at + 3, at + 3 + 2 * count, 2):
+    for i in range(at + 2, at + 2 + 2 * count, 2):
         code, delay = AdmitCode(int(values[i])), int(values[i + 1])
         if code is AdmitCode.ALLOWED:
-            admissions.append(allowed)
+            admissions.append(ALLOW)
         elif code is AdmitCode.PROBE:
             admissions.append(Admission(True, probe=True, probe_token=token))
         elif code is AdmitCode.RATE_LIMITED:

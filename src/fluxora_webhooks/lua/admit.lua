@@ -6,11 +6,10 @@
 -- ARGV: window_ms, threshold (0: no breaker), reset_ms, probe_ttl_ms, state_ttl_ms, token,
 --       then per URL: its limit, its number of attempts n, and n flags ('1' retry, '0' first
 --       attempt).
--- Returns {now, then per URL: from_state, to_state, clear, code1, delay1, code2, delay2,
--- ...}; the codes are the AdmitCode constants (ALLOWED, PROBE, RATE_LIMITED, CIRCUIT_OPEN)
--- that the loader defines from gate.AdmitCode; from/to name the breaker transition this
--- call made for that URL ('' when none); clear is 1 when its breaker is closed with no
--- failure counted (a success has nothing to record: the report may be left out), else 0.
+-- Returns {now, then per URL: from_state, to_state, code1, delay1, code2, delay2, ...}; the
+-- codes are the AdmitCode constants (ALLOWED, PROBE, RATE_LIMITED, CIRCUIT_OPEN) that the
+-- loader defines from gate.AdmitCode; from/to name the breaker transition this call made
+-- for that URL ('' when none).
 
 local function admit_url(out, rl_key, cb_key, pr_key, now, window, limit, threshold,
                          reset_ms, probe_ttl, state_ttl, token, first, last)
@@ -27,7 +26,6 @@ local function admit_url(out, rl_key, cb_key, pr_key, now, window, limit, thresh
   local probing = false
   out[#out + 1] = from
   out[#out + 1] = to
-  out[#out + 1] = (cb and cb.state == 'closed' and cb.failures == 0) and 1 or 0
   for i = first, last do
     local state = cb and cb.state or 'closed'
     local code, delay = ALLOWED, 0
