@@ -214,10 +214,10 @@ async def claim_due(
     last row of the loop's previous, full batch; only rows after it are looked at (see
     :class:`fluxora_webhooks.batch.Resume`)."""
     name = "claim_due" if since is None else "claim_due_partitioned"
-    params: dict[str, Any] = {"batch": batch, "since": since}
+    params: dict[str, Any] = {"since": since}
     if after is not None:
         params["after_at"], params["after_id"] = after
-    cur = await conn.execute(_claim_sql(name, resumed=after is not None), params)
+    cur = await conn.execute(_claim_sql(name, batch=batch, resumed=after is not None), params)
     return [_claimed(r) for r in await cur.fetchall()]
 
 
@@ -292,12 +292,17 @@ _CLAIM_ORDER = "ORDER BY created_at ASC, id ASC"
 
 
 @cache
-def _claim_sql(name: str, *, resumed: bool) -> str:
-    """The named claim, or (``resumed``) the same claim starting after a position of its
-    index: ``(created_at, id) > (after)``, an index condition of webhook_outbox_due_idx, so
-    the scan begins there instead of walking the entries the loop's earlier batches left
-    behind (dead until VACUUM removes them)."""
-    sql = query(name)
+def _claim_sql(name: str, *, batch: int, resumed: bool) -> str:
+    """The named claim of ``batch`` rows, or (``resumed``) the same claim starting after a
+    position of its index: ``(created_at, id) > (after)``, an index condition of
+    webhook_outbox_due_idx, so the scan begins there instead of walking the entries the
+    loop's earlier batches left behind (dead until VACUUM removes them).
+
+    The batch size is written into the text: with ``LIMIT $1`` PostgreSQL planned the
+    prepared claim afresh on every execution (a generic plan's estimate for an unknown
+    limit looks far costlier than the custom plan's), about 100 us of the database's CPU
+    per batch; with a constant it keeps one plan (docs/performance.md, eighth pass)."""
+    sql = query(name).replace("%(batch)s", str(int(batch)))
     if not resumed:
         return sql
     assert sql.count(_CLAIM_ORDER) == 1, f"{name}: one ORDER BY expected"
@@ -336,11 +341,14 @@ def complete_statement(
     prerouted: Collection[int] = (),
     succeeded: Sequence[str] = (),
     failed: Sequence[str] = (),
+    general: bool = False,
 ) -> tuple[str, list[Any]]:
     """The statement :func:`complete` runs and its parameters (native ``$n`` placeholders,
-    for a :class:`psycopg.AsyncRawCursor`)."""
+    for a :class:`psycopg.AsyncRawCursor`): ``complete_delivered`` when :func:`is_plain`
+    (and not ``general``), else ``complete_batch``."""
     known = [at for c in completions if (at := parts[c.id]) is not None]
-    text, names = native("complete_batch")
+    plain = not general and is_plain(completions, route=route, prerouted=prerouted, failed=failed)
+    text, names = native("complete_delivered" if plain else "complete_batch")
     params: dict[str, Any] = {
         "ids": [c.id for c in completions],
         "outcomes": [c.outcome.value for c in completions],
@@ -361,6 +369,30 @@ def complete_statement(
         "failed": [e for e in failed if e not in succeeded],
     }
     return text, [params[n] for n in names]
+
+
+def is_plain(
+    completions: Sequence[Completion],
+    *,
+    route: Sequence[int] = (),
+    prerouted: Collection[int] = (),
+    failed: Sequence[str] = (),
+) -> bool:
+    """Whether a batch's outcomes are all delivered attempts and event rows already routed
+    (by :func:`route_events`), none under a lease, with nothing to route and no failure:
+    what ``complete_delivered`` writes, the common batch."""
+    return (
+        not route
+        and not failed
+        and all(
+            c.lease is None
+            and (
+                c.outcome is Outcome.DELIVERED
+                or (c.outcome is Outcome.ROUTED and c.id in prerouted)
+            )
+            for c in completions
+        )
+    )
 
 
 async def complete(
@@ -387,6 +419,8 @@ async def complete(
     await cur.execute(text, params)
     row = await cur.fetchone()
     assert row is not None
+    if len(row) == 2:  # complete_delivered
+        return Recorded(int(row[0]))
     pairs = list(zip(row[5] or [], row[6] or [], strict=True))
     return Recorded(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4]), pairs)
 

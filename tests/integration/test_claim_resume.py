@@ -125,8 +125,8 @@ async def test_the_resumed_claim_skips_the_dead_entries_of_earlier_batches(
         assert resume.after is not None
         at, after_id = resume.after
         params = {"batch": BATCH, "since": None, "after_at": at, "after_id": after_id}
-        full = await _buffers(conn, _claim_sql("claim_due", resumed=False), params)
-        resumed = await _buffers(conn, _claim_sql("claim_due", resumed=True), params)
+        full = await _buffers(conn, _claim_sql("claim_due", batch=BATCH, resumed=False), params)
+        resumed = await _buffers(conn, _claim_sql("claim_due", batch=BATCH, resumed=True), params)
         # 15,000 completed rows lie before the position.
         assert resumed * 5 < full, f"resumed claim read {resumed} pages, from the start {full}"
         assert resumed < 50, f"resumed claim read {resumed} pages"

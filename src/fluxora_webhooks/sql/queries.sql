@@ -209,6 +209,40 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
        (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
        + (SELECT count(*) FROM streak_started);
 
+-- name: complete_delivered
+-- complete_batch for the common batch: every row delivered, or an event row that
+-- route_events routed, none leased, nothing else to route and no failure streak to start.
+-- The same writes as complete_batch's "done" and "streak_ended" parts, without the
+-- executor start-up of the others (each data-modifying part opens the outbox and its
+-- indexes whether or not it has a row): about a third of the database's CPU per batch.
+WITH r AS (
+    SELECT *
+    FROM unnest(
+        %(ids)s::bigint[], %(outcomes)s::text[], %(codes)s::int[], %(errors)s::text[],
+        %(bodies)s::text[], %(durations)s::float8[], %(endpoints)s::text[],
+        %(parts)s::timestamptz[]
+    ) AS t(id, outcome, status_code, error, response_body, duration_ms, endpoint_id,
+           partition_at)
+),
+done AS (
+    UPDATE webhook_outbox o
+    SET processed = true, processed_at = clock_timestamp(), outcome = r.outcome,
+        endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id),
+        status_code = r.status_code, error = r.error, response_body = r.response_body,
+        duration_ms = r.duration_ms, lease = NULL
+    FROM r
+    WHERE o.id = r.id AND o.partition_at = r.partition_at
+      AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
+      AND NOT o.processed
+    RETURNING o.id
+),
+streak_ended AS (
+    UPDATE webhook_endpoints SET failing_since = NULL
+    WHERE id = ANY(%(succeeded)s::text[]) AND failing_since IS NOT NULL
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM streak_ended);
+
 -- name: route_events
 -- Fan-out of a batch's event rows, before its requests (fan_out_insert, as complete_batch
 -- routes the others). Up to %(cap)s of the rows due now are returned in the claim's
