@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -45,6 +46,8 @@ from .outbox import (
     claim_due,
     next_due_in_ms,
     route_events,
+    try_lock_streams,
+    try_promote_heads,
 )
 from .retry import Decision, Kind
 from .targets import Target
@@ -162,11 +165,17 @@ class Batch:
         # next head the batch chooses once recorded; route_failed: it was rejected.
         self.prerouted: frozenset[int] = frozenset()
         self.routed_ordered: list[tuple[str, str]] = []
+        # Ordered pairs whose delivery route_events made due, none waiting behind it: no
+        # next head to choose for them.
+        self.fresh: frozenset[tuple[str, str]] = frozenset()
         self.route_failed = False
         # Filled when recorded: the attempts decided in the batch, and how many deliveries
         # of ordered streams became due.
         self.done: list[tuple[Send, AttemptResult, Decision]] = []
         self.promoted = 0
+        # Ordered streams whose lock another transaction held when the batch chose their
+        # next heads: chosen again after its commit (Dispatcher.promote_busy).
+        self.busy: list[tuple[str, str]] = []
 
     async def run(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
         """Returns (rows claimed, ms until the next future due row)."""
@@ -187,6 +196,7 @@ class Batch:
             next_due = await next_due_in_ms(conn, since=since) if short and after is None else 0
         # Only once committed: a batch rolled back leaves its rows before the position.
         self.resume.claimed(rows, settings.batch_size)
+        self.promoted += await self.d.promote_busy(conn, self.busy)
         self.d.after_commit(self)
         return len(rows), next_due
 
@@ -218,6 +228,20 @@ class Batch:
         try:
             size = self.d.settings.batch_size
             heads = size if self.d.targets.has_ordered else 0
+            # The ordered streams of these events whose delivery may be due at once (their
+            # lock, taken without waiting, held to the commit; see route_events). Not a
+            # stream with several events here: a burst of one stream's events goes to
+            # several batches at once, and the lock, held through the batch, would only
+            # make the others wait for it (their deliveries wait for the first anyway).
+            mine = [row for row in rows if row.id in early]
+            count = Counter((row.tenant, row.stream_id) for row in mine)
+            pairs = {
+                (endpoint_id, row.stream_id)
+                for row in mine
+                if count[row.tenant, row.stream_id] == 1
+                for endpoint_id in self.d.targets.ordered_of(row.tenant)
+            }
+            locked = await try_lock_streams(conn, pairs) if pairs else set()
             routing = await route_events(
                 conn,
                 early,
@@ -225,6 +249,7 @@ class Batch:
                 heads=heads,
                 claimed=[row.id for row in rows if row.stream_seq is not None] if heads else (),
                 since=self.d.claim_since,
+                locked=locked,
             )
         except psycopg.Error:
             # Rejected: the event rows are routed again one by one (Dispatcher._run_batch).
@@ -232,6 +257,7 @@ class Batch:
             raise
         self.prerouted = routing.events
         self.routed_ordered = routing.ordered
+        self.fresh = routing.fresh
         for row in routing.due:
             self.parts[row.id] = row.partition_at
         return [*rows, *routing.due]
@@ -506,17 +532,32 @@ def effects_of(done: Sequence[tuple[Send, AttemptResult, Decision]]) -> Effects:
     return effects
 
 
+async def promote_trying(
+    conn: psycopg.AsyncConnection[Any],
+    pairs: Sequence[tuple[str, str]],
+    busy: list[tuple[str, str]],
+) -> int:
+    """The next heads of the ordered streams ``pairs`` in a dispatcher's transaction, which
+    never waits for a stream's lock (migration 0011): those held elsewhere are added to
+    ``busy``, to choose after the commit (Dispatcher.promote_busy). Returns how many
+    deliveries became due."""
+    promoted, held = await try_promote_heads(conn, pairs)
+    busy.extend(held)
+    return promoted
+
+
 async def apply_effects(
     dispatcher: Dispatcher,
     conn: psycopg.AsyncConnection[Any],
     recorded: Recorded,
     effects: Effects,
+    busy: list[tuple[str, str]],
 ) -> int:
     """In the recording transaction, after its statement: the next heads of ordered
-    streams, and endpoints disabled (410 Gone at once; failing for longer than
-    ``WEBHOOK_DISABLE_AFTER``). Returns how many deliveries became due."""
+    streams (``busy``: see :func:`promote_trying`), and endpoints disabled (410 Gone at
+    once; failing for longer than ``WEBHOOK_DISABLE_AFTER``). Returns how many deliveries
+    became due."""
     from . import endpoints
-    from .outbox import promote_heads
 
     for endpoint_id in sorted(effects.gone):
         await endpoints.disable(conn, endpoint_id, reason="gone")
@@ -533,7 +574,7 @@ async def apply_effects(
         for (endpoint_id,) in await cur.fetchall():
             await endpoints.disable(conn, str(endpoint_id), reason="failing")
             dispatcher.note_disabled(str(endpoint_id), "failing")
-    return await promote_heads(conn, [*recorded.ordered, *effects.ordered])
+    return await promote_trying(conn, [*recorded.ordered, *effects.ordered], busy)
 
 
 def breaker_signal(result: AttemptResult) -> bool | None:

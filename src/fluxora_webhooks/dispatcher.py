@@ -643,6 +643,31 @@ class Dispatcher:
         if batch.promoted:
             self._waker.wake()
 
+    async def promote_busy(
+        self, conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
+    ) -> int:
+        """After a commit: the next heads of the ordered streams whose lock another
+        transaction held when this one chose them (migration 0011), in a transaction of its
+        own that holds nothing else and waits for the locks; that holder's own choice is
+        committed by then. Should this fail, the sweep chooses them. Returns how many
+        deliveries became due."""
+        if not pairs:
+            return 0
+        from .outbox import promote_heads
+
+        try:
+            promoted = await promote_heads(conn, pairs)
+        except psycopg.Error as exc:
+            log.warning(
+                "choosing the next head of %d ordered stream(s) failed (%s); the sweep will",
+                len(pairs),
+                type(exc).__name__,
+            )
+            return 0
+        if promoted:
+            self._waker.wake()
+        return promoted
+
     def after_rollback(self, batch: Batch) -> None:
         """The batch's transaction rolled back: its leases were never written, so its
         detached requests are not recorded (their rows are claimed and sent again)."""

@@ -251,6 +251,9 @@ class Routing:
     events: frozenset[int]  # the event rows that reached at least one endpoint
     # (endpoint, stream) pairs of ordered endpoints whose next head may now be chosen.
     ordered: list[tuple[str, str]]
+    # Pairs whose delivery was made due as it was routed, with none waiting behind it:
+    # no next head to choose for them, whatever becomes of it.
+    fresh: frozenset[tuple[str, str]] = frozenset()
 
 
 async def route_events(
@@ -261,11 +264,15 @@ async def route_events(
     heads: int = 0,
     claimed: Sequence[int] = (),
     since: datetime | None = None,
+    locked: Collection[tuple[str, str]] = (),
 ) -> Routing:
     """Fan out the claimed event rows ``events`` (id: partition_at) in the open
     transaction; up to ``cap`` of the delivery rows due now come back to be sent in it:
     those just routed, then up to ``heads`` ordered streams' heads that are due (not among
-    the batch's ``claimed`` rows; on a partitioned outbox, in partitions from ``since``)."""
+    the batch's ``claimed`` rows; on a partitioned outbox, in partitions from ``since``).
+    ``locked``: the ordered (endpoint, stream) pairs whose lock the transaction holds
+    (:func:`try_lock_streams`); a delivery to one of them whose stream is idle is due at
+    once, and comes back to be sent with the others."""
     known = [at for at in events.values() if at is not None]
     params = {
         "ids": list(events),
@@ -275,20 +282,27 @@ async def route_events(
         "heads": heads,
         "claimed": list(claimed),
         "since": since or _EPOCH,  # no partition_at is earlier
+        "locked_endpoints": [e for e, _ in locked],
+        "locked_streams": [s for _, s in locked],
     }
     # Native placeholders: the statement is longer than psycopg's parse cache takes (see
-    # queries.native), and it runs on every batch that routes.
-    text, names = native("route_events")
+    # queries.native), and it runs on every batch that routes. The look at whether a stream
+    # is idle is only in the form for a batch that holds some streams' locks: its lookups
+    # cost the statement's start-up on every other batch.
+    text, names = native("route_events", _IDLE_HEADS if locked else None)
     cur = psycopg.AsyncRawCursor(conn)
     await cur.execute(text, [params[n] for n in names])
     rows = await cur.fetchall()
     first = rows[0]
     due = [_claimed(r) for r in rows if r[0] is not None]
     pairs = list(zip(first[17] or [], first[18] or [], strict=True))
-    return Routing(due, frozenset(first[16] or ()), pairs)
+    fresh = frozenset(zip(first[19] or [], first[20] or [], strict=True))
+    return Routing(due, frozenset(first[16] or ()), pairs, fresh)
 
 
 _CLAIM_ORDER = "ORDER BY created_at ASC, id ASC"
+# route_events's fan-out when the batch holds some ordered streams' locks.
+_IDLE_HEADS = ("fan_out_insert", "fan_out_insert_heads")
 
 
 @cache
@@ -438,3 +452,36 @@ async def promote_heads(
     params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
     cur = await conn.execute(query("promote_heads"), params)
     return len(await cur.fetchall())
+
+
+async def try_lock_streams(
+    conn: psycopg.AsyncConnection[Any], pairs: Collection[tuple[str, str]]
+) -> set[tuple[str, str]]:
+    """Take, without waiting, the lock of each ordered (endpoint, stream) in ``pairs`` for
+    the open transaction; returns those it got (see :func:`route_events`)."""
+    if not pairs:
+        return set()
+    unique = sorted(set(pairs))
+    params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+    cur = await conn.execute(query("try_lock_streams"), params)
+    return {(str(e), str(s)) for e, s in await cur.fetchall()}
+
+
+async def try_promote_heads(
+    conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
+) -> tuple[int, list[tuple[str, str]]]:
+    """:func:`promote_heads` inside a dispatcher's transaction, which never waits for a
+    stream's lock (migration 0011): returns how many deliveries became due, and the pairs
+    whose lock another transaction holds, to promote after the commit."""
+    if not pairs:
+        return 0, []
+    unique = sorted(set(pairs))
+    params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+    cur = await conn.execute(query("try_promote_heads"), params)
+    promoted, busy = 0, []
+    for head, endpoint_id, stream_id in await cur.fetchall():
+        if head is not None:
+            promoted += 1
+        else:
+            busy.append((str(endpoint_id), str(stream_id)))
+    return promoted, busy

@@ -6,6 +6,7 @@ API) and ``sql/tools.sql`` (``send``, ``tail`` and the per-endpoint health), loa
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 
@@ -36,12 +37,15 @@ _FILES = (
 _USE = re.compile(r"^([ \t]*)--\s*use:\s*(\w+)\s*$", re.MULTILINE)
 
 
-def expand_uses(blocks: dict[str, str]) -> dict[str, str]:
+def expand_uses(blocks: dict[str, str], swap: Mapping[str, str] | None = None) -> dict[str, str]:
     """Replace each ``-- use: x`` line with block ``x`` (a fragment two statements share,
-    such as the fan-out's INSERT), indented as the line."""
+    such as the fan-out's INSERT), indented as the line; ``swap`` {x: y}: block ``y``
+    where a line names ``x``."""
+    swap = swap or {}
 
     def use(match: re.Match[str]) -> str:
         indent, name = match.group(1), match.group(2)
+        name = swap.get(name, name)
         assert name in blocks, f"-- use: {name}: no such block"
         return "\n".join(indent + line if line else line for line in blocks[name].splitlines())
 
@@ -49,14 +53,19 @@ def expand_uses(blocks: dict[str, str]) -> dict[str, str]:
 
 
 @cache
-def _all() -> dict[str, str]:
+def _raw() -> dict[str, str]:
     blocks: dict[str, str] = {}
     for name in _FILES:
         text = resources.files("fluxora_webhooks").joinpath(name).read_text("utf-8")
         found = parse_blocks(text)
         assert not found.keys() & blocks.keys(), f"duplicate block names in {name}"
         blocks.update(found)
-    return expand_uses(blocks)
+    return blocks
+
+
+@cache
+def _all() -> dict[str, str]:
+    return expand_uses(_raw())
 
 
 def query(name: str) -> str:
@@ -64,18 +73,29 @@ def query(name: str) -> str:
     return _all()[name]
 
 
+@cache
+def variant(name: str, use: str, instead: str) -> str:
+    """The named block with its ``-- use: <use>`` fragment replaced by block ``instead``
+    (two forms of one statement without two copies of it)."""
+    raw = _raw()
+    assert instead in raw, f"{instead}: no such block"
+    return expand_uses({**raw, name: raw[name]}, {use: instead})[name]
+
+
 _PARAM = re.compile(r"%\((\w+)\)s")
 
 
 @cache
-def native(name: str) -> tuple[str, tuple[str, ...]]:
-    """The named block with PostgreSQL's own ``$n`` placeholders instead of ``%(name)s``,
-    and the parameter names in ``$n`` order, for a :class:`psycopg.AsyncRawCursor`.
+def native(name: str, swap: tuple[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
+    """The named block (``swap``: (use, instead), its :func:`variant`) with PostgreSQL's own
+    ``$n`` placeholders instead of ``%(name)s``, and the parameter names in ``$n`` order,
+    for a :class:`psycopg.AsyncRawCursor`.
 
     psycopg parses a ``%(name)s`` query on every execution when it is longer than its
     cache takes (4 KiB); the batch's completion statement is, and its parse cost more than
     the statement's own round trip. Converted once here, it is sent as it is."""
-    lines = (line for line in query(name).splitlines() if not line.lstrip().startswith("--"))
+    sql = query(name) if swap is None else variant(name, *swap)
+    lines = (line for line in sql.splitlines() if not line.lstrip().startswith("--"))
     text = "\n".join(lines)
     assert "%%" not in text, f"{name}: a literal % has no native form here"
     order: dict[str, int] = {}

@@ -21,10 +21,19 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .batch import Batch, Effects, Send, apply_effects, breaker_signal, effects_of, outcome_of
+from .batch import (
+    Batch,
+    Effects,
+    Send,
+    apply_effects,
+    breaker_signal,
+    effects_of,
+    outcome_of,
+    promote_trying,
+)
 from .delivery import AttemptResult
 from .endpoints import DEFAULT_ID
-from .outbox import Completion, Outcome, Recorded, complete, promote_heads, relock_claimed
+from .outbox import Completion, Outcome, Recorded, complete, relock_claimed
 from .retry import Decision
 
 if TYPE_CHECKING:
@@ -62,6 +71,8 @@ class Recorder:
             done.append((send, result, decision))
         batch.done = done
         effects = effects_of(done)
+        if batch.fresh:
+            effects.ordered = [p for p in effects.ordered if p not in batch.fresh]
         route, prerouted = batch.route, batch.prerouted
         if all(c.outcome in _PLAIN for c in batch.completions):
             recorded = await complete(
@@ -85,7 +96,7 @@ class Recorder:
                 recorded = Recorded()
         if batch.routed_ordered:
             recorded = replace(recorded, ordered=[*batch.routed_ordered, *recorded.ordered])
-        batch.promoted = await self._effects(conn, recorded, effects, in_batch=True)
+        batch.promoted = await self._effects(conn, recorded, effects, batch.busy, in_batch=True)
 
     async def record_again(
         self, conn: psycopg.AsyncConnection[Any], batch: Batch
@@ -103,6 +114,7 @@ class Recorder:
                 else Completion(i, Outcome.ROUTED)
                 for i in batch.events
             ]
+        busy: list[tuple[str, str]] = []
         async with conn.transaction():
             # The deliveries routed in the rolled-back transaction are gone: its event rows
             # are routed again, each on its own, under the same delivery ids.
@@ -119,8 +131,11 @@ class Recorder:
                 ordered=ordered,
             )
             # The recorded ordered streams' next heads (the sweep, should this fail).
-            await self._effects(conn, Recorded(ordered=ordered), Effects(set(), set(), [], set()))
-            return recorded
+            await self._effects(
+                conn, Recorded(ordered=ordered), Effects(set(), set(), [], set()), busy
+            )
+        batch.promoted += await self.d.promote_busy(conn, busy)
+        return recorded
 
     def prepare_detached(self, items: Sequence[Detached]) -> Prepared:
         """Decide the outcomes of requests that outlived their batch (once: the write may
@@ -137,20 +152,25 @@ class Recorder:
     async def record_detached(self, conn: psycopg.AsyncConnection[Any], prepared: Prepared) -> None:
         """Write them, each under its lease: a row whose lease is gone (its dispatcher was
         presumed dead and another sent it again) is left to that other attempt."""
+        busy: list[tuple[str, str]] = []
         async with conn.transaction():
             recorded = await complete(
                 conn, prepared.completions, prepared.parts, **_streaks(prepared.effects)
             )
-            await self._effects(conn, recorded, prepared.effects)
+            await self._effects(conn, recorded, prepared.effects, busy)
+        await self.d.promote_busy(conn, busy)
 
     async def _effects(
         self,
         conn: psycopg.AsyncConnection[Any],
         recorded: Recorded,
         effects: Effects,
+        busy: list[tuple[str, str]],
         *,
         in_batch: bool = False,
     ) -> int:
+        """The ordered streams' next heads and the endpoints to disable, after a
+        recording's statement (``busy``: see :func:`~fluxora_webhooks.batch.promote_trying`)."""
         if not (recorded.ordered or effects.ordered or effects.gone or effects.failed):
             return 0
         if in_batch and not (effects.gone or effects.failed):
@@ -160,10 +180,10 @@ class Recorder:
             # recorded again row by row (Dispatcher._run_batch); the sweep chooses those
             # heads. Detached requests' outcomes keep the savepoint: nothing records them
             # again row by row, and they must stand.
-            return await promote_heads(conn, [*recorded.ordered, *effects.ordered])
+            return await promote_trying(conn, [*recorded.ordered, *effects.ordered], busy)
         try:
             async with conn.transaction():
-                return await apply_effects(self.d, conn, recorded, effects)
+                return await apply_effects(self.d, conn, recorded, effects, busy)
         except DB_ERRORS:
             raise
         except psycopg.Error as exc:

@@ -1,6 +1,6 @@
 """An ordered endpoint's deliveries (SPEC 14) travel with the routing: a batch that routes
-events sends, in the room its own routed deliveries leave (an ordered endpoint's wait for
-their stream), the ordered streams' heads that are due, claimed as the claim would."""
+events sends an idle stream's delivery itself, and, in the room its own routed deliveries
+leave, the ordered streams' heads that are due, claimed as the claim would."""
 
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 
 
 @pytest.mark.parametrize("partitioned", [False, True], ids=["plain", "partitioned"])
-async def test_a_routing_batch_sends_the_due_heads_of_ordered_streams(
+async def test_an_idle_streams_delivery_is_sent_by_the_batch_that_routes_it(
     database_url: str, partitioned: bool
 ) -> None:
-    """One loop, one row per claim, one stream of three events: the claim takes the events
-    first (they were written before any head became due), and each routing batch after the
-    first also sends the head its predecessor chose, in order; only the last head needs a
-    claim of its own. The same on a partitioned outbox (the heads looked for in the
-    partitions the claim looks at)."""
+    """One loop, one row per claim, one stream of three events: each event's routing batch
+    finds the stream idle (the previous delivery was recorded by the batch before), so it
+    makes the delivery due at once and sends it itself: each delivery is written once,
+    by its event's transaction, never waiting."""
     receiver = Receiver()
     await receiver.start()
     try:
@@ -52,8 +51,6 @@ async def test_a_routing_batch_sends_the_due_heads_of_ordered_streams(
         assert [json.loads(hit.body)["n"] for hit in receiver.received] == [1, 2, 3]
     finally:
         await receiver.stop()
-    # The transaction that last wrote each row: an event's routing batch also completed the
-    # delivery of the event before it.
     found = await rows(
         database_url,
         "SELECT xmin::text, (payload->>'n')::int, event_id IS NULL FROM webhook_outbox ORDER BY id",
@@ -62,7 +59,7 @@ async def test_a_routing_batch_sends_the_due_heads_of_ordered_streams(
     for txn, n, is_event in found:
         by_txn.setdefault(txn, set()).add((n, is_event))
     together = sorted(sorted(v) for v in by_txn.values())
-    assert together == [[(1, False), (2, True)], [(1, True)], [(2, False), (3, True)], [(3, False)]]
+    assert together == [[(1, False), (1, True)], [(2, False), (2, True)], [(3, False), (3, True)]]
 
 
 async def test_the_heads_a_routing_batch_takes_are_claimed_once(database_url: str) -> None:
@@ -116,7 +113,42 @@ async def test_a_head_recorded_again_after_a_rollback_is_followed_at_once(
 ) -> None:
     """The batch that sent a stream's head fails at its completion (a trigger rejects it
     once) and is recorded again row by row: the stream's next head is chosen there and
-    then, not left for the periodic sweep (30 s, beyond this test's wait)."""
+    then, not left for the periodic sweep (30 s, beyond this test's wait). The head and
+    the delivery behind it were routed before (the head due, the next one waiting)."""
+    receiver = Receiver()
+    await receiver.start()
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("CREATE SEQUENCE reject_once")
+            endpoint, _ = await endpoints.create(
+                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+            )
+            await conn.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
+                " endpoint_id, event_id, stream_seq, hold, created_at) VALUES"
+                " ('acme', 's', 'e', '{\"n\": 1}', %(e)s, 1, 1, NULL, now()),"
+                " ('acme', 's', 'e', '{\"n\": 2}', %(e)s, 2, 2, 'waiting', 'infinity')",
+                {"e": endpoint.id},
+            )
+        first = "NEW.processed AND NOT OLD.processed AND NEW.event_id IS NOT NULL"
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1)
+        async with (
+            rejecting(database_url, "UPDATE", first + " AND nextval('reject_once') = 1"),
+            running_dispatcher(settings, database_url),
+        ):
+            await wait_until(lambda: _settled(database_url), what="both delivered")
+        assert [json.loads(hit.body)["n"] for hit in receiver.received] == [1, 2]
+    finally:
+        await receiver.stop()
+
+
+async def test_a_delivery_sent_by_a_routing_batch_that_rolls_back_is_sent_again_first(
+    database_url: str,
+) -> None:
+    """An idle stream's first delivery is due as it is routed and sent by that batch; the
+    batch's completion is rejected, so the delivery's row goes with the rollback. Its event
+    is routed again (same delivery id) and the delivery sent again before the next one: a
+    repeat, never a later event first, and without waiting for the sweep."""
     receiver = Receiver()
     await receiver.start()
     try:
@@ -131,13 +163,16 @@ async def test_a_head_recorded_again_after_a_rollback_is_followed_at_once(
                         conn, tenant="acme", stream_id="s", event_type="e", payload={"n": n}
                     )
         first = "NEW.processed AND NOT OLD.processed AND NEW.event_id IS NOT NULL"
-        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1)
+        # One event per batch: a stream with several events in one batch takes no lock.
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1, batch_size=1)
         async with (
             rejecting(database_url, "UPDATE", first + " AND nextval('reject_once') = 1"),
             running_dispatcher(settings, database_url),
         ):
             await wait_until(lambda: _settled(database_url), what="both delivered")
-        assert [json.loads(hit.body)["n"] for hit in receiver.received] == [1, 2]
+        hits = receiver.received
+        assert [json.loads(hit.body)["n"] for hit in hits] == [1, 1, 2]
+        assert len({hit.headers["webhook-id"] for hit in hits[:2]}) == 1, "the same delivery"
     finally:
         await receiver.stop()
 

@@ -21,7 +21,7 @@ import pytest
 from psycopg import sql
 
 from fluxora_webhooks.outbox import Completion, Outcome, complete_statement
-from fluxora_webhooks.queries import query
+from fluxora_webhooks.queries import query, variant
 from tests.support import bigoutbox, engines
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -239,6 +239,55 @@ async def test_a_routing_batch_finds_due_heads_by_their_own_index(big_url: str) 
             found = [r for r in await cur.fetchall() if r[0] is not None]
     assert len(found) == 10 and all(r[11] is not None for r in found), "ten ordered heads"
     plan.check(uses={"webhook_outbox_heads_due_idx"}, max_examined=50)
+
+
+async def test_routing_to_idle_ordered_streams_is_two_probes_a_delivery(big_url: str) -> None:
+    """Two events of a tenant whose ten endpoints are all ordered, with every stream's lock
+    held: one of the deep stream (100,000 deliveries waiting at one endpoint) and one of a
+    new stream. Whether each of the twenty deliveries can be due at once is a probe of the
+    stream's pending deliveries and one of its events still to be routed, however deep."""
+    tenant = bigoutbox.tenant_of(0)
+    async with await connect(big_url) as conn:
+        cur = await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " SELECT %s, s, 'stream.updated', '{}' FROM unnest(ARRAY[%s, 'fresh']) AS s"
+            " RETURNING id, partition_at",
+            (tenant, bigoutbox.DEEP_STREAM),
+        )
+        events = {int(r[0]): r[1] for r in await cur.fetchall()}
+        try:
+            cur = await conn.execute(
+                "SELECT id FROM webhook_endpoints WHERE tenant = %s AND ordered", (tenant,)
+            )
+            ordered = [str(r[0]) for r in await cur.fetchall()]
+            assert len(ordered) == 10
+            pairs = [(e, s) for e in ordered for s in (bigoutbox.DEEP_STREAM, "fresh")]
+            params = {
+                "ids": list(events),
+                "part_lo": min(events.values()),
+                "part_hi": max(events.values()),
+                "cap": 30,
+                "heads": 0,
+                "claimed": [],
+                "since": datetime(1, 1, 1, tzinfo=UTC),
+                "locked_endpoints": [e for e, _ in pairs],
+                "locked_streams": [s for _, s in pairs],
+            }
+            statement = variant("route_events", "fan_out_insert", "fan_out_insert_heads")
+            plan = await explain(conn, statement, params)
+            async with conn.transaction(force_rollback=True):
+                cur = await conn.execute(statement, params)
+                due = sorted((r[9], r[8]) for r in await cur.fetchall() if r[0] is not None)
+        finally:
+            await conn.execute("DELETE FROM webhook_outbox WHERE id = ANY(%s)", (list(events),))
+    # Due at once: every endpoint's delivery of the new stream, and the deep stream's at
+    # the nine endpoints where nothing of it is pending.
+    expected = sorted(
+        [(e, "fresh") for e in ordered]
+        + [(e, bigoutbox.DEEP_STREAM) for e in ordered if e != bigoutbox.DEEP_ENDPOINT]
+    )
+    assert due == expected
+    plan.check(uses={"webhook_outbox_stream_idx", "webhook_outbox_unrouted_idx"}, max_examined=300)
 
 
 async def test_the_sweep_walks_streams_not_their_backlog(big_url: str) -> None:

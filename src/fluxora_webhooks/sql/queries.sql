@@ -73,6 +73,54 @@ WHERE e.id NOT IN ('default', 'operator')
       WHERE p.pattern = '*' OR p.pattern = ev.event_type
          OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
 
+-- name: fan_out_insert_heads
+-- fan_out_insert as route_events runs it when the batch holds some ordered streams' locks
+-- (outbox.route_events swaps it in): the same rows, but an ordered endpoint's delivery
+-- waits for its stream's head only while the stream is busy. It is idle when its lock is
+-- held by this transaction (the locked pairs, from try_lock_streams),
+-- none of its deliveries is pending, and no earlier event of it is still to be routed
+-- (this batch's own included: only the first of a stream's events in a batch can be due).
+-- Such a delivery is the stream's head at once, due now: it is sent by this batch, with
+-- no row version of its own for the wait. The delivery id is derived from the event's and
+-- the endpoint's, so an event routed again after its batch rolled back (its requests may
+-- have gone out) gets the same ids.
+INSERT INTO webhook_outbox
+    (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
+     stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
+SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
+       CASE WHEN e.ordered THEN ev.id END,
+       CASE WHEN e.state <> 'enabled' THEN 'parked'
+            WHEN e.ordered AND NOT d.head THEN 'waiting' END,
+       CASE WHEN e.state <> 'enabled' OR (e.ordered AND NOT d.head)
+            THEN 'infinity'::timestamptz ELSE now() END,
+       ev.traceparent, ev.tracestate,
+       md5(ev.delivery_id::text || chr(31) || e.id)::uuid
+FROM ev
+JOIN webhook_endpoints e ON e.tenant = ev.tenant
+CROSS JOIN LATERAL (
+    -- CASE: the lookups run only for a locked stream of an enabled ordered endpoint.
+    SELECT CASE
+        WHEN e.ordered AND e.state = 'enabled' AND EXISTS (
+            SELECT 1
+            FROM unnest(%(locked_endpoints)s::text[], %(locked_streams)s::text[]) AS l(e, s)
+            WHERE l.e = e.id AND l.s = ev.stream_id)
+        THEN NOT EXISTS (
+                SELECT 1 FROM webhook_outbox w
+                WHERE w.endpoint_id = e.id AND w.stream_id = ev.stream_id
+                  AND NOT w.processed AND w.stream_seq IS NOT NULL)
+             AND NOT EXISTS (
+                SELECT 1 FROM webhook_outbox u
+                WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = ev.tenant
+                  AND u.stream_id = ev.stream_id AND u.id < ev.id)
+        ELSE false END AS head
+) d
+WHERE e.id NOT IN ('default', 'operator')
+  AND e.created_at <= ev.enqueued_at
+  AND EXISTS (
+      SELECT 1 FROM unnest(e.event_types) AS p(pattern)
+      WHERE p.pattern = '*' OR p.pattern = ev.event_type
+         OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+
 -- name: complete_batch
 -- Every outcome of one batch in one statement: route its event rows, mark attempts
 -- processed, hold rows (deferred, parked, leased), insert retries (same delivery id, next
@@ -248,9 +296,10 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM streak_ended);
 -- routes the others). Up to %(cap)s of the rows due now are returned in the claim's
 -- columns and sent in the same batch (routed ones, then ordered streams' heads); the rest
 -- are claimed like any other once it commits.
--- Each row of the answer also carries the events that reached an endpoint and the ordered
+-- Each row of the answer also carries the events that reached an endpoint, the ordered
 -- (endpoint, stream) pairs whose next head the batch chooses after its completion (also
--- where this event reached no ordered endpoint).
+-- where this event reached no ordered endpoint), and the fresh pairs, which need no such
+-- choice (see "fresh").
 WITH ev AS (
     -- id = ANY: one probe of the key per event whatever the planner's statistics say (a
     -- join with the unnested ids was planned as a scan of the outbox right after a bulk
@@ -267,9 +316,26 @@ routed AS (
               endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at,
               created_at, hold
 ),
+-- Pairs whose delivery was made due as it was routed (the stream idle, its lock held
+-- since before this statement) and that got no waiting delivery here: nothing of the
+-- stream can be waiting when the batch ends but what this batch inserts (another
+-- transaction that routes into it meanwhile finds the lock taken, and chooses its head
+-- after its own commit), so whatever becomes of that delivery, there is no next head to
+-- choose.
+fresh AS (
+    SELECT DISTINCT r.endpoint_id, r.stream_id
+    FROM routed r
+    WHERE r.stream_seq IS NOT NULL AND r.hold IS NULL
+      AND NOT EXISTS (
+          SELECT 1 FROM routed w
+          WHERE w.endpoint_id = r.endpoint_id AND w.stream_id = r.stream_id
+            AND w.hold IS NOT NULL)
+),
 ordered_pairs AS (
     SELECT DISTINCT e.id AS endpoint_id, ev.stream_id
     FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant AND e.ordered
+    EXCEPT
+    SELECT endpoint_id, stream_id FROM fresh
 ),
 sendable AS (
     SELECT * FROM routed WHERE hold IS NULL ORDER BY id LIMIT %(cap)s
@@ -297,11 +363,30 @@ SELECT x.id, x.delivery_id::text, x.event_type, x.payload::text, x.attempt, x.re
        x.event_id, x.stream_seq, x.traceparent, x.tracestate, x.partition_at, x.created_at,
        ARRAY(SELECT DISTINCT event_id FROM routed),
        ARRAY(SELECT endpoint_id FROM ordered_pairs ORDER BY 1, stream_id),
-       ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1)
+       ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
+       ARRAY(SELECT endpoint_id FROM fresh ORDER BY 1, stream_id),
+       ARRAY(SELECT stream_id FROM fresh ORDER BY endpoint_id, 1)
 FROM (SELECT 1) one
 LEFT JOIN LATERAL (
     SELECT * FROM sendable UNION ALL SELECT * FROM heads
 ) x ON true;
+
+-- name: try_lock_streams
+-- The ordered streams a routing batch may make a delivery due in as it routes it
+-- (fan_out_insert): those whose lock it gets now. It never waits for one (migration 0011
+-- says why); a stream it did not get has its delivery wait, as before. The same keys as
+-- webhook_promote_heads.
+SELECT p.e, p.s
+FROM unnest(%(endpoints)s::text[], %(streams)s::text[]) AS p(e, s)
+WHERE pg_try_advisory_xact_lock(hashtextextended(p.e || chr(31) || p.s, 1718973816));
+
+-- name: try_promote_heads
+-- promote_heads inside a dispatcher's transaction: without waiting for a stream's lock
+-- (migration 0011). Rows with promoted set are deliveries that became due; rows with
+-- busy_endpoint and busy_stream set, streams whose lock another transaction holds, whose
+-- heads the dispatcher chooses after its commit (promote_heads).
+SELECT promoted, busy_endpoint, busy_stream
+FROM webhook_try_promote_heads(%(endpoints)s::text[], %(streams)s::text[]);
 
 -- name: promote_heads
 -- For each (endpoint, stream) that has none, its next head (the function in migration
