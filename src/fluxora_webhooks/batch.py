@@ -196,8 +196,8 @@ class Batch:
             next_due = await next_due_in_ms(conn, since=since) if short and after is None else 0
         # Only once committed: a batch rolled back leaves its rows before the position.
         self.resume.claimed(rows, settings.batch_size)
-        self.promoted += await self.d.promote_busy(conn, self.busy)
         self.d.after_commit(self)
+        self.d.promote_busy(self.busy)
         return len(rows), next_due
 
     # -- planning ---------------------------------------------------------------------
@@ -233,13 +233,16 @@ class Batch:
             # stream with several events here: a burst of one stream's events goes to
             # several batches at once, and the lock, held through the batch, would only
             # make the others wait for it (their deliveries wait for the first anyway).
+            # Nor an endpoint that is slow now: its request would likely outlive the batch,
+            # and a delivery the batch itself wrote has no row left to lease should the
+            # batch roll back, so the stream's next delivery could go while it still runs.
             mine = [row for row in rows if row.id in early]
             count = Counter((row.tenant, row.stream_id) for row in mine)
             pairs = {
                 (endpoint_id, row.stream_id)
                 for row in mine
                 if count[row.tenant, row.stream_id] == 1
-                for endpoint_id in self.d.targets.ordered_of(row.tenant)
+                for endpoint_id in self._steady_ordered(row.tenant)
             }
             locked = await try_lock_streams(conn, pairs) if pairs else set()
             routing = await route_events(
@@ -261,6 +264,18 @@ class Batch:
         for row in routing.due:
             self.parts[row.id] = row.partition_at
         return [*rows, *routing.due]
+
+    def _steady_ordered(self, tenant: str) -> list[str]:
+        """``tenant``'s ordered endpoints known here, enabled and not slow now."""
+        steady = []
+        for endpoint_id in self.d.targets.ordered_of(tenant):
+            target = self.d.targets.get(endpoint_id)
+            if target is None or not target.enabled:
+                continue
+            if target.load.detached_at_once:  # slow, or suspected of hanging
+                continue
+            steady.append(endpoint_id)
+        return steady
 
     async def _plan(self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]) -> None:
         candidates: list[tuple[Claimed, Target]] = []

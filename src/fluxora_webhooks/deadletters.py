@@ -47,8 +47,8 @@ async def replay_or_purge_on(
     async with conn.transaction():
         cur = await conn.execute(query(f"dlq_{action}"), {"keys": list(keys), "all": include_all})
         rows = await cur.fetchall()
-        if action == "replay":
-            await promote_heads(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])
+    if action == "replay":  # after the commit (docs/design.md, "Ordering")
+        await promote_heads(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])
     found = [(str(r[0]), str(r[1])) for r in rows]
     matched = {k for pair in found for k in pair}
     return [d for d, _ in found], [k for k in keys if k not in matched]

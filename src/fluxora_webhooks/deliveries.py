@@ -291,7 +291,9 @@ async def replay(
         else:
             rows = await _rows(conn, "delivery_requeue", {"id": current["id"]})
             pairs = [(current["endpoint_id"], r["stream_id"]) for r in rows if r["stream_seq"]]
-        await promote_heads(conn, pairs)
+    # After the commit: no transaction waits for a stream's lock holding anything else
+    # (docs/design.md, "Ordering"); should this fail, the sweep chooses the head.
+    await promote_heads(conn, pairs)
     return await get_delivery(conn, delivery_id, tenant=tenant)
 
 

@@ -115,6 +115,7 @@ class Dispatcher:
     ) -> None:
         env: dict[str, tuple[str, Signer]] = {}
         env_secrets: dict[str, tuple[str, ...]] = {}
+        self._promotions: set[asyncio.Task[None]] = set()  # see promote_busy
         # Settings built in code skip from_env: the URL policy and the secret are checked
         # here too, so a library user cannot send unsigned or to a refused URL.
         for name, url, secret, previous in (
@@ -220,9 +221,10 @@ class Dispatcher:
             # of one request (their rows are leased, so nothing is lost if we cannot).
             await self.completer.drain(self.settings.timeout_ms / 1000 + 1)
         finally:
-            for task in (*background, *tasks):
+            # Promotions still waiting for a stream's lock are left to the sweep.
+            for task in (*background, *tasks, *self._promotions):
                 task.cancel()
-            await asyncio.gather(*background, *tasks, return_exceptions=True)
+            await asyncio.gather(*background, *tasks, *self._promotions, return_exceptions=True)
             await self._pool.close()
             for client in self._clients.values():
                 await client.close()
@@ -643,30 +645,33 @@ class Dispatcher:
         if batch.promoted:
             self._waker.wake()
 
-    async def promote_busy(
-        self, conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
-    ) -> int:
-        """After a commit: the next heads of the ordered streams whose lock another
-        transaction held when this one chose them (migration 0011), in a transaction of its
-        own that holds nothing else and waits for the locks; that holder's own choice is
-        committed by then. Should this fail, the sweep chooses them. Returns how many
-        deliveries became due."""
+    def promote_busy(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """After a commit: choose the next heads of the ordered streams whose lock another
+        transaction held when this one chose them (migration 0011), in a task of its own
+        on a pool connection, in a transaction that holds nothing else and waits for the
+        locks; that holder's own choice is committed by then. The claim loop goes on
+        meanwhile (the holder's batch may last as long as its requests). Should it fail,
+        or the dispatcher stop first, the sweep chooses them."""
         if not pairs:
-            return 0
+            return
+        task = asyncio.ensure_future(self._promote_busy(sorted(set(pairs))))
+        self._promotions.add(task)
+        task.add_done_callback(self._promotions.discard)
+
+    async def _promote_busy(self, pairs: list[tuple[str, str]]) -> None:
         from .outbox import promote_heads
 
         try:
-            promoted = await promote_heads(conn, pairs)
-        except psycopg.Error as exc:
+            promoted = await self.with_connection(lambda conn: promote_heads(conn, pairs))
+        except Exception as exc:
             log.warning(
                 "choosing the next head of %d ordered stream(s) failed (%s); the sweep will",
                 len(pairs),
                 type(exc).__name__,
             )
-            return 0
+            return
         if promoted:
             self._waker.wake()
-        return promoted
 
     def after_rollback(self, batch: Batch) -> None:
         """The batch's transaction rolled back: its leases were never written, so its

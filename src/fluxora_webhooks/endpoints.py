@@ -462,10 +462,12 @@ async def enable(
             return await get(conn, endpoint_id, tenant=tenant)  # enabled already, or 404
         cur = await conn.execute(query("endpoint_unpark"), {"id": endpoint_id})
         streams = [str(r[0]) for r in await cur.fetchall()]
-        await promote_heads(conn, [(endpoint_id, s) for s in streams])
         await operator_event(
             conn, "endpoint.enabled", stream_id=endpoint_id, payload=_state_event(row, None)
         )
+    # After the commit: no transaction waits for a stream's lock holding anything else
+    # (docs/design.md, "Ordering"); should this fail, the sweep chooses the heads.
+    await promote_heads(conn, [(endpoint_id, s) for s in streams])
     return Endpoint.from_row(row)
 
 
@@ -549,7 +551,7 @@ async def recover(
             row = await cur.fetchone()
             assert row is not None
             count, streams = int(row[0]), list(row[1] or [])
-            await promote_heads(conn, [(endpoint_id, s) for s in streams])
+        await promote_heads(conn, [(endpoint_id, s) for s in streams])  # after the commit
         total += count
         if count < batch:
             return total

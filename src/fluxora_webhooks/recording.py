@@ -134,7 +134,7 @@ class Recorder:
             await self._effects(
                 conn, Recorded(ordered=ordered), Effects(set(), set(), [], set()), busy
             )
-        batch.promoted += await self.d.promote_busy(conn, busy)
+        self.d.promote_busy(busy)
         return recorded
 
     def prepare_detached(self, items: Sequence[Detached]) -> Prepared:
@@ -158,7 +158,7 @@ class Recorder:
                 conn, prepared.completions, prepared.parts, **_streaks(prepared.effects)
             )
             await self._effects(conn, recorded, prepared.effects, busy)
-        await self.d.promote_busy(conn, busy)
+        self.d.promote_busy(busy)
 
     async def _effects(
         self,
