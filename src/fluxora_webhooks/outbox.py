@@ -355,14 +355,11 @@ def complete_statement(
     prerouted: Collection[int] = (),
     succeeded: Sequence[str] = (),
     failed: Sequence[str] = (),
-    general: bool = False,
 ) -> tuple[str, list[Any]]:
     """The statement :func:`complete` runs and its parameters (native ``$n`` placeholders,
-    for a :class:`psycopg.AsyncRawCursor`): ``complete_delivered`` when :func:`is_plain`
-    (and not ``general``), else ``complete_batch``."""
+    for a :class:`psycopg.AsyncRawCursor`)."""
     known = [at for c in completions if (at := parts[c.id]) is not None]
-    plain = not general and is_plain(completions, route=route, prerouted=prerouted, failed=failed)
-    text, names = native("complete_delivered" if plain else "complete_batch")
+    text, names = native("complete_batch")
     params: dict[str, Any] = {
         "ids": [c.id for c in completions],
         "outcomes": [c.outcome.value for c in completions],
@@ -383,30 +380,6 @@ def complete_statement(
         "failed": [e for e in failed if e not in succeeded],
     }
     return text, [params[n] for n in names]
-
-
-def is_plain(
-    completions: Sequence[Completion],
-    *,
-    route: Sequence[int] = (),
-    prerouted: Collection[int] = (),
-    failed: Sequence[str] = (),
-) -> bool:
-    """Whether a batch's outcomes are all delivered attempts and event rows already routed
-    (by :func:`route_events`), none under a lease, with nothing to route and no failure:
-    what ``complete_delivered`` writes, the common batch."""
-    return (
-        not route
-        and not failed
-        and all(
-            c.lease is None
-            and (
-                c.outcome is Outcome.DELIVERED
-                or (c.outcome is Outcome.ROUTED and c.id in prerouted)
-            )
-            for c in completions
-        )
-    )
 
 
 async def complete(
@@ -433,8 +406,6 @@ async def complete(
     await cur.execute(text, params)
     row = await cur.fetchone()
     assert row is not None
-    if len(row) == 2:  # complete_delivered
-        return Recorded(int(row[0]))
     pairs = list(zip(row[5] or [], row[6] or [], strict=True))
     return Recorded(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4]), pairs)
 

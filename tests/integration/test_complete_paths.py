@@ -1,17 +1,15 @@
-"""The common batch (every row delivered, or an event row already routed) is written by a
-statement of its own, ``complete_delivered``: it must write exactly what the general
-``complete_batch`` writes, on a plain and on a partitioned outbox. And the claim keeps one
-plan: its batch size is part of its text, not a parameter PostgreSQL plans for each time."""
+"""Recording a batch: only rows still pending are written; the rows are found by their key
+however the statistics see the backlog; and the claim keeps one plan (its batch size is
+part of its text, not a parameter PostgreSQL plans for each time)."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import psycopg
 import pytest
 
-from fluxora_webhooks import endpoints, partitions
+from fluxora_webhooks import endpoints
 from fluxora_webhooks.outbox import (
     Claimed,
     Completion,
@@ -19,8 +17,8 @@ from fluxora_webhooks.outbox import (
     claim_due,
     complete,
     complete_statement,
-    is_plain,
 )
+from tests.integration.test_plans_many import explain
 
 pytestmark = pytest.mark.integration
 
@@ -67,61 +65,9 @@ async def _written(conn: psycopg.AsyncConnection[Any], ids: list[int]) -> list[t
     return await cur.fetchall()
 
 
-async def _record(
-    conn: psycopg.AsyncConnection[Any], *, general: bool, succeeded: list[str]
-) -> list[int]:
-    """Claim a batch, record it delivered with one statement or the other; the ids."""
-    async with conn.transaction():
-        rows = await claim_due(conn, 5)
-        completions = _delivered(rows)
-        parts = {r.id: r.partition_at for r in rows}
-        text, params = complete_statement(completions, parts, succeeded=succeeded, general=general)
-        assert ("retried AS" in text) == general
-        cur = psycopg.AsyncRawCursor(conn)
-        await cur.execute(text, params)
-    return [r.id for r in rows]
-
-
-@pytest.mark.parametrize("partitioned", [False, True], ids=["plain", "partitioned"])
-async def test_a_delivered_batch_is_written_as_the_general_statement_writes_it(
-    database_url: str, partitioned: bool
-) -> None:
-    async with await _connect(database_url) as conn:
-        if partitioned:
-            assert await partitions.convert(conn, interval_ms=86_400_000) is True
-        # The default endpoint as a running service configures it, failing.
-        await conn.execute(
-            "INSERT INTO webhook_endpoints (id, tenant, url, failing_since)"
-            " VALUES ('default', '', 'https://example.com/h', now())"
-        )
-        await _events(conn, 10)
-        general = await _record(conn, general=True, succeeded=["default"])
-        cur = await conn.execute(
-            "SELECT failing_since IS NULL FROM webhook_endpoints WHERE id = 'default'"
-        )
-        assert await cur.fetchone() == (True,)
-        await conn.execute(
-            "UPDATE webhook_endpoints SET failing_since = now() WHERE id = 'default'"
-        )
-        plain = await _record(conn, general=False, succeeded=["default"])
-        cur = await conn.execute(
-            "SELECT failing_since IS NULL FROM webhook_endpoints WHERE id = 'default'"
-        )
-        assert await cur.fetchone() == (True,), "the plain statement ends the failure streak"
-        # The same values row for row (the rows differ only in id and write times).
-        by_general = await _written(conn, general)
-        by_plain = await _written(conn, plain)
-        assert by_plain == by_general
-        assert all(row[0] is True and row[2] == "delivered" for row in by_plain)
-        assert {row[3] for row in by_plain} == {"default"}
-        # Nothing else was written: no retry row, no dead letter.
-        cur = await conn.execute("SELECT count(*) FROM webhook_outbox WHERE attempt > 1")
-        assert await cur.fetchone() == (0,)
-
-
 async def test_a_row_completed_meanwhile_is_not_written_again(database_url: str) -> None:
-    """Like the general statement, the plain one writes only rows still pending: a row
-    recorded by another transaction keeps what that one wrote."""
+    """Only rows still pending are written: a row recorded by another transaction keeps
+    what that one wrote."""
     async with await _connect(database_url) as conn:
         await _events(conn, 3)
         async with conn.transaction():
@@ -134,21 +80,6 @@ async def test_a_row_completed_meanwhile_is_not_written_again(database_url: str)
         assert recorded.processed == 2
         found = await _written(conn, [rows[0].id])
         assert found[0][2] == "dead_letter"
-
-
-def test_only_the_common_batch_takes_the_plain_statement() -> None:
-    delivered = Completion(1, Outcome.DELIVERED, status_code=200, endpoint_id="default")
-    routed = Completion(2, Outcome.ROUTED)
-    assert is_plain([delivered, routed], prerouted={2})
-    # An event row the completion itself must route, or one marked routed that was not.
-    assert not is_plain([delivered], route=[3])
-    assert not is_plain([delivered, routed])
-    # Any other outcome, a lease, or a failure streak to start.
-    for other in (Outcome.RETRY, Outcome.DEAD_LETTER, Outcome.DEFERRED, Outcome.PARKED):
-        assert not is_plain([delivered, Completion(3, other)])
-    leased = Completion(1, Outcome.DELIVERED, lease=uuid.uuid4())
-    assert not is_plain([leased])
-    assert not is_plain([delivered], failed=["e1"])
 
 
 async def test_the_claim_keeps_one_plan(database_url: str) -> None:
@@ -171,7 +102,7 @@ async def test_the_claim_keeps_one_plan(database_url: str) -> None:
     assert custom == 0 and generic >= 5, f"claim: {generic} generic, {custom} custom plans"
 
 
-async def test_an_endpoint_batch_is_recorded_by_the_plain_statement(database_url: str) -> None:
+async def test_an_endpoint_batch_is_recorded_with_its_endpoint(database_url: str) -> None:
     """Delivery rows of a tenant's endpoint (not the default) through ``complete``: written
     delivered, their endpoint kept."""
     async with await _connect(database_url) as conn:
@@ -192,3 +123,33 @@ async def test_an_endpoint_batch_is_recorded_by_the_plain_statement(database_url
         assert recorded.processed == 4
         found = await _written(conn, [r.id for r in rows])
         assert {(f[0], f[2], f[3], f[4]) for f in found} == {(True, "delivered", endpoint.id, 204)}
+
+
+@pytest.mark.parametrize("outcome", [Outcome.DELIVERED, Outcome.RETRY], ids=str)
+async def test_a_batch_is_recorded_by_key_beside_a_backlog_the_statistics_miss(
+    database_url: str, outcome: Outcome
+) -> None:
+    """The statistics say almost nothing is pending (analyzed over 200,000 processed rows)
+    when 20,000 rows are: recording a batch of ten still probes the key for each, rather
+    than reading every pending row (the plan it had with "NOT processed")."""
+    async with await _connect(database_url) as conn:
+        await conn.execute("ALTER TABLE webhook_outbox SET (autovacuum_enabled = false)")
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, processed,"
+            " processed_at, outcome, endpoint_id)"
+            " SELECT 's', 'e', '{}', true, now(), 'delivered', 'ep'"
+            " FROM generate_series(1, 200000)"
+        )
+        await conn.execute("ANALYZE webhook_outbox")
+        await _events(conn, 20000)
+        cur = await conn.execute(
+            "SELECT id, partition_at FROM webhook_outbox WHERE NOT processed ORDER BY id LIMIT 10"
+        )
+        found = {int(r[0]): r[1] for r in await cur.fetchall()}
+        statement, params = complete_statement(
+            [Completion(i, outcome, status_code=200, delay_ms=1000) for i in found], found
+        )
+        plan = await explain(conn, statement, params, native=True)
+    updates = [n for n in plan.all if n.get("Operation") == "Update"]
+    assert updates, "no update in the plan"
+    plan.check(uses={"webhook_outbox_pkey"}, max_examined=100)

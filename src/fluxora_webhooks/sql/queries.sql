@@ -171,10 +171,14 @@ done AS (
         status_code = r.status_code, error = r.error, response_body = r.response_body,
         duration_ms = r.duration_ms, lease = NULL
     FROM r
+    -- "processed IS FALSE", not "NOT processed" (the column is NOT NULL: the same rows):
+    -- with the latter the planner could match the partial indexes over pending rows and
+    -- read all of them (webhook_outbox_endpoint_pending_idx) to find the batch's, on every
+    -- batch, as long as the backlog; so the rows are found by their key, one probe each.
     WHERE o.id = r.id AND o.partition_at = r.partition_at
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
       AND r.outcome IN ('delivered', 'retry', 'dead_letter', 'routed')
-      AND NOT o.processed AND (r.lease IS NULL OR o.lease = r.lease)
+      AND o.processed IS FALSE AND (r.lease IS NULL OR o.lease = r.lease)
     RETURNING o.id, r.outcome AS wanted, r.delay_ms, r.reason, r.status_code, r.error,
               r.response_body, o.tenant, o.stream_id, o.event_type, o.payload, o.delivery_id,
               o.attempt, o.enqueued_at, o.replay, o.endpoint_id, o.event_id, o.stream_seq,
@@ -192,7 +196,7 @@ held AS (
     FROM r
     WHERE o.id = r.id AND o.partition_at = r.partition_at
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
-      AND r.outcome IN ('deferred', 'parked', 'leased') AND NOT o.processed
+      AND r.outcome IN ('deferred', 'parked', 'leased') AND o.processed IS FALSE
       AND (r.outcome = 'leased' OR r.lease IS NULL OR o.lease = r.lease)
     RETURNING o.id
 ),
@@ -256,40 +260,6 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
        ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
        (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
        + (SELECT count(*) FROM streak_started);
-
--- name: complete_delivered
--- complete_batch for the common batch: every row delivered, or an event row that
--- route_events routed, none leased, nothing else to route and no failure streak to start.
--- The same writes as complete_batch's "done" and "streak_ended" parts, without the
--- executor start-up of the others (each data-modifying part opens the outbox and its
--- indexes whether or not it has a row): about a third of the database's CPU per batch.
-WITH r AS (
-    SELECT *
-    FROM unnest(
-        %(ids)s::bigint[], %(outcomes)s::text[], %(codes)s::int[], %(errors)s::text[],
-        %(bodies)s::text[], %(durations)s::float8[], %(endpoints)s::text[],
-        %(parts)s::timestamptz[]
-    ) AS t(id, outcome, status_code, error, response_body, duration_ms, endpoint_id,
-           partition_at)
-),
-done AS (
-    UPDATE webhook_outbox o
-    SET processed = true, processed_at = clock_timestamp(), outcome = r.outcome,
-        endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id),
-        status_code = r.status_code, error = r.error, response_body = r.response_body,
-        duration_ms = r.duration_ms, lease = NULL
-    FROM r
-    WHERE o.id = r.id AND o.partition_at = r.partition_at
-      AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
-      AND NOT o.processed
-    RETURNING o.id
-),
-streak_ended AS (
-    UPDATE webhook_endpoints SET failing_since = NULL
-    WHERE id = ANY(%(succeeded)s::text[]) AND failing_since IS NOT NULL
-    RETURNING id
-)
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM streak_ended);
 
 -- name: route_events
 -- Fan-out of a batch's event rows, before its requests (fan_out_insert, as complete_batch
