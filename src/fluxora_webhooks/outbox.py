@@ -302,7 +302,7 @@ async def route_events(
 
 _CLAIM_ORDER = "ORDER BY created_at ASC, id ASC"
 # route_events's fan-out when the batch holds some ordered streams' locks.
-_IDLE_HEADS = ("fan_out_insert", "fan_out_insert_heads")
+_IDLE_HEADS = ("fan_out_head", "fan_out_head_idle")
 
 
 @cache

@@ -49,7 +49,14 @@ def expand_uses(blocks: dict[str, str], swap: Mapping[str, str] | None = None) -
         assert name in blocks, f"-- use: {name}: no such block"
         return "\n".join(indent + line if line else line for line in blocks[name].splitlines())
 
-    return {name: _USE.sub(use, body) for name, body in blocks.items()}
+    expanded = {}
+    for name, body in blocks.items():
+        for _ in range(4):  # a fragment may use another
+            body, found = _USE.subn(use, body)
+            if not found:
+                break
+        expanded[name] = body
+    return expanded
 
 
 @cache

@@ -51,39 +51,10 @@ WHERE processed = false AND created_at > now() AND created_at < 'infinity'
 -- A fragment, in route_events and complete_batch (a "use" line names it there): one
 -- delivery row per endpoint of the event's tenant (from "ev") that subscribes to its type
 -- and existed when it was enqueued. Parked while the endpoint is disabled; an ordered
--- endpoint's delivery waits for its stream's head. The delivery id is derived from the
--- event's and the endpoint's, so an event routed again after its batch rolled back (its
--- requests may have gone out) gets the same ids.
-INSERT INTO webhook_outbox
-    (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
-     stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
-SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
-       CASE WHEN e.ordered THEN ev.id END,
-       CASE WHEN e.state <> 'enabled' THEN 'parked' WHEN e.ordered THEN 'waiting' END,
-       CASE WHEN e.state <> 'enabled' OR e.ordered THEN 'infinity'::timestamptz
-            ELSE now() END,
-       ev.traceparent, ev.tracestate,
-       md5(ev.delivery_id::text || chr(31) || e.id)::uuid
-FROM ev
-JOIN webhook_endpoints e ON e.tenant = ev.tenant
-WHERE e.id NOT IN ('default', 'operator')
-  AND e.created_at <= ev.enqueued_at
-  AND EXISTS (
-      SELECT 1 FROM unnest(e.event_types) AS p(pattern)
-      WHERE p.pattern = '*' OR p.pattern = ev.event_type
-         OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
-
--- name: fan_out_insert_heads
--- fan_out_insert as route_events runs it when the batch holds some ordered streams' locks
--- (outbox.route_events swaps it in): the same rows, but an ordered endpoint's delivery
--- waits for its stream's head only while the stream is busy. It is idle when its lock is
--- held by this transaction (the locked pairs, from try_lock_streams),
--- none of its deliveries is pending, and no earlier event of it is still to be routed
--- (this batch's own included: only the first of a stream's events in a batch can be due).
--- Such a delivery is the stream's head at once, due now: it is sent by this batch, with
--- no row version of its own for the wait. The delivery id is derived from the event's and
--- the endpoint's, so an event routed again after its batch rolled back (its requests may
--- have gone out) gets the same ids.
+-- endpoint's delivery waits for its stream's head unless it is the head at once
+-- ("d.head": fan_out_head, or fan_out_head_idle when route_events swaps it in). The
+-- delivery id is derived from the event's and the endpoint's, so an event routed again
+-- after its batch rolled back (its requests may have gone out) gets the same ids.
 INSERT INTO webhook_outbox
     (tenant, stream_id, event_type, payload, enqueued_at, endpoint_id, event_id,
      stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
@@ -98,21 +69,7 @@ SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id,
 FROM ev
 JOIN webhook_endpoints e ON e.tenant = ev.tenant
 CROSS JOIN LATERAL (
-    -- CASE: the lookups run only for a locked stream of an enabled ordered endpoint.
-    SELECT CASE
-        WHEN e.ordered AND e.state = 'enabled' AND EXISTS (
-            SELECT 1
-            FROM unnest(%(locked_endpoints)s::text[], %(locked_streams)s::text[]) AS l(e, s)
-            WHERE l.e = e.id AND l.s = ev.stream_id)
-        THEN NOT EXISTS (
-                SELECT 1 FROM webhook_outbox w
-                WHERE w.endpoint_id = e.id AND w.stream_id = ev.stream_id
-                  AND NOT w.processed AND w.stream_seq IS NOT NULL)
-             AND NOT EXISTS (
-                SELECT 1 FROM webhook_outbox u
-                WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = ev.tenant
-                  AND u.stream_id = ev.stream_id AND u.id < ev.id)
-        ELSE false END AS head
+    -- use: fan_out_head
 ) d
 WHERE e.id NOT IN ('default', 'operator')
   AND e.created_at <= ev.enqueued_at
@@ -120,6 +77,36 @@ WHERE e.id NOT IN ('default', 'operator')
       SELECT 1 FROM unnest(e.event_types) AS p(pattern)
       WHERE p.pattern = '*' OR p.pattern = ev.event_type
          OR (right(p.pattern, 1) = '*' AND starts_with(ev.event_type, left(p.pattern, -1))))
+
+-- name: fan_out_head
+-- A fragment of fan_out_insert: no delivery is its stream's head at once (the planner
+-- folds the constant away).
+SELECT false AS head
+
+-- name: fan_out_head_idle
+-- fan_out_head as route_events runs it when the batch holds some ordered streams' locks
+-- (outbox.route_events swaps it in): an ordered endpoint's delivery is its stream's head
+-- at once when the stream is idle: its lock is held by this transaction (the locked
+-- pairs, from try_lock_streams), none of its deliveries is pending, and no earlier event
+-- of it is still to be routed (this batch's own included: only the first of a stream's
+-- events in a batch can be due). It is due now and sent by this batch, with no row version
+-- of its own for the wait. In a fragment of its own: its lookups cost every routing
+-- statement's start-up. CASE: they run only for a locked stream of an enabled ordered
+-- endpoint.
+SELECT CASE
+    WHEN e.ordered AND e.state = 'enabled' AND EXISTS (
+        SELECT 1
+        FROM unnest(%(locked_endpoints)s::text[], %(locked_streams)s::text[]) AS l(e, s)
+        WHERE l.e = e.id AND l.s = ev.stream_id)
+    THEN NOT EXISTS (
+            SELECT 1 FROM webhook_outbox w
+            WHERE w.endpoint_id = e.id AND w.stream_id = ev.stream_id
+              AND NOT w.processed AND w.stream_seq IS NOT NULL)
+         AND NOT EXISTS (
+            SELECT 1 FROM webhook_outbox u
+            WHERE u.endpoint_id IS NULL AND NOT u.processed AND u.tenant = ev.tenant
+              AND u.stream_id = ev.stream_id AND u.id < ev.id)
+    ELSE false END AS head
 
 -- name: complete_batch
 -- Every outcome of one batch in one statement: route its event rows, mark attempts
