@@ -233,17 +233,21 @@ class Batch:
             # stream with several events here: a burst of one stream's events goes to
             # several batches at once, and the lock, held through the batch, would only
             # make the others wait for it (their deliveries wait for the first anyway).
-            # Nor an endpoint that is slow now: its request would likely outlive the batch,
+            # Nor an endpoint that is disabled, or slow or suspected of hanging (its requests
+            # leave their batch at once): its request would likely outlive the batch,
             # and a delivery the batch itself wrote has no row left to lease should the
             # batch roll back, so the stream's next delivery could go while it still runs.
-            mine = [row for row in rows if row.id in early]
-            count = Counter((row.tenant, row.stream_id) for row in mine)
-            pairs = {
-                (endpoint_id, row.stream_id)
-                for row in mine
-                if count[row.tenant, row.stream_id] == 1
-                for endpoint_id in self._steady_ordered(row.tenant)
-            }
+            pairs: set[tuple[str, str]] = set()
+            if heads:
+                mine = [row for row in rows if row.id in early]
+                count = Counter((row.tenant, row.stream_id) for row in mine)
+                pairs = {
+                    (target.id, row.stream_id)
+                    for row in mine
+                    if count[row.tenant, row.stream_id] == 1
+                    for target in self.d.targets.ordered_of(row.tenant)
+                    if target.enabled and not target.load.detached_at_once
+                }
             locked = await try_lock_streams(conn, pairs) if pairs else set()
             routing = await route_events(
                 conn,
@@ -264,18 +268,6 @@ class Batch:
         for row in routing.due:
             self.parts[row.id] = row.partition_at
         return [*rows, *routing.due]
-
-    def _steady_ordered(self, tenant: str) -> list[str]:
-        """``tenant``'s ordered endpoints known here, enabled and not slow now."""
-        steady = []
-        for endpoint_id in self.d.targets.ordered_of(tenant):
-            target = self.d.targets.get(endpoint_id)
-            if target is None or not target.enabled:
-                continue
-            if target.load.detached_at_once:  # slow, or suspected of hanging
-                continue
-            steady.append(endpoint_id)
-        return steady
 
     async def _plan(self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]) -> None:
         candidates: list[tuple[Claimed, Target]] = []

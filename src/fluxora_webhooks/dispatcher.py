@@ -654,7 +654,7 @@ class Dispatcher:
         or the dispatcher stop first, the sweep chooses them."""
         if not pairs:
             return
-        task = asyncio.ensure_future(self._promote_busy(sorted(set(pairs))))
+        task = asyncio.ensure_future(self._promote_busy(list(pairs)))
         self._promotions.add(task)
         task.add_done_callback(self._promotions.discard)
 

@@ -410,6 +410,13 @@ async def complete(
     return Recorded(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4]), pairs)
 
 
+def _pair_params(pairs: Collection[tuple[str, str]]) -> dict[str, list[str]]:
+    """(endpoint, stream) pairs as the stream-lock statements take them: once each, in key
+    order, as two parallel arrays."""
+    unique = sorted(set(pairs))
+    return {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+
+
 async def promote_heads(
     conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
 ) -> int:
@@ -419,8 +426,7 @@ async def promote_heads(
     deliveries became due."""
     if not pairs:
         return 0
-    unique = sorted(set(pairs))
-    params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+    params = _pair_params(pairs)
     cur = await conn.execute(query("promote_heads"), params)
     return len(await cur.fetchall())
 
@@ -432,8 +438,7 @@ async def try_lock_streams(
     the open transaction; returns those it got (see :func:`route_events`)."""
     if not pairs:
         return set()
-    unique = sorted(set(pairs))
-    params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+    params = _pair_params(pairs)
     cur = await conn.execute(query("try_lock_streams"), params)
     return {(str(e), str(s)) for e, s in await cur.fetchall()}
 
@@ -446,8 +451,7 @@ async def try_promote_heads(
     whose lock another transaction holds, to promote after the commit."""
     if not pairs:
         return 0, []
-    unique = sorted(set(pairs))
-    params = {"endpoints": [e for e, _ in unique], "streams": [s for _, s in unique]}
+    params = _pair_params(pairs)
     cur = await conn.execute(query("try_promote_heads"), params)
     promoted, busy = 0, []
     for head, endpoint_id, stream_id in await cur.fetchall():

@@ -86,7 +86,7 @@ def variant(name: str, use: str, instead: str) -> str:
     (two forms of one statement without two copies of it)."""
     raw = _raw()
     assert instead in raw, f"{instead}: no such block"
-    return expand_uses({**raw, name: raw[name]}, {use: instead})[name]
+    return expand_uses(raw, {use: instead})[name]
 
 
 _PARAM = re.compile(r"%\((\w+)\)s")

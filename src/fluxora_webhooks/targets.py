@@ -161,10 +161,10 @@ class Targets:
     ) -> None:
         self._env = dict(env)
         self._by_id: dict[str, Target] = {}
-        # Of the endpoints in _by_id (None: stale): their tenants, and whether one is ordered.
+        # Of the endpoints in _by_id (None: stale): their tenants, and each tenant's ordered
+        # endpoints.
         self._tenants: frozenset[str] | None = None
-        self._ordered = False
-        self._ordered_ids: dict[str, tuple[str, ...]] = {}  # tenant: its ordered endpoints
+        self._ordered: dict[str, tuple[Target, ...]] = {}
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -196,24 +196,22 @@ class Targets:
     def has_ordered(self) -> bool:
         """Whether an ordered endpoint is known here (a hint as well: a routing batch looks
         for ordered streams' heads to send only then; the claim finds them all the same)."""
-        return self._known()[1]
+        return bool(self._known()[1])
 
-    def ordered_of(self, tenant: str) -> tuple[str, ...]:
-        """The ids of ``tenant``'s ordered endpoints known here (a hint: see
+    def ordered_of(self, tenant: str) -> tuple[Target, ...]:
+        """``tenant``'s ordered endpoints known here (a hint: see
         :func:`fluxora_webhooks.outbox.route_events`)."""
-        self._known()
-        return self._ordered_ids.get(tenant, ())
+        return self._known()[1].get(tenant, ())
 
-    def _known(self) -> tuple[frozenset[str], bool]:
+    def _known(self) -> tuple[frozenset[str], dict[str, tuple[Target, ...]]]:
         if self._tenants is None:
             mine = [t for t in self._by_id.values() if not t.builtin]
             self._tenants = frozenset(t.tenant for t in mine)
-            self._ordered = any(t.ordered for t in mine)
-            ordered: dict[str, list[str]] = {}
+            ordered: dict[str, list[Target]] = {}
             for t in mine:
                 if t.ordered:
-                    ordered.setdefault(t.tenant, []).append(t.id)
-            self._ordered_ids = {k: tuple(v) for k, v in ordered.items()}
+                    ordered.setdefault(t.tenant, []).append(t)
+            self._ordered = {k: tuple(v) for k, v in ordered.items()}
         return self._tenants, self._ordered
 
     async def load_all(self, conn: psycopg.AsyncConnection[Any]) -> None:
