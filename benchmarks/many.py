@@ -958,6 +958,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the isolation section's endpoints, e.g. 900:100 (the burst scaled to about"
         " 20,000 healthy deliveries)",
     )
+    parser.add_argument(
+        "--latency-rate",
+        type=int,
+        help="events/s of the fanout_latency section (the target is at 200; a slower"
+        " machine that cannot keep up with that is compared at a rate it can)",
+    )
     return parser
 
 
@@ -977,6 +983,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     preset = with_isolation(PRESETS[mode], args.isolation)
+    if args.latency_rate:
+        preset = dataclasses.replace(preset, latency_rate=args.latency_rate)
     bench = ManyBench(
         preset,
         admin_url=args.database_url or DEFAULT_PG,

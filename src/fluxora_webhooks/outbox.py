@@ -289,7 +289,7 @@ async def route_events(
     # queries.native), and it runs on every batch that routes. The look at whether a stream
     # is idle is only in the form for a batch that holds some streams' locks: its lookups
     # cost the statement's start-up on every other batch.
-    text, names = native("route_events", _IDLE_HEADS if locked else None)
+    text, names = native("route_events", *((_IDLE_HEADS,) if locked else ()))
     cur = psycopg.AsyncRawCursor(conn)
     await cur.execute(text, [params[n] for n in names])
     rows = await cur.fetchall()
@@ -347,6 +347,10 @@ async def relock_claimed(
     return {int(row[0]) for row in await cur.fetchall()}
 
 
+_WRITES = frozenset({Outcome.DELIVERED, Outcome.RETRY, Outcome.DEAD_LETTER, Outcome.ROUTED})
+_HOLDS = frozenset({Outcome.DEFERRED, Outcome.PARKED, Outcome.LEASED})
+
+
 def complete_statement(
     completions: Sequence[Completion],
     parts: Mapping[int, datetime | None],
@@ -355,11 +359,25 @@ def complete_statement(
     prerouted: Collection[int] = (),
     succeeded: Sequence[str] = (),
     failed: Sequence[str] = (),
+    general: bool = False,
 ) -> tuple[str, list[Any]]:
     """The statement :func:`complete` runs and its parameters (native ``$n`` placeholders,
-    for a :class:`psycopg.AsyncRawCursor`)."""
+    for a :class:`psycopg.AsyncRawCursor`): ``complete_batch`` with the empty form of each
+    part that would write nothing for this batch (every part with ``general``)."""
     known = [at for c in completions if (at := parts[c.id]) is not None]
-    text, names = native("complete_batch")
+    failed = [e for e in failed if e not in succeeded]
+    outcomes = {c.outcome for c in completions}
+    needed = {
+        "complete_routing": bool(route),
+        "complete_done": not outcomes.isdisjoint(_WRITES),
+        "complete_held": not outcomes.isdisjoint(_HOLDS),
+        "complete_retried": Outcome.RETRY in outcomes,
+        "complete_dead": Outcome.DEAD_LETTER in outcomes,
+        "complete_streak_ended": bool(succeeded),
+        "complete_streak_started": bool(failed),
+    }
+    empty = () if general else tuple((p, f"{p}_none") for p, need in needed.items() if not need)
+    text, names = native("complete_batch", *empty)
     params: dict[str, Any] = {
         "ids": [c.id for c in completions],
         "outcomes": [c.outcome.value for c in completions],
@@ -377,7 +395,7 @@ def complete_statement(
         "route": list(route),
         "prerouted": list(prerouted),
         "succeeded": list(succeeded),
-        "failed": [e for e in failed if e not in succeeded],
+        "failed": failed,
     }
     return text, [params[n] for n in names]
 

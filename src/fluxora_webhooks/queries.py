@@ -81,27 +81,28 @@ def query(name: str) -> str:
 
 
 @cache
-def variant(name: str, use: str, instead: str) -> str:
-    """The named block with its ``-- use: <use>`` fragment replaced by block ``instead``
-    (two forms of one statement without two copies of it)."""
+def variant(name: str, *swaps: tuple[str, str]) -> str:
+    """The named block with each ``-- use: <use>`` fragment of ``swaps`` ((use, instead)
+    pairs) replaced by block ``instead`` (forms of one statement without copies of it)."""
     raw = _raw()
-    assert instead in raw, f"{instead}: no such block"
-    return expand_uses(raw, {use: instead})[name]
+    for _, instead in swaps:
+        assert instead in raw, f"{instead}: no such block"
+    return expand_uses(raw, dict(swaps))[name]
 
 
 _PARAM = re.compile(r"%\((\w+)\)s")
 
 
 @cache
-def native(name: str, swap: tuple[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
-    """The named block (``swap``: (use, instead), its :func:`variant`) with PostgreSQL's own
-    ``$n`` placeholders instead of ``%(name)s``, and the parameter names in ``$n`` order,
-    for a :class:`psycopg.AsyncRawCursor`.
+def native(name: str, *swaps: tuple[str, str]) -> tuple[str, tuple[str, ...]]:
+    """The named block (``swaps``: (use, instead) pairs, its :func:`variant`) with
+    PostgreSQL's own ``$n`` placeholders instead of ``%(name)s``, and the parameter names
+    in ``$n`` order, for a :class:`psycopg.AsyncRawCursor`.
 
     psycopg parses a ``%(name)s`` query on every execution when it is longer than its
     cache takes (4 KiB); the batch's completion statement is, and its parse cost more than
     the statement's own round trip. Converted once here, it is sent as it is."""
-    sql = query(name) if swap is None else variant(name, *swap)
+    sql = variant(name, *swaps) if swaps else query(name)
     lines = (line for line in sql.splitlines() if not line.lstrip().startswith("--"))
     text = "\n".join(lines)
     assert "%%" not in text, f"{name}: a literal % has no native form here"

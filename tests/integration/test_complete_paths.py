@@ -1,6 +1,7 @@
-"""Recording a batch: only rows still pending are written; the rows are found by their key
-however the statistics see the backlog; and the claim keeps one plan (its batch size is
-part of its text, not a parameter PostgreSQL plans for each time)."""
+"""Recording a batch: the statement without the parts a batch has nothing for writes what
+the whole statement writes; only rows still pending are written; the rows are found by
+their key however the statistics see the backlog; and the claim keeps one plan (its batch
+size is part of its text, not a parameter PostgreSQL plans for each time)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fluxora_webhooks import endpoints
+from fluxora_webhooks import endpoints, partitions
 from fluxora_webhooks.outbox import (
     Claimed,
     Completion,
@@ -63,6 +64,142 @@ async def _written(conn: psycopg.AsyncConnection[Any], ids: list[int]) -> list[t
         f"SELECT {WRITTEN} FROM webhook_outbox WHERE id = ANY(%s) ORDER BY id", (ids,)
     )
     return await cur.fetchall()
+
+
+# Outcome mixes of a batch of five event rows (delivered as the default endpoint's
+# deliveries, or routed), each taking a different set of the statement's parts.
+MIXES = {
+    "delivered": [Outcome.DELIVERED] * 5,
+    "routed": [Outcome.ROUTED] * 5,
+    "retry": [Outcome.DELIVERED, Outcome.RETRY, Outcome.DELIVERED, Outcome.RETRY, Outcome.RETRY],
+    # Failures only: the endpoint's failure streak starts.
+    "dead": [
+        Outcome.DEAD_LETTER,
+        Outcome.RETRY,
+        Outcome.DEAD_LETTER,
+        Outcome.DEFERRED,
+        Outcome.DEAD_LETTER,
+    ],
+    "held": [Outcome.DEFERRED, Outcome.PARKED, Outcome.DEFERRED, Outcome.PARKED, Outcome.PARKED],
+    "every": [
+        Outcome.DELIVERED,
+        Outcome.RETRY,
+        Outcome.DEAD_LETTER,
+        Outcome.DEFERRED,
+        Outcome.PARKED,
+    ],
+}
+
+
+def _outcomes(rows: list[Claimed], mix: list[Outcome]) -> list[Completion]:
+    return [
+        Completion(
+            r.id,
+            outcome,
+            status_code=None if outcome in (Outcome.DEFERRED, Outcome.PARKED) else 500 + i,
+            error="boom" if outcome is Outcome.RETRY else None,
+            response_body="no" if i % 2 else None,
+            duration_ms=1.5 * i,
+            delay_ms=60_000,
+            reason="exhausted" if outcome is Outcome.DEAD_LETTER else None,
+            endpoint_id=None if outcome is Outcome.ROUTED else "default",
+        )
+        for i, (r, outcome) in enumerate(zip(rows, mix, strict=True))
+    ]
+
+
+async def _record_mix(
+    conn: psycopg.AsyncConnection[Any], mix: list[Outcome], *, general: bool
+) -> tuple[list[int], int]:
+    """Claim five event rows, record them with ``mix`` by the whole statement
+    (``general``) or by the one for this batch; the ids and how many parts it dropped."""
+    async with conn.transaction():
+        rows = await claim_due(conn, 5)
+        assert len(rows) == 5
+        completions = _outcomes(rows, mix)
+        failed = ["default"] if {Outcome.RETRY, Outcome.DEAD_LETTER} & set(mix) else []
+        succeeded = ["default"] if Outcome.DELIVERED in mix else []
+        text, params = complete_statement(
+            completions,
+            {r.id: r.partition_at for r in rows},
+            route=[r.id for r in rows] if Outcome.ROUTED in mix else [],
+            succeeded=succeeded,
+            failed=failed,
+            general=general,
+        )
+        cur = psycopg.AsyncRawCursor(conn)
+        await cur.execute(text, params)
+    return [r.id for r in rows], text.count("WHERE false")
+
+
+async def _what_was_written(
+    conn: psycopg.AsyncConnection[Any], ids: list[int]
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]], Any]:
+    """The rows' written columns (times as whether they moved), the retries and dead
+    letters they made, and the default endpoint's failure streak."""
+    cur = await conn.execute(
+        "SELECT processed, processed_at IS NOT NULL, outcome, endpoint_id, status_code,"
+        " error, response_body, duration_ms, lease, created_at > now() + interval '30 s',"
+        " created_at = 'infinity', hold, attempt, deferrals"
+        " FROM webhook_outbox WHERE id = ANY(%s) ORDER BY id",
+        (ids,),
+    )
+    rows = await cur.fetchall()
+    cur = await conn.execute(
+        "SELECT r.attempt, r.endpoint_id, r.created_at > now() + interval '30 s'"
+        " FROM webhook_outbox r JOIN webhook_outbox o ON r.delivery_id = o.delivery_id"
+        " AND r.attempt = o.attempt + 1 WHERE o.id = ANY(%s) ORDER BY o.id",
+        (ids,),
+    )
+    retries = await cur.fetchall()
+    cur = await conn.execute(
+        "SELECT d.reason, d.last_status, d.endpoint_id FROM webhook_dead_letter d"
+        " JOIN webhook_outbox o ON o.delivery_id = d.delivery_id"
+        " WHERE o.id = ANY(%s) ORDER BY o.id",
+        (ids,),
+    )
+    dead = await cur.fetchall()
+    cur = await conn.execute(
+        "SELECT failing_since IS NOT NULL FROM webhook_endpoints WHERE id = 'default'"
+    )
+    streak = await cur.fetchone()
+    # Ready for the next batch: the streak as the first batch found it.
+    await conn.execute("UPDATE webhook_endpoints SET failing_since = NULL WHERE id = 'default'")
+    return rows, retries, dead, streak
+
+
+@pytest.mark.parametrize("partitioned", [False, True], ids=["plain", "partitioned"])
+@pytest.mark.parametrize("mix", list(MIXES), ids=str)
+async def test_a_batch_is_written_without_its_empty_parts_as_the_whole_statement_writes_it(
+    database_url: str, partitioned: bool, mix: str
+) -> None:
+    async with await _connect(database_url) as conn:
+        if partitioned:
+            assert await partitions.convert(conn, interval_ms=86_400_000) is True
+        # The default endpoint as a running service configures it; and a tenant endpoint
+        # of the default tenant, so that routed event rows get a delivery.
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url)"
+            " VALUES ('default', '', 'https://example.com/h')"
+        )
+        await endpoints.create(conn, url="https://example.com/t", tenant="")
+        await _events(conn, 10)
+        whole, dropped = await _record_mix(conn, MIXES[mix], general=True)
+        assert dropped == 0
+        by_whole = await _what_was_written(conn, whole)
+        lean, dropped = await _record_mix(conn, MIXES[mix], general=False)
+        assert dropped >= 1, "every batch here leaves some part out"
+        by_lean = await _what_was_written(conn, lean)
+    assert by_lean == by_whole
+    rows, retries, dead, streak = by_lean
+    # What each mix is about was written at all (the comparison is not of two empty sets).
+    assert len(retries) == MIXES[mix].count(Outcome.RETRY)
+    assert len(dead) == MIXES[mix].count(Outcome.DEAD_LETTER)
+    assert sum(r[11] == "parked" for r in rows) == MIXES[mix].count(Outcome.PARKED)
+    assert sum(r[2] == "routed" for r in rows) == MIXES[mix].count(Outcome.ROUTED)
+    # A failure starts a streak, unless the same batch had a success.
+    failures = {Outcome.RETRY, Outcome.DEAD_LETTER} & set(MIXES[mix])
+    assert streak == (bool(failures) and Outcome.DELIVERED not in MIXES[mix],)
 
 
 async def test_a_row_completed_meanwhile_is_not_written_again(database_url: str) -> None:

@@ -273,7 +273,7 @@ async def test_routing_to_idle_ordered_streams_is_two_probes_a_delivery(big_url:
                 "locked_endpoints": [e for e, _ in pairs],
                 "locked_streams": [s for _, s in pairs],
             }
-            statement = variant("route_events", "fan_out_head", "fan_out_head_idle")
+            statement = variant("route_events", ("fan_out_head", "fan_out_head_idle"))
             plan = await explain(conn, statement, params)
             async with conn.transaction(force_rollback=True):
                 cur = await conn.execute(statement, params)

@@ -117,6 +117,11 @@ SELECT CASE
 -- their end. A row recorded after its batch (its request outlived it, under a lease) is
 -- written only while it still holds that lease and is pending. %(part_lo)s and %(part_hi)s
 -- bound the rows' partition_at: a partitioned outbox plans only their partitions.
+-- Each part below is a fragment with an empty form (complete_<part>_none, the same
+-- columns and no row): outbox.complete_statement swaps that in for every part the batch
+-- has nothing for. Each data-modifying part opens its table and all its indexes at
+-- executor start-up whether or not it gets a row (the outbox has twelve); the empty form
+-- opens nothing, so the common batch (every row delivered) costs a third less.
 WITH r AS (
     SELECT *
     FROM unnest(
@@ -126,6 +131,24 @@ WITH r AS (
     ) AS t(id, outcome, delay_ms, status_code, error, response_body, duration_ms, reason,
            endpoint_id, lease, partition_at)
 ),
+-- use: complete_routing
+-- use: complete_done
+-- use: complete_held
+-- use: complete_retried
+-- use: complete_dead
+-- Any success ends an endpoint's failure streak; a failure with no streak starts one.
+-- use: complete_streak_ended
+-- use: complete_streak_started
+SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
+       (SELECT count(*) FROM retried), (SELECT count(*) FROM dead),
+       (SELECT count(*) FROM routed),
+       ARRAY(SELECT endpoint_id FROM ordered_pairs ORDER BY 1, stream_id),
+       ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
+       (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
+       + (SELECT count(*) FROM streak_started);
+
+-- name: complete_routing
+-- complete_batch's routing (ev, routed, ordered_pairs).
 -- Fan-out (fan_out_insert) of the event rows route_events did not route: those of tenants
 -- with no endpoint known to the dispatcher, and a batch's recorded again after its
 -- transaction rolled back (with the same delivery ids).
@@ -146,6 +169,14 @@ ordered_pairs AS (
     SELECT DISTINCT e.id AS endpoint_id, ev.stream_id
     FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant AND e.ordered
 ),
+
+-- name: complete_routing_none
+-- No event row to route.
+routed AS (SELECT NULL::bigint AS event_id WHERE false),
+ordered_pairs AS (SELECT NULL::text AS endpoint_id, NULL::text AS stream_id WHERE false),
+
+-- name: complete_done
+-- complete_batch's attempts and routed event rows, marked processed.
 done AS (
     UPDATE webhook_outbox o
     SET processed = true, processed_at = clock_timestamp(),
@@ -171,6 +202,13 @@ done AS (
               o.attempt, o.enqueued_at, o.replay, o.endpoint_id, o.event_id, o.stream_seq,
               o.traceparent, o.tracestate
 ),
+
+-- name: complete_done_none
+-- No row to mark processed (nor, then, a retry or a dead letter).
+done AS (SELECT NULL::bigint AS id WHERE false),
+
+-- name: complete_held
+-- complete_batch's deferred, parked and leased rows.
 held AS (
     UPDATE webhook_outbox o
     SET created_at = CASE
@@ -187,6 +225,13 @@ held AS (
       AND (r.outcome = 'leased' OR r.lease IS NULL OR o.lease = r.lease)
     RETURNING o.id
 ),
+
+-- name: complete_held_none
+-- No row held.
+held AS (SELECT NULL::bigint AS id WHERE false),
+
+-- name: complete_retried
+-- complete_batch's retries.
 retried AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at,
@@ -201,6 +246,13 @@ retried AS (
     WHERE d.wanted = 'retry'
     RETURNING id
 ),
+
+-- name: complete_retried_none
+-- No retry.
+retried AS (SELECT NULL::bigint AS id WHERE false),
+
+-- name: complete_dead
+-- complete_batch's dead letters, and what the operator is told of them.
 dead AS (
     INSERT INTO webhook_dead_letter
         (delivery_id, stream_id, event_type, payload, attempts, reason, last_status,
@@ -229,24 +281,35 @@ told AS (
       AND EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = 'operator')
     RETURNING 1
 ),
--- Any success ends an endpoint's failure streak; a failure with no streak starts one.
+
+-- name: complete_dead_none
+-- No dead letter.
+dead AS (SELECT NULL::uuid AS delivery_id WHERE false),
+told AS (SELECT 1 WHERE false),
+
+-- name: complete_streak_ended
+-- complete_batch's failure streaks ended by a success.
 streak_ended AS (
     UPDATE webhook_endpoints SET failing_since = NULL
     WHERE id = ANY(%(succeeded)s::text[]) AND failing_since IS NOT NULL
     RETURNING id
 ),
+
+-- name: complete_streak_ended_none
+-- No success.
+streak_ended AS (SELECT NULL::text AS id WHERE false),
+
+-- name: complete_streak_started
+-- complete_batch's failure streaks started by a failure.
 streak_started AS (
     UPDATE webhook_endpoints SET failing_since = clock_timestamp()
     WHERE id = ANY(%(failed)s::text[]) AND failing_since IS NULL
     RETURNING id
 )
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
-       (SELECT count(*) FROM retried), (SELECT count(*) FROM dead),
-       (SELECT count(*) FROM routed),
-       ARRAY(SELECT endpoint_id FROM ordered_pairs ORDER BY 1, stream_id),
-       ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
-       (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
-       + (SELECT count(*) FROM streak_started);
+
+-- name: complete_streak_started_none
+-- No failure.
+streak_started AS (SELECT NULL::text AS id WHERE false)
 
 -- name: route_events
 -- Fan-out of a batch's event rows, before its requests (fan_out_insert, as complete_batch
