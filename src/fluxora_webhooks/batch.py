@@ -209,9 +209,11 @@ class Batch:
         plan: the claimed ones and up to a batch of the deliveries just routed that are due
         now. They are sent in this transaction rather than claimed in a next one: one
         transaction per event instead of two (the fan-out's commit-to-receipt time). The
-        event rows of tenants with no endpoint known here (a single-consumer outbox's, all
-        of them) are routed by the completion statement instead, which costs them no
-        statement of their own; an endpoint created a moment ago gets them all the same."""
+        event rows of tenants with no endpoint known here are routed by the completion
+        statement instead, which costs them no statement of their own; an endpoint created
+        a moment ago gets them all the same (the claim saw it: ``routable``). Those of a
+        tenant with no endpoint of its own at the claim (a single-consumer outbox's, all of
+        them) are not routed at all: the completion leaves its routing part out."""
         early: dict[int, datetime | None] = {}
         for row in rows:
             if not row.is_event:
@@ -221,7 +223,7 @@ class Batch:
                 self.for_default.add(row.id)
             if self.d.targets.routes_tenant(row.tenant):
                 early[row.id] = row.partition_at
-            else:
+            elif row.routable:
                 self.route.append(row.id)
         if not early:
             return rows

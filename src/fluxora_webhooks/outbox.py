@@ -155,6 +155,9 @@ class Claimed:
     tracestate: str | None = None
     partition_at: datetime | None = None  # names the row together with its id
     created_at: datetime | None = None  # when it was due: where the claim found it
+    # An event row whose tenant had an endpoint of its own in the registry at the claim
+    # (the routing has something to do); True where it was not asked.
+    routable: bool = True
 
     @property
     def is_retry(self) -> bool:
@@ -218,10 +221,10 @@ async def claim_due(
     if after is not None:
         params["after_at"], params["after_id"] = after
     cur = await conn.execute(_claim_sql(name, batch=batch, resumed=after is not None), params)
-    return [_claimed(r) for r in await cur.fetchall()]
+    return [_claimed(r, routable=r[16] is not False) for r in await cur.fetchall()]
 
 
-def _claimed(r: Sequence[Any]) -> Claimed:
+def _claimed(r: Sequence[Any], *, routable: bool = True) -> Claimed:
     """A row in the claim's columns."""
     return Claimed(
         int(r[0]),
@@ -240,6 +243,7 @@ def _claimed(r: Sequence[Any]) -> Claimed:
         r[13],
         r[14],
         r[15],
+        routable,
     )
 
 

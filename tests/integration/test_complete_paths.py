@@ -202,6 +202,34 @@ async def test_a_batch_is_written_without_its_empty_parts_as_the_whole_statement
     assert streak == (bool(failures) and Outcome.DELIVERED not in MIXES[mix],)
 
 
+async def test_the_claim_says_whether_an_event_row_has_an_endpoint_to_be_routed_to(
+    database_url: str,
+) -> None:
+    """An event row of a tenant with no endpoint of its own (the built-in ones do not
+    count) is claimed not routable; one of a tenant with an endpoint, created a moment
+    before the claim, is routable."""
+    async with await _connect(database_url) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url)"
+            " VALUES ('default', '', 'https://example.com/h')"
+        )
+        await endpoints.create(conn, url="https://example.com/a", tenant="acme")
+        for tenant in ("", "acme", ""):
+            await conn.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                " VALUES (%s, 's', 'e', '{}')",
+                (tenant,),
+            )
+        async with conn.transaction():
+            rows = await claim_due(conn, 3)
+        assert [(r.tenant, r.routable) for r in rows] == [("", False), ("acme", True), ("", False)]
+        # Claimed again (nothing was recorded), once the default tenant has an endpoint.
+        await endpoints.create(conn, url="https://example.com/b", tenant="")
+        async with conn.transaction():
+            rows = await claim_due(conn, 3)
+        assert [r.routable for r in rows] == [True, True, True]
+
+
 async def test_a_row_completed_meanwhile_is_not_written_again(database_url: str) -> None:
     """Only rows still pending are written: a row recorded by another transaction keeps
     what that one wrote."""

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from standardwebhooks import Webhook
 
-from fluxora_webhooks import deadletters, endpoints, enqueue, verify
+from fluxora_webhooks import deadletters, endpoints, enqueue, outbox, verify
 from fluxora_webhooks.settings import Settings
 from fluxora_webhooks.targets import Targets
 from tests.support.dispatch import SECRET, make_settings, rows, running_dispatcher, wait_until
@@ -288,6 +288,32 @@ async def test_an_event_whose_routing_is_rejected_costs_the_other_events_nothing
         "ok-2",
         "poison",
     ]
+
+
+async def test_a_single_consumer_outbox_routes_nothing(
+    database_url: str, receivers: list[Receiver], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default endpoint only, every event row is that endpoint's delivery and
+    there is nothing to route it to: no batch's completion carries a routing part (its
+    statement's cost), and every event is delivered and recorded as before."""
+    asked: list[list[int]] = []
+    whole = outbox.complete_statement
+
+    def spy(*args: Any, **kwargs: Any) -> tuple[str, list[Any]]:
+        asked.append(list(kwargs.get("route", ())))
+        return whole(*args, **kwargs)
+
+    monkeypatch.setattr(outbox, "complete_statement", spy)
+    default = receivers[0]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for n in range(5):
+            await enqueue(conn, stream_id=f"s{n}", event_type="e", payload={"n": n})
+    async with running_dispatcher(settings_for(default, batch_size=2), database_url):
+        await default.wait_for(5)
+        await wait_until(lambda: _settled(database_url), what="all recorded")
+    assert asked and all(route == [] for route in asked), asked
+    found = await rows(database_url, "SELECT outcome, endpoint_id FROM webhook_outbox")
+    assert sorted(found) == [("delivered", "default")] * 5
 
 
 async def test_an_event_of_a_tenant_not_known_to_the_dispatcher_yet_is_routed_all_the_same(

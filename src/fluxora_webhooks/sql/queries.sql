@@ -6,13 +6,25 @@
 -- are due at 'infinity', so the claim never sees them.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
        replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
-       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at, created_at
+       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at, created_at,
+       -- use: claim_routable
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
 ORDER BY created_at ASC, id ASC
 LIMIT %(batch)s
 FOR UPDATE SKIP LOCKED;
+
+-- name: claim_routable
+-- A fragment of the claims: whether an event row's tenant has an endpoint of its own in
+-- the registry as the claim sees it (NULL for a delivery row). Where none has, the batch
+-- has nothing to route the row to and leaves the routing out of its completion statement;
+-- an endpoint created before the claim is seen here whether or not the dispatcher's cache
+-- knows it yet.
+CASE WHEN endpoint_id IS NULL THEN EXISTS (
+    SELECT 1 FROM webhook_endpoints e
+    WHERE e.tenant = webhook_outbox.tenant AND e.id NOT IN ('default', 'operator'))
+END AS routable
 
 -- name: claim_due_partitioned
 -- The same claim on a partitioned outbox, looking only at the partitions that can hold a
@@ -22,7 +34,8 @@ FOR UPDATE SKIP LOCKED;
 -- is seen at the next reading, never missed: the reading looks at every partition.
 SELECT id, delivery_id::text AS delivery_id, event_type, payload::text AS body, attempt,
        replay, floor(EXTRACT(EPOCH FROM now()))::bigint AS signed_at, tenant, stream_id,
-       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at, created_at
+       endpoint_id, event_id, stream_seq, traceparent, tracestate, partition_at, created_at,
+       -- use: claim_routable
 FROM webhook_outbox
 WHERE processed = false
   AND created_at <= now()
