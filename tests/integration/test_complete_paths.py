@@ -137,28 +137,26 @@ async def _what_was_written(
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]], Any]:
     """The rows' written columns (times as whether they moved), the retries and dead
     letters they made, and the default endpoint's failure streak."""
-    cur = await conn.execute(
+    of_ids = [
+        # The rows themselves.
         "SELECT processed, processed_at IS NOT NULL, outcome, endpoint_id, status_code,"
         " error, response_body, duration_ms, lease, created_at > now() + interval '30 s',"
         " created_at = 'infinity', hold, attempt, deferrals"
-        " FROM webhook_outbox WHERE id = ANY(%s) ORDER BY id",
-        (ids,),
-    )
-    rows = await cur.fetchall()
-    cur = await conn.execute(
+        " FROM webhook_outbox o WHERE id = ANY(%s) ORDER BY id",
+        # Their retries.
         "SELECT r.attempt, r.endpoint_id, r.created_at > now() + interval '30 s'"
         " FROM webhook_outbox r JOIN webhook_outbox o ON r.delivery_id = o.delivery_id"
         " AND r.attempt = o.attempt + 1 WHERE o.id = ANY(%s) ORDER BY o.id",
-        (ids,),
-    )
-    retries = await cur.fetchall()
-    cur = await conn.execute(
+        # Their dead letters.
         "SELECT d.reason, d.last_status, d.endpoint_id FROM webhook_dead_letter d"
         " JOIN webhook_outbox o ON o.delivery_id = d.delivery_id"
         " WHERE o.id = ANY(%s) ORDER BY o.id",
-        (ids,),
-    )
-    dead = await cur.fetchall()
+    ]
+    found = []
+    for sql in of_ids:
+        cur = await conn.execute(sql, (ids,))
+        found.append(await cur.fetchall())
+    rows, retries, dead = found
     cur = await conn.execute(
         "SELECT failing_since IS NOT NULL FROM webhook_endpoints WHERE id = 'default'"
     )

@@ -134,7 +134,7 @@ SELECT CASE
 -- columns and no row): outbox.complete_statement swaps that in for every part the batch
 -- has nothing for. Each data-modifying part opens its table and all its indexes at
 -- executor start-up whether or not it gets a row (the outbox has twelve); the empty form
--- opens nothing, so the common batch (every row delivered) costs a third less.
+-- opens nothing: a batch of deliveries only costs the database a quarter to a third less.
 WITH r AS (
     SELECT *
     FROM unnest(
