@@ -89,7 +89,14 @@ async def test_claim_uses_the_partial_index_with_a_million_processed_rows(
         scans = list(_nodes(plan[0]["Plan"]))
         index_scans = [n for n in scans if n.get("Index Name") == "webhook_outbox_due_idx"]
         assert index_scans, f"claim does not use the partial index: {scans}"
-        assert not [n for n in scans if n["Node Type"] == "Seq Scan"]
+        # No scan of the outbox itself (the routable look may scan the endpoints table,
+        # a page here, once per claimed event row).
+        outbox_scans = [
+            n
+            for n in scans
+            if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "webhook_outbox"
+        ]
+        assert not outbox_scans, outbox_scans
         async with conn.transaction():
             cur = await conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("claim_due"), {"batch": 10}
