@@ -351,6 +351,8 @@ async def relock_claimed(
     return {int(row[0]) for row in await cur.fetchall()}
 
 
+# The outcomes complete_batch's "done" and "held" parts write (their "r.outcome IN (...)"
+# filters): a batch with none of one set gets that part's empty form.
 _WRITES = frozenset({Outcome.DELIVERED, Outcome.RETRY, Outcome.DEAD_LETTER, Outcome.ROUTED})
 _HOLDS = frozenset({Outcome.DEFERRED, Outcome.PARKED, Outcome.LEASED})
 
