@@ -34,8 +34,12 @@ COMPLETE = (
     "UPDATE rt SET v = v + 1 FROM unnest(%(ids)s::int8[], %(codes)s::int4[], %(errs)s::text[])"
     " AS u(id, c, e) WHERE rt.id = u.id"
 )
-PARAMS: dict[str, Any] = {"n": 10, "ids": list(range(1, 11)), "codes": [200] * 10}
-PARAMS["errs"] = [None] * 10
+PARAMS: dict[str, Any] = {
+    "n": 10,
+    "ids": list(range(1, 11)),
+    "codes": [200] * 10,
+    "errs": [None] * 10,
+}
 
 
 def backend_cpu_s(conn: psycopg.AsyncConnection[Any]) -> float:
