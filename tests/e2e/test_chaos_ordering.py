@@ -3,8 +3,8 @@ x 25 events to an ordered endpoint and, beside it, to an unordered one, while on
 is killed every second or two and the ordered endpoint answers 503 to some requests. For
 every stream, each event reaches the ordered endpoint only after every earlier event of
 that stream was acknowledged (a crash may repeat the last one, never send a later one
-first); everything is delivered; and the unordered endpoint, not held by the ordered one,
-is done no later than it."""
+first); everything is delivered; and the unordered endpoint is not held by the ordered
+one (it gets a stream's events while the ordered endpoint still retries earlier ones)."""
 
 from __future__ import annotations
 
@@ -174,19 +174,30 @@ async def test_ordered_streams_stay_in_order_through_kills_and_retries(
             (endpoint_id,),
         )
         assert delivered == STREAMS * EVENTS, endpoint_id
+    # The unordered endpoint's events that reached it before the ordered endpoint had
+    # acknowledged the stream's previous event: none if the ordered streams held it.
+    ahead = 0
+    for hit in hits:
+        if endpoint_of.get(hit.delivery_id) == plain.id and hit.answered == 200:
+            stream, seq = seq_of[hit.delivery_id]
+            if seq > 1 and acked.get(stream, {}).get(seq - 1, float("inf")) > hit.at:
+                ahead += 1
     retried = sum(1 for h in hits if h.behaviour is Behaviour.RETRY)
     plain_done = max(h.answered_at for h in hits if endpoint_of.get(h.delivery_id) == plain.id)
     ordered_done = max(h.answered_at for h in hits if endpoint_of.get(h.delivery_id) == ordered.id)
     report = (
-        f"seed={seed}: {kills} kills, {retried} 503s to the ordered endpoint; the unordered"
-        f" endpoint was done {ordered_done - plain_done:.1f}s before the ordered one"
+        f"seed={seed}: {kills} kills, {retried} 503s to the ordered endpoint; {ahead} events"
+        " reached the unordered endpoint before the ordered one had acknowledged their"
+        " stream's previous event; the unordered endpoint was done"
+        f" {ordered_done - plain_done:.1f}s before the ordered one"
     )
     print("\n" + report)
     record_property("ordering_report", report)
     assert retried > 0 and kills >= 2
-    # Both follow the producer; the ordered one's streams wait for their retrying heads,
-    # the unordered one never waits for them.
-    assert plain_done <= ordered_done + 0.25
+    # The ordered endpoint's streams wait for their retrying heads; the unordered one never
+    # waits for them. (Which endpoint is done last is not asserted: a delivery claimed by a
+    # dispatcher that is killed waits out its lease, whichever endpoint it is for.)
+    assert ahead > 0, report
 
 
 async def _drained(database_url: str) -> bool:
