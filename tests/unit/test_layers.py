@@ -12,7 +12,18 @@ import fluxora_webhooks
 # Lowest first. A module may import modules of earlier layers only; within a package
 # (embedded/, demo/, commands/) its parts may import each other's lower parts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "errors", "queries", "logs", "gate", "host", "tracing", "waker", "terminal"),
+    (
+        "_version",
+        "errors",
+        "queries",
+        "pgarray",
+        "logs",
+        "gate",
+        "host",
+        "tracing",
+        "waker",
+        "terminal",
+    ),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics", "redis_connect"),
     ("settings", "connector", "retry", "deadletters", "retention", "partitions"),
     ("httpclient",),

@@ -1,0 +1,74 @@
+"""PostgreSQL array literals, built here for the arrays a batch's statements take.
+
+psycopg dumps a list element by element through its adapters, about a microsecond an
+element: the completion statement of a batch of ten spent about 160 us of the dispatcher's
+CPU having its fifteen arrays dumped (a timestamp list alone 50), a tenth of all the
+dispatcher's CPU per delivery. Joined here as one string each, the same arrays cost about
+a tenth of that; the statement casts each literal to its array type (``$1::bigint[]``),
+which PostgreSQL parses as it parses any array literal.
+
+Every element is quoted unless it is a number or NULL (``None``), so no text can end an
+element or the array early: a double quote and a backslash are the only characters a
+quoted element escapes.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+
+
+def ints(values: Iterable[int | None]) -> str:
+    """``{1,NULL,3}`` for a ``bigint[]`` / ``int[]``."""
+    return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"
+
+
+def floats(values: Iterable[float | None]) -> str:
+    """A ``float8[]`` literal (``Infinity``/``NaN`` spelt as PostgreSQL spells them)."""
+    return "{" + ",".join(_float(v) for v in values) + "}"
+
+
+def _float(v: float | None) -> str:
+    if v is None:
+        return "NULL"
+    f = float(v)
+    if math.isfinite(f):
+        return repr(f)
+    return "NaN" if math.isnan(f) else ("Infinity" if f > 0 else "-Infinity")
+
+
+def texts(values: Iterable[str | None]) -> str:
+    """A ``text[]`` literal: each element quoted, ``"`` and ``\\`` escaped."""
+    return "{" + ",".join(_text(v) for v in values) + "}"
+
+
+def _text(v: str | None) -> str:
+    if v is None:
+        return "NULL"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def uuids(values: Iterable[uuid.UUID | str | None]) -> str:
+    """A ``uuid[]`` literal."""
+    return "{" + ",".join(_uuid(v) for v in values) + "}"
+
+
+def _uuid(v: uuid.UUID | str | None) -> str:
+    if v is None:
+        return "NULL"
+    return f'"{v if isinstance(v, uuid.UUID) else uuid.UUID(v)}"'
+
+
+def timestamps(values: Iterable[datetime | None]) -> str:
+    """A ``timestamptz[]`` literal (ISO 8601, with the offset of each aware datetime)."""
+    return "{" + ",".join(_timestamp(v) for v in values) + "}"
+
+
+def _timestamp(v: datetime | None) -> str:
+    if v is None:
+        return "NULL"
+    if v.tzinfo is None:
+        raise ValueError(f"a timestamptz element needs a time zone: {v!r}")
+    return f'"{v.isoformat()}"'
