@@ -4,7 +4,7 @@
 
     BEGIN
       claim_due (FOR UPDATE SKIP LOCKED)           -- event rows and delivery rows
-      route_events: the event rows' fan-out; up to a batch of its due deliveries join
+      route_events: the event rows' fan-out; up to ROUTED_IN_BATCH of its due deliveries join
       plan: each row's endpoint; parked if it is disabled, deferred if it is saturated
       gate.admit per URL (Redis: rate limit + circuit breaker)
       POST the admitted rows concurrently; a request that outlives the batch's patience
@@ -63,6 +63,11 @@ PATIENCE_S = 0.25
 # waited for this many times as long as the batch took so far, at least STRAGGLER_MIN_S.
 STRAGGLER_FACTOR = 2.0
 STRAGGLER_MIN_S = 0.01
+# A batch that routes events sends up to this many of the deliveries it routed itself (at
+# least a batch; more only while the process has connections to spare: Batch._routed_cap):
+# a claim of a few events to ten endpoints each sends all their deliveries at once rather
+# than leaving most to later claims (docs/performance.md, eleventh pass).
+ROUTED_IN_BATCH = 100
 # A lease outlives its request's timeout by this much.
 LEASE_GRACE_MS = 5_000
 # A delivery to an endpoint this process has no configuration for (a built-in endpoint
@@ -206,9 +211,10 @@ class Batch:
         self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]
     ) -> Sequence[Claimed]:
         """Route the claimed event rows now, before the requests, and return the rows to
-        plan: the claimed ones and up to a batch of the deliveries just routed that are due
-        now. They are sent in this transaction rather than claimed in a next one: one
-        transaction per event instead of two (the fan-out's commit-to-receipt time). The
+        plan: the claimed ones and up to :meth:`_routed_cap` of the deliveries just routed
+        that are due now. They are sent in this transaction rather than claimed
+        in a next one: one transaction per event instead of two (the fan-out's
+        commit-to-receipt time). The
         event rows of tenants with no endpoint known here are routed by the completion
         statement instead, which costs them no statement of their own; an endpoint created
         a moment ago gets them all the same (the claim saw it: ``routable``). Those of a
@@ -254,7 +260,7 @@ class Batch:
             routing = await route_events(
                 conn,
                 early,
-                cap=size,
+                cap=self._routed_cap(size),
                 heads=heads,
                 claimed=[row.id for row in rows if row.stream_seq is not None] if heads else (),
                 since=self.d.claim_since,
@@ -270,6 +276,13 @@ class Batch:
         for row in routing.due:
             self.parts[row.id] = row.partition_at
         return [*rows, *routing.due]
+
+    def _routed_cap(self, size: int) -> int:
+        """How many of the deliveries it routes the batch sends itself: a batch, and more
+        (up to ROUTED_IN_BATCH) while the process has that many connections to spare
+        beyond the batch's own rows, so that the extra requests never wait for one."""
+        spare = self.d.settings.max_connections - self.d.connections_used() - size
+        return max(size, min(ROUTED_IN_BATCH, spare))
 
     async def _plan(self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]) -> None:
         candidates: list[tuple[Claimed, Target]] = []

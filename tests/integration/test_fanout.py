@@ -190,17 +190,29 @@ async def _xmins(database_url: str) -> dict[str, list[str]]:
     return by_txn
 
 
-@pytest.mark.parametrize(("endpoints_n", "batch_size"), [(3, 10), (5, 2)])
+@pytest.mark.parametrize(
+    ("endpoints_n", "batch_size", "max_connections", "sent_by_routing"),
+    [(3, 10, 100, 3), (5, 2, 100, 5), (5, 2, 3, 2)],
+)
 async def test_an_events_deliveries_are_sent_by_the_transaction_that_routes_it(
-    database_url: str, receivers: list[Receiver], endpoints_n: int, batch_size: int
+    database_url: str,
+    receivers: list[Receiver],
+    endpoints_n: int,
+    batch_size: int,
+    max_connections: int,
+    sent_by_routing: int,
 ) -> None:
-    """Routed and sent in one claim transaction (no second claim and commit per event), up
-    to a batch of them; the rest are claimed after its commit like any other row."""
+    """Routed and sent in one claim transaction (no second claim and commit per event): a
+    batch of them, and more while the process has connections to spare beyond the batch's
+    own (WEBHOOK_MAX_CONNECTIONS 3 and a batch of 2: one to spare, so a batch's worth); the
+    rest are claimed after its commit like any other row."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         for r in receivers[:endpoints_n]:
             await add(conn, r, tenant="acme")
         await enqueue(conn, tenant="acme", stream_id="s", event_type="stream.created", payload={})
-    settings = settings_for(None, claim_loops=1, batch_size=batch_size)
+    settings = settings_for(
+        None, claim_loops=1, batch_size=batch_size, max_connections=max_connections
+    )
     async with running_dispatcher(settings, database_url):
         await wait_until(lambda: _settled(database_url), what="all delivered")
     assert all(len(r.received) == 1 for r in receivers[:endpoints_n])
@@ -210,7 +222,7 @@ async def test_an_events_deliveries_are_sent_by_the_transaction_that_routes_it(
     assert outcomes == [("delivered", endpoints_n), ("routed", 1)]
     by_txn = await _xmins(database_url)
     routing = next(txn for txn, what in by_txn.items() if "(event)" in what)
-    assert len(by_txn[routing]) == 1 + min(endpoints_n, batch_size)
+    assert len(by_txn[routing]) == 1 + sent_by_routing
     assert sum(len(v) for v in by_txn.values()) == 1 + endpoints_n
 
 
