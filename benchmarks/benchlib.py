@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 import urllib.request
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -92,3 +94,21 @@ def dig(out: dict[str, Any], *path: str) -> Any:
             return None
         node = node[key]
     return node
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (/proc; a PostgreSQL backend's
+    by ``conn.info.backend_pid``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def keep(results: str, prefix: str, payload: dict[str, Any]) -> Path:
+    """Save ``payload`` as ``<results>/<prefix>-<timestamp>.json``, print and return where."""
+    out = Path(results)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S.json")
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"saved {path}")
+    return path

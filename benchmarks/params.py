@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import psycopg  # noqa: E402
+from benchlib import keep, process_cpu_s  # noqa: E402
 from psycopg import sql  # noqa: E402
 from psycopg.adapt import PyFormat, Transformer  # noqa: E402
 
@@ -89,12 +89,6 @@ def as_literals(
 WAYS = {"lists": as_lists, "literals": as_literals}
 
 
-def backend_cpu_s(conn: psycopg.AsyncConnection[Any]) -> float:
-    with open(f"/proc/{conn.info.backend_pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure_all(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
     when = datetime.now(UTC)
@@ -115,12 +109,12 @@ async def measure_all(args: argparse.Namespace, url: str) -> list[dict[str, Any]
                     cur = psycopg.AsyncRawCursor(conn)
                     for _ in range(20):  # past psycopg's prepare threshold and plan choice
                         await cur.execute(text, params)
-                    c0, s0 = time.process_time(), backend_cpu_s(conn)
+                    c0, s0 = time.process_time(), process_cpu_s(conn.info.backend_pid)
                     for _ in range(n):
                         text, params = build(batch, parts)
                         await cur.execute(text, params)
                         await cur.fetchall()
-                    c1, s1 = time.process_time(), backend_cpu_s(conn)
+                    c1, s1 = time.process_time(), process_cpu_s(conn.info.backend_pid)
                     runs.append({
                         "round": round_ + 1, "rows": size, "partition_times": timed, "way": way,
                         "build_dump_us": dump_us,
@@ -164,11 +158,7 @@ def main() -> None:
             f" {r['way']} | {r['build_dump_us']:,.0f} | {r['client_us']:,.0f} |"
             f" {r['database_us']:,.0f} |"
         )
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / time.strftime("params-%Y%m%d-%H%M%S.json")
-    path.write_text(json.dumps({"statements": args.statements, "runs": runs}, indent=1))
-    print(f"saved {path}")
+    keep(args.results, "params", {"statements": args.statements, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from benchlib import keep, process_cpu_s
 
 CLAIM = "SELECT id, v, now() AS at, 'abc'::text AS t FROM rt WHERE id <= %(n)s FOR UPDATE"
 COMPLETE = (
@@ -40,12 +40,6 @@ PARAMS: dict[str, Any] = {
     "codes": [200] * 10,
     "errs": [None] * 10,
 }
-
-
-def backend_cpu_s(conn: psycopg.AsyncConnection[Any]) -> float:
-    with open(f"/proc/{conn.info.backend_pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -92,10 +86,10 @@ async def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         for _ in range(100):
             await step()
         n = args.transactions
-        c0, s0, w0 = time.process_time(), backend_cpu_s(conn), time.perf_counter()
+        c0, s0, w0 = time.process_time(), process_cpu_s(conn.info.backend_pid), time.perf_counter()
         for _ in range(n):
             await step()
-        c1, s1, w1 = time.process_time(), backend_cpu_s(conn), time.perf_counter()
+        c1, s1, w1 = time.process_time(), process_cpu_s(conn.info.backend_pid), time.perf_counter()
         if open_tx:
             await conn.execute("COMMIT")
         return {
@@ -133,11 +127,7 @@ def main() -> None:
             f"| {r['round']} | {r['way']} | {r['client_us']:,.0f} | {r['database_us']:,.0f} |"
             f" {r['wall_us']:,.0f} |"
         )
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / time.strftime("roundtrips-%Y%m%d-%H%M%S.json")
-    path.write_text(json.dumps({"transactions": args.transactions, "runs": runs}, indent=1))
-    print(f"saved {path}")
+    keep(args.results, "roundtrips", {"transactions": args.transactions, "runs": runs})
 
 
 if __name__ == "__main__":
