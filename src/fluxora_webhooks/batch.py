@@ -212,14 +212,14 @@ class Batch:
     ) -> Sequence[Claimed]:
         """Route the claimed event rows now, before the requests, and return the rows to
         plan: the claimed ones and up to :meth:`_routed_cap` of the deliveries just routed
-        that are due now. They are sent in this transaction rather than claimed
-        in a next one: one transaction per event instead of two (the fan-out's
-        commit-to-receipt time). The
-        event rows of tenants with no endpoint known here are routed by the completion
-        statement instead, which costs them no statement of their own; an endpoint created
-        a moment ago gets them all the same (the claim saw it: ``routable``). Those of a
-        tenant with no endpoint of its own at the claim (a single-consumer outbox's, all of
-        them) are not routed at all: the completion leaves its routing part out."""
+        that are due now. They are sent in this transaction rather than claimed in a next
+        one: one transaction per event instead of two (the fan-out's commit-to-receipt
+        time). The event rows of tenants with no endpoint known here are routed by the
+        completion statement instead, which costs them no statement of their own; an
+        endpoint created a moment ago gets them all the same (the claim saw it:
+        ``routable``). Those of a tenant with no endpoint of its own at the claim (a
+        single-consumer outbox's, all of them) are not routed at all: the completion
+        leaves its routing part out."""
         early: dict[int, datetime | None] = {}
         for row in rows:
             if not row.is_event:
