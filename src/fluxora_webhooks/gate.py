@@ -9,7 +9,7 @@ once per batch. The Redis implementation (rate limit + circuit breaker) is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
@@ -22,6 +22,7 @@ class AdmitCode(IntEnum):
     PROBE = 1  # allowed, as the single half-open probe of a breaker
     RATE_LIMITED = 2
     CIRCUIT_OPEN = 3
+    ALLOWED_CLEAN = 4  # allowed, the breaker closed with no failure on record
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +31,9 @@ class Admission:
 
     ``allowed`` False means: do not send; defer the row by ``delay_ms`` (from the
     database's now) without consuming an attempt. ``reason`` is ``rate_limited`` or
-    ``circuit_open``. ``probe`` marks the single half-open probe of a breaker.
+    ``circuit_open``. ``probe`` marks the single half-open probe of a breaker. ``clean``:
+    allowed while the breaker was closed with no failure on record, so that a success
+    reported for it would change nothing (a hint, not part of the decision: not compared).
     """
 
     allowed: bool
@@ -38,6 +41,7 @@ class Admission:
     reason: str = ""
     probe: bool = False
     probe_token: str = ""
+    clean: bool = field(default=False, compare=False)
 
 
 ALLOW = Admission(True)

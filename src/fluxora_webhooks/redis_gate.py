@@ -3,8 +3,10 @@ dispatcher instances, at one round trip per batch.
 
 ``admit`` runs one Lua script (breaker check, then rate limit, for the whole batch) and
 ``report`` runs another (breaker bookkeeping); both read the Redis server's clock, so the
-instances agree on time. The scripts live in ``lua/*.lua`` and are composed and loaded
-once.
+instances agree on time. A report of nothing but successes admitted while the breaker
+was closed with no failure on record (``Admission.clean``) would change nothing and is
+not sent: a healthy consumer costs one round trip per batch, not two. The scripts live
+in ``lua/*.lua`` and are composed and loaded once.
 
 Keys, per consumer URL (``<digest>`` is the full SHA-256 hex digest of the URL, the only
 form of a URL in Redis; the braces make one URL's keys share a Redis Cluster hash slot, so
@@ -59,6 +61,9 @@ from .gate import ALLOW, Admission, AdmitCode, AdmitRequest
 from .redis_connect import ClusterAwareRedis, client_for, detect_cluster
 from .settings import Settings
 from .urlpolicy import redacted
+
+# Allowed while the breaker was closed with no failure on record (Admission.clean).
+ALLOW_CLEAN = Admission(True, clean=True)
 
 log = logging.getLogger(__name__)
 
@@ -277,12 +282,18 @@ class RedisGate:
         if self.breaker_threshold <= 0:
             return
         args: list[str | int] = [self.breaker_threshold, self.breaker_reset_ms, self._state_ttl_ms]
+        changes = False  # whether recording these can change the breaker
         for admission, outcome in results:
             if not admission.allowed or (outcome is None and not admission.probe):
                 continue  # nothing to record (a probe's None still releases its lease)
             args.append("-" if outcome is None else "1" if outcome else "0")
             args.append(admission.probe_token if admission.probe else "")
-        if len(args) == 3:
+            changes = changes or not (outcome is True and admission.clean)
+        if not changes:
+            # Nothing, or only successes admitted while the breaker was closed with no
+            # failure: they would leave it as it is (no hash at all), so no round trip.
+            # A failure another instance records between that admission and now is not
+            # reset by these successes; the next success admitted after it resets it.
             return
         keys = [breaker_key(url, self.prefix), probe_key(url, self.prefix)]
         transitions = await self._call(
@@ -451,7 +462,9 @@ def _decode_url(values: Sequence[Any], at: int, token: str, count: int) -> Decid
     admissions: list[Admission] = []
     for i in range(at + 2, at + 2 + 2 * count, 2):
         code, delay = AdmitCode(int(values[i])), int(values[i + 1])
-        if code is AdmitCode.ALLOWED:
+        if code is AdmitCode.ALLOWED_CLEAN:
+            admissions.append(ALLOW_CLEAN)
+        elif code is AdmitCode.ALLOWED:
             admissions.append(ALLOW)
         elif code is AdmitCode.PROBE:
             admissions.append(Admission(True, probe=True, probe_token=token))

@@ -134,6 +134,45 @@ async def test_a_success_resets_the_failure_count(redis_client: Redis, prefix: s
     assert await read_breaker_state(redis_client, URL, prefix) == BreakerState(CLOSED, 2)
 
 
+async def test_successes_admitted_clean_cost_no_report_and_others_are_recorded(
+    redis_client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Successes admitted while the breaker was closed with no failure change nothing, so
+    their report makes no Redis call; a failure, or a success admitted after a failure,
+    is recorded as before."""
+    gate = make_gate(redis_client, prefix)
+    calls: list[str] = []
+    call = gate._call
+
+    async def spy(component: str, *args: Any) -> Any:
+        calls.append(component)
+        return await call(component, *args)
+
+    monkeypatch.setattr(gate, "_call", spy)
+    admissions = await gate.admit(URL, [1, 1, 2])
+    assert all(a.allowed and a.clean for a in admissions)
+    await gate.report(URL, [(a, True) for a in admissions])
+    assert calls == ["gate"]  # the admission only
+    assert await redis_client.exists(breaker_key(URL, prefix)) == 0
+
+    # A failure among them is recorded, in order with the successes around it.
+    admissions = await gate.admit(URL, [1, 1])
+    await gate.report(URL, [(admissions[0], False), (admissions[1], True)])
+    assert calls[-1] == "breaker"
+    assert await redis_client.exists(breaker_key(URL, prefix)) == 0
+    await gate.report(URL, [(admissions[0], True), (admissions[1], False)])
+    assert await read_breaker_state(redis_client, URL, prefix) == BreakerState(CLOSED, 1)
+
+    # With a failure on record, admissions are not clean: a success is reported and
+    # resets the count.
+    admitted = await gate.admit(URL, [1])
+    assert admitted[0].allowed and not admitted[0].clean
+    before = len(calls)
+    await gate.report(URL, [(admitted[0], True)])
+    assert calls[before:] == ["breaker"]
+    assert await redis_client.exists(breaker_key(URL, prefix)) == 0
+
+
 async def test_none_changes_nothing(redis_client: Redis, prefix: str) -> None:
     gate = make_gate(redis_client, prefix)
     await fail(gate, 2)

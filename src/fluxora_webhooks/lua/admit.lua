@@ -7,8 +7,9 @@
 --       then per URL: its limit, its number of attempts n, and n flags ('1' retry, '0' first
 --       attempt).
 -- Returns {now, then per URL: from_state, to_state, code1, delay1, code2, delay2, ...}; the
--- codes are the AdmitCode constants (ALLOWED, PROBE, RATE_LIMITED, CIRCUIT_OPEN) that the
--- loader defines from gate.AdmitCode; from/to name the breaker transition this call made
+-- codes are the AdmitCode constants (ALLOWED, PROBE, RATE_LIMITED, CIRCUIT_OPEN,
+-- ALLOWED_CLEAN: allowed while the breaker is closed with no failure) that the loader
+-- defines from gate.AdmitCode; from/to name the breaker transition this call made
 -- for that URL ('' when none).
 
 local function admit_url(out, rl_key, cb_key, pr_key, now, window, limit, threshold,
@@ -41,6 +42,8 @@ local function admit_url(out, rl_key, cb_key, pr_key, now, window, limit, thresh
       if state == 'half-open' then
         code = PROBE
         probing = true
+      elseif cb and state == 'closed' and cb.failures == 0 then
+        code = ALLOWED_CLEAN
       end
       rl_record(rl_key, now, token, i)
       count = count + 1
