@@ -45,6 +45,8 @@ class Admission:
 
 
 ALLOW = Admission(True)
+# Allowed while the breaker was closed with no failure on record.
+ALLOW_CLEAN = Admission(True, clean=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,23 +16,31 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
+from typing import Any
+
+
+def _array(values: Iterable[Any], element: Callable[[Any], str]) -> str:
+    """``{a,b,...}``: each of ``values`` written by ``element`` (``None`` as NULL)."""
+    return "{" + ",".join("NULL" if v is None else element(v) for v in values) + "}"
 
 
 def ints(values: Iterable[int | None]) -> str:
     """``{1,NULL,3}`` for a ``bigint[]`` / ``int[]``."""
-    return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"
+    return _array(values, _int)
+
+
+def _int(v: int) -> str:
+    return str(int(v))
 
 
 def floats(values: Iterable[float | None]) -> str:
     """A ``float8[]`` literal (``Infinity``/``NaN`` spelt as PostgreSQL spells them)."""
-    return "{" + ",".join(_float(v) for v in values) + "}"
+    return _array(values, _float)
 
 
-def _float(v: float | None) -> str:
-    if v is None:
-        return "NULL"
+def _float(v: float) -> str:
     f = float(v)
     if math.isfinite(f):
         return repr(f)
@@ -41,34 +49,28 @@ def _float(v: float | None) -> str:
 
 def texts(values: Iterable[str | None]) -> str:
     """A ``text[]`` literal: each element quoted, ``"`` and ``\\`` escaped."""
-    return "{" + ",".join(_text(v) for v in values) + "}"
+    return _array(values, _text)
 
 
-def _text(v: str | None) -> str:
-    if v is None:
-        return "NULL"
+def _text(v: str) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def uuids(values: Iterable[uuid.UUID | str | None]) -> str:
     """A ``uuid[]`` literal."""
-    return "{" + ",".join(_uuid(v) for v in values) + "}"
+    return _array(values, _uuid)
 
 
-def _uuid(v: uuid.UUID | str | None) -> str:
-    if v is None:
-        return "NULL"
+def _uuid(v: uuid.UUID | str) -> str:
     return f'"{v if isinstance(v, uuid.UUID) else uuid.UUID(v)}"'
 
 
 def timestamps(values: Iterable[datetime | None]) -> str:
     """A ``timestamptz[]`` literal (ISO 8601, with the offset of each aware datetime)."""
-    return "{" + ",".join(_timestamp(v) for v in values) + "}"
+    return _array(values, _timestamp)
 
 
-def _timestamp(v: datetime | None) -> str:
-    if v is None:
-        return "NULL"
+def _timestamp(v: datetime) -> str:
     if v.tzinfo is None:
         raise ValueError(f"a timestamptz element needs a time zone: {v!r}")
     return f'"{v.isoformat()}"'

@@ -57,13 +57,10 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import metrics
-from .gate import ALLOW, Admission, AdmitCode, AdmitRequest
+from .gate import ALLOW, ALLOW_CLEAN, Admission, AdmitCode, AdmitRequest
 from .redis_connect import ClusterAwareRedis, client_for, detect_cluster
 from .settings import Settings
 from .urlpolicy import redacted
-
-# Allowed while the breaker was closed with no failure on record (Admission.clean).
-ALLOW_CLEAN = Admission(True, clean=True)
 
 log = logging.getLogger(__name__)
 
