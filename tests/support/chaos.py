@@ -73,6 +73,7 @@ class Hit:
     at: float  # time.time() on receipt
     headers: dict[str, str]
     behaviour: Behaviour = Behaviour.OK
+    target: str = ""  # the request line's target (path and query)
     # The status line the consumer finished writing (None: it never answered), and when.
     answered: int | None = None
     answered_at: float = 0.0
@@ -208,6 +209,8 @@ class ChaosConsumer:
                 headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         hit = _hit(headers, body, keep_headers=self.keep_headers)
+        request_line = lines[0].split(" ")
+        hit.target = request_line[1] if len(request_line) > 1 else ""
         hit.behaviour = self.choose(hit)
         self.hits.append(hit)
         self._arrived.set()
