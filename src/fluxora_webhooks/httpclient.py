@@ -209,6 +209,14 @@ class _Connection(asyncio.Protocol):
         self._size += len(body)
 
     def on_message_complete(self) -> None:
+        if 100 <= self._status < 200:
+            # An interim response (100 Continue, 103 Early Hints): the final one follows on
+            # the same connection, and a client must read past any number of them (RFC
+            # 9110, 15.2). Their heads count toward the head's cap.
+            self._status = 0
+            self._headers = {}
+            self._head_done = False
+            return
         self.reusable = self._parser.should_keep_alive()
         self._finish()
 

@@ -148,6 +148,46 @@ async def test_plain_http_is_never_sent_to_a_non_loopback_answer(receiver: Recei
     assert len(receiver.received) == 1
 
 
+async def test_interim_responses_are_read_past_to_the_final_one() -> None:
+    """A consumer (or a proxy before it) may send 1xx interim responses, such as 100
+    Continue or 103 Early Hints, before its answer; the answer is the final response, and
+    the keep-alive connection serves the next request with that request's own answer."""
+    requests: list[bytes] = []
+
+    async def consumer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for n in (1, 2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            requests.append(await reader.readexactly(length))
+            body = f"answer {n}".encode()
+            writer.write(
+                b"HTTP/1.1 100 Continue\r\n\r\n"
+                b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
+                + (b"HTTP/1.1 201 Created\r\n" if n == 1 else b"HTTP/1.1 503 Busy\r\n")
+                + b"content-length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(consumer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = HttpClient(SafeResolver(True))
+    try:
+        url = f"http://127.0.0.1:{port}/hook"
+        first = await client.post(url, b'{"n":1}', {}, timeout_s=5, max_body=1024)
+        second = await client.post(url, b'{"n":2}', {}, timeout_s=5, max_body=1024)
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+    assert (first.status, first.body, first.body_error) == (201, b"answer 1", None)
+    assert "link" not in first.headers
+    assert (second.status, second.body) == (503, b"answer 2")
+    assert requests == [b'{"n":1}', b'{"n":2}']
+    assert client.opened == 1  # the second request went on the same connection
+
+
 # --- 3. A zero retention is off --------------------------------------------------------------
 
 
