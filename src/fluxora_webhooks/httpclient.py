@@ -121,14 +121,17 @@ class _Connection(asyncio.Protocol):
 
     def _reset_message(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
-        self._status = 0
-        self._headers: dict[str, str] = {}
+        self._reset_head()
         self._head_bytes = 0
-        self._head_done = False
         self._chunks: list[bytes] = []
         self._size = 0
         self._cap = 0
         self._eof_ends_body = False
+
+    def _reset_head(self) -> None:
+        self._status = 0
+        self._headers: dict[str, str] = {}
+        self._head_done = False
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -213,9 +216,7 @@ class _Connection(asyncio.Protocol):
             # An interim response (100 Continue, 103 Early Hints): the final one follows on
             # the same connection, and a client must read past any number of them (RFC
             # 9110, 15.2). Their heads count toward the head's cap.
-            self._status = 0
-            self._headers = {}
-            self._head_done = False
+            self._reset_head()
             return
         self.reusable = self._parser.should_keep_alive()
         self._finish()

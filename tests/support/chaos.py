@@ -208,9 +208,9 @@ class ChaosConsumer:
                 name, value = line.split(":", 1)
                 headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
-        hit = _hit(headers, body, keep_headers=self.keep_headers)
         request_line = lines[0].split(" ")
-        hit.target = request_line[1] if len(request_line) > 1 else ""
+        target = request_line[1] if len(request_line) > 1 else ""
+        hit = _hit(headers, body, target, keep_headers=self.keep_headers)
         hit.behaviour = self.choose(hit)
         self.hits.append(hit)
         self._arrived.set()
@@ -292,7 +292,7 @@ class ChaosConsumer:
         raise AssertionError(f"unknown behaviour {b}")
 
 
-def _hit(headers: dict[str, str], body: bytes, *, keep_headers: bool = True) -> Hit:
+def _hit(headers: dict[str, str], body: bytes, target: str, *, keep_headers: bool = True) -> Hit:
     n = kind = None
     with contextlib.suppress(ValueError, AttributeError):
         payload = json.loads(body)
@@ -305,6 +305,7 @@ def _hit(headers: dict[str, str], body: bytes, *, keep_headers: bool = True) -> 
         kind=kind if isinstance(kind, str) else None,
         at=time.time(),
         headers=headers if keep_headers else {},
+        target=target,
     )
 
 
