@@ -119,6 +119,28 @@ class Send:
 
 
 @dataclass
+class ClaimFront:
+    """The furthest position any claim loop of the process has claimed a full batch up to,
+    taken as the claim returns (not at its commit): the rows before it that a sibling loop
+    holds are its batch's, so the other loops' resumed claims start there instead of walking
+    past them (SKIP LOCKED visits every locked row it skips). Cleared when a batch of the
+    process rolls back: its rows are claimable again, before the front."""
+
+    at: tuple[datetime, int] | None = None
+
+    def advance(self, rows: Sequence[Claimed], batch_size: int) -> None:
+        last = rows[-1] if len(rows) >= batch_size else None
+        if last is None or last.created_at is None:
+            return
+        position = (last.created_at, last.id)
+        if self.at is None or position > self.at:
+            self.at = position
+
+    def clear(self) -> None:
+        self.at = None
+
+
+@dataclass
 class Resume:
     """Where a claim loop's next claim starts looking.
 
@@ -126,17 +148,19 @@ class Resume:
     removes them, and a claim from the start of the index walks all of them: a burst of
     thousands of rows made each claim read hundreds of index pages more, for the same ten
     rows, until autovacuum came. So after a full batch the next claim looks only after that
-    batch's last row. What it cannot see then, a row before that position that became
-    claimable late (its claim rolled back, its dispatcher died, its producer's transaction
-    began before the batch's rows were written and committed after), the next claim from
-    the start finds: after a batch that was not full, and at least every
-    FULL_CLAIM_EVERY_S. Retries and deferrals are due after the position (their due time
-    is the clock after the requests); a row another transaction makes due as of its own
-    start (an ordered stream's next head, an event it routes, parked rows an enable resumes)
-    may be behind it, and waits for that claim from the start."""
+    batch's last row, or after the process's ``front`` when that is further: the rows
+    between are held by the process's other loops. What it cannot see then, a row before
+    that position that became claimable late (its claim rolled back, its dispatcher died,
+    its producer's transaction began before the batch's rows were written and committed
+    after), the next claim from the start finds: after a batch that was not full, and at
+    least every FULL_CLAIM_EVERY_S. Retries and deferrals are due after the position (their
+    due time is the clock after the requests); a row another transaction makes due as of
+    its own start (an ordered stream's next head, an event it routes, parked rows an enable
+    resumes) may be behind it, and waits for that claim from the start."""
 
     after: tuple[datetime, int] | None = None
     full_at: float = float("-inf")  # time.monotonic() of the last claim from the start
+    front: ClaimFront = field(default_factory=ClaimFront)  # shared by a process's loops
 
     def position(self) -> tuple[datetime, int] | None:
         """Where the next claim starts: None for the start of the index."""
@@ -144,7 +168,8 @@ class Resume:
         if self.after is None or now - self.full_at >= FULL_CLAIM_EVERY_S:
             self.full_at = now
             return None
-        return self.after
+        front = self.front.at
+        return front if front is not None and front > self.after else self.after
 
     def claimed(self, rows: Sequence[Claimed], batch_size: int) -> None:
         last = rows[-1] if len(rows) >= batch_size else None
@@ -189,6 +214,7 @@ class Batch:
             since = self.d.claim_since
             after = self.resume.position()
             rows = await claim_due(conn, settings.batch_size, since=since, after=after)
+            self.resume.front.advance(rows, settings.batch_size)
             self.claimed = len(rows)
             self.parts = {row.id: row.partition_at for row in rows}
             if rows:

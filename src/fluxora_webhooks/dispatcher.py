@@ -27,7 +27,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
-from .batch import GONE, PATIENCE_S, Batch, Resume, Send, breaker_signal
+from .batch import GONE, PATIENCE_S, Batch, ClaimFront, Resume, Send, breaker_signal
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
@@ -157,6 +157,7 @@ class Dispatcher:
         self._in_flight = 0
         self._stopping = asyncio.Event()
         self._waker = Waker(cap=settings.claim_loops)
+        self.claim_front = ClaimFront()  # where the loops' resumed claims may start
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._warned: set[str] = set()
         # On a partitioned outbox: no row written before this is pending (the claim looks
@@ -326,7 +327,8 @@ class Dispatcher:
         assert self._pool is not None
         backoff = 0.05
         while not self.stopping:
-            resume = Resume()  # a loop's position, from the start on a new connection
+            # A loop's position, from the start on a new connection.
+            resume = Resume(front=self.claim_front)
             try:
                 conn = await self._unless_stopping(self._pool.getconn(timeout=_POOL_RECONNECT_S))
                 if conn is None:
@@ -675,7 +677,9 @@ class Dispatcher:
 
     def after_rollback(self, batch: Batch) -> None:
         """The batch's transaction rolled back: its leases were never written, so its
-        detached requests are not recorded (their rows are claimed and sent again)."""
+        detached requests are not recorded (their rows are claimed and sent again), and its
+        rows are claimable again before the loops' front."""
+        self.claim_front.clear()
         for send in batch.sends:
             send.committed.set()
             if send.task is None:

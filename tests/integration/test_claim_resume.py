@@ -1,6 +1,8 @@
 """A claim loop that keeps claiming full batches resumes after its last batch instead of
 walking the dead index entries its earlier batches left, and still finds, at its next claim
-from the start, a row that became claimable behind that position."""
+from the start, a row that became claimable behind that position. The loops of one process
+share a front: a resumed claim starts after the rows its sibling loops hold rather than
+walking past them, and a batch rolled back clears it."""
 
 from __future__ import annotations
 
@@ -10,8 +12,16 @@ from typing import Any
 import psycopg
 import pytest
 
-from fluxora_webhooks.batch import FULL_CLAIM_EVERY_S, Resume
+from fluxora_webhooks.batch import FULL_CLAIM_EVERY_S, Batch, ClaimFront, Resume
+from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.outbox import _claim_sql, claim_due
+from tests.support.dispatch import (
+    enqueue_many,
+    make_settings,
+    running_dispatcher,
+    scalar,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -130,3 +140,83 @@ async def test_the_resumed_claim_skips_the_dead_entries_of_earlier_batches(
         # 15,000 completed rows lie before the position.
         assert resumed * 5 < full, f"resumed claim read {resumed} pages, from the start {full}"
         assert resumed < 50, f"resumed claim read {resumed} pages"
+
+
+async def _hold(conn: psycopg.AsyncConnection[Any], front: ClaimFront) -> list[int]:
+    """A sibling loop's batch in flight: claimed in an open transaction, the front moved as
+    Batch.run moves it."""
+    await conn.execute("BEGIN")
+    rows = await claim_due(conn, BATCH)
+    front.advance(rows, BATCH)
+    return [r.id for r in rows]
+
+
+async def test_a_resumed_claim_starts_after_the_rows_its_sibling_loops_hold(
+    database_url: str,
+) -> None:
+    front = ClaimFront()
+    async with await _connect(database_url) as conn:
+        await _pending(conn, 200)
+        resume = Resume(front=front)
+        first = await _claim_and_complete(conn, resume)
+        siblings = [await _connect(database_url) for _ in range(8)]
+        try:
+            held = [await _hold(sibling, front) for sibling in siblings]
+            assert front.at is not None and front.at[1] == held[-1][-1]
+            assert resume.position() == front.at, "the front is further than the loop's own"
+            at, after_id = front.at
+            own_at, own_id = resume.after or (at, after_id)
+            by_front = {"since": None, "after_at": at, "after_id": after_id}
+            by_own = {"since": None, "after_at": own_at, "after_id": own_id}
+            sql = _claim_sql("claim_due", batch=BATCH, resumed=True)
+            # Without the front the claim visits the 80 rows the siblings hold (SKIP LOCKED
+            # skips each one only after reading it); with it, it starts after them.
+            walked = await _buffers(conn, sql, by_own)
+            skipped = await _buffers(conn, sql, by_front)
+            assert skipped * 3 < walked, f"from the front {skipped} pages, past them {walked}"
+            mine = await _claim_and_complete(conn, resume)
+            assert min(mine) > max(held[-1]) and len(mine) == BATCH
+            assert min(held[0]) > max(first)
+        finally:
+            for sibling in siblings:
+                await sibling.close()  # their batches roll back
+
+
+async def test_a_batch_rolled_back_clears_the_front_so_its_rows_are_claimed_again(
+    database_url: str,
+) -> None:
+    dispatcher = Dispatcher(make_settings("http://127.0.0.1:9/x"), conninfo=database_url)
+    async with await _connect(database_url) as conn:
+        await _pending(conn, 60)
+        resume = Resume(front=dispatcher.claim_front)
+        await _claim_and_complete(conn, resume)
+        async with await _connect(database_url) as sibling:
+            lost = await _hold(sibling, dispatcher.claim_front)
+            await sibling.execute("ROLLBACK")
+        dispatcher.after_rollback(Batch(dispatcher))
+        assert dispatcher.claim_front.at is None
+        again = await _claim_and_complete(conn, resume)
+        assert again == lost, "the rolled-back rows come first, not after the old front"
+
+
+async def test_the_dispatchers_loops_move_their_shared_front(database_url: str) -> None:
+    await enqueue_many(database_url, 300)
+    settings = make_settings("http://127.0.0.1:9/x", claim_loops=3)
+    async with running_dispatcher(settings, database_url) as dispatcher:
+        loops = dispatcher.claim_front
+
+        async def done() -> bool:
+            left = await scalar(
+                database_url,
+                "SELECT count(*) FROM webhook_outbox WHERE attempt = 1 AND NOT processed",
+            )
+            return bool(left == 0)
+
+        await wait_until(done, what="every row attempted once")
+    # A full batch's last row, as a claim of the loops returned it.
+    assert loops.at is not None
+    at, last = loops.at
+    assert (
+        await scalar(database_url, "SELECT created_at FROM webhook_outbox WHERE id = %s", (last,))
+        == at
+    )
