@@ -108,7 +108,9 @@ class Send:
     # Set when the request outlives its batch; its row is recorded under this lease once
     # the batch's commit has written it (lease_written).
     lease: uuid.UUID | None = None
-    committed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once the batch has committed or rolled back; made with the lease (only a request
+    # that outlives its batch waits for it).
+    committed: asyncio.Event | None = None
     lease_written: bool = False
     # Not sent (the detached requests held their share): its row deferred.
     withheld: bool = False
@@ -220,6 +222,7 @@ class Batch:
             if rows:
                 await self._plan(conn, await self._route(conn, rows))
                 await self._send()
+                self.d.show_in_flight()
                 await self.d.recorder.record(conn, self)
             # A resumed claim that came back short looked only after its position: the
             # next claim, from the start, goes at once (0) rather than after a poll.
@@ -487,6 +490,7 @@ class Batch:
         """Let the request outlive the batch: the row is leased (due again only after the
         request's timeout and a margin) and the Completer records its outcome."""
         send.lease = uuid.uuid4()
+        send.committed = asyncio.Event()
         self.d.completer.detached(send)
         self.completions.append(
             Completion(

@@ -15,6 +15,7 @@ consumed) instead of waiting, so no batch waits for another endpoint's requests.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -521,21 +522,26 @@ class Dispatcher:
         deadline = send.started_at + self.settings.timeout_ms / 1000
         load.deadlines.append(deadline)
         self._in_flight += 1
-        metrics.IN_FLIGHT.inc()
+        # Whether no batch shows the count after this request: it outlived its batch, or
+        # it was cancelled (its batch rolled back, or the process stops).
+        unseen = True
         try:
             result = await self._attempt(row, target)
+            unseen = send.lease is not None
         finally:
-            metrics.IN_FLIGHT.dec()
             self._in_flight -= 1
             load.release()
             with contextlib.suppress(ValueError):
                 load.deadlines.remove(deadline)
+            if unseen:
+                self.show_in_flight()
         if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * PATIENCE_S:
             load.answered_fast()
         elif result.error == "timeout":
             load.mark_slow()
         metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
         if send.lease is not None:
+            assert send.committed is not None  # made with the lease
             await send.committed.wait()
             if send.lease_written:
                 self.completer.submit(send, result)
@@ -633,14 +639,20 @@ class Dispatcher:
         for send in batch.sends:
             if send.lease is not None:
                 send.lease_written = True
+            if send.committed is not None:
                 send.committed.set()
         reports: dict[str, list[tuple[Admission, bool | None]]] = {}
+        # Counted once per outcome and batch: a counter's increment is a lock (and under
+        # the supervisor a write to its file), not worth paying per row.
+        tally: collections.Counter[tuple[Outcome, str | None]] = collections.Counter()
         for send, result, decision in batch.done:
             reports.setdefault(send.target.url, []).append((send.admission, breaker_signal(result)))
-            self.count(decision.outcome, decision.reason)
+            tally[decision.outcome, decision.reason] += 1
         for completion in batch.completions:
             if completion.outcome in (Outcome.DEFERRED, Outcome.PARKED, Outcome.ROUTED):
-                self.count(completion.outcome, None)
+                tally[completion.outcome, None] += 1
+        for (outcome, reason), n in tally.items():
+            self.count(outcome, reason, n)
         if reports:
             task = asyncio.ensure_future(self.report(reports))
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
@@ -675,23 +687,31 @@ class Dispatcher:
         if promoted:
             self._waker.wake()
 
+    def show_in_flight(self) -> None:
+        """Set the in-flight gauge: after each batch's requests (those still running have
+        left it) and as each request that outlived its batch ends, rather than at every
+        request's start and end (a gauge's change is a lock, and under the supervisor a
+        write to its file). The last change of the count is always followed by one."""
+        metrics.IN_FLIGHT.set(self._in_flight)
+
     def after_rollback(self, batch: Batch) -> None:
         """The batch's transaction rolled back: its leases were never written, so its
         detached requests are not recorded (their rows are claimed and sent again), and its
         rows are claimable again before the loops' front."""
         self.claim_front.clear()
         for send in batch.sends:
-            send.committed.set()
+            if send.committed is not None:
+                send.committed.set()
             if send.task is None:
                 if not send.queued:
                     send.target.load.release()  # reserved, never sent
             elif send.lease is None and not send.task.done():
                 send.task.cancel()
 
-    def count(self, outcome: Outcome, reason: str | None) -> None:
+    def count(self, outcome: Outcome, reason: str | None, n: int = 1) -> None:
         if outcome is Outcome.DEAD_LETTER:
-            metrics.DEAD_LETTERS.labels(reason or "unknown").inc()
-        self._outcome[outcome].inc()
+            metrics.DEAD_LETTERS.labels(reason or "unknown").inc(n)
+        self._outcome[outcome].inc(n)
 
     def log_decision(
         self, row: Claimed, target: Target, result: AttemptResult, decision: Decision
