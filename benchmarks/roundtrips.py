@@ -3,7 +3,7 @@
     python benchmarks/roundtrips.py [--database-url URL] [--rounds N] [--results DIR]
 
 A claim-shaped transaction (lock ten rows, update them from arrays of per-row values,
-commit) three ways, on one connection, alternating for ``--rounds`` rounds:
+commit) four ways, on one connection, alternating for ``--rounds`` rounds:
 
 - ``separate``: as the dispatcher sends it today: ``BEGIN``, the claim, the completion and
   ``COMMIT``, each its own round trip (extended protocol, psycopg's prepared statements).
@@ -11,6 +11,9 @@ commit) three ways, on one connection, alternating for ``--rounds`` rounds:
   pipeline mode (one flush, one sync).
 - ``fused``: the same four in one simple-protocol message, the two statements SQL
   ``PREPARE``d once and run by ``EXECUTE`` with client-side literals.
+- ``commit_begin``: the claim and the completion as ``separate`` sends them, then
+  ``COMMIT; BEGIN`` as one simple-protocol message: three round trips, the next
+  transaction begun by the one that ends this one.
 
 Prints the client's CPU, the backend's CPU (``/proc/<pid>/stat``) and the wall time per
 transaction, and keeps them as JSON in ``--results``. Loopback only; bounded loops.
@@ -80,8 +83,14 @@ async def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             pass
         await fused_cur.fetchall()
 
+    async def commit_begin() -> None:
+        cur = await conn.execute(CLAIM, PARAMS)
+        await cur.fetchall()
+        await conn.execute(COMPLETE, PARAMS)
+        await conn.execute("COMMIT; BEGIN")
+
     async def measure(step: Callable[[], Awaitable[None]], open_tx: bool) -> dict[str, float]:
-        if open_tx:  # pipeline and fused commit the transaction the previous one began
+        if open_tx:  # the others commit the transaction the previous one began
             await conn.execute("BEGIN")
         for _ in range(100):
             await step()
@@ -98,7 +107,12 @@ async def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             "wall_us": 1e6 * (w1 - w0) / n,
         }
 
-    ways = {"separate": (separate, False), "pipeline": (pipeline, True), "fused": (fused, True)}
+    ways = {
+        "separate": (separate, False),
+        "pipeline": (pipeline, True),
+        "fused": (fused, True),
+        "commit_begin": (commit_begin, True),
+    }
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for name, (step, open_tx) in ways.items():
