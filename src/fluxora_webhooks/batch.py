@@ -122,20 +122,29 @@ class Send:
 
 @dataclass
 class ClaimFront:
-    """The furthest position any claim loop of the process has claimed a full batch up to,
-    taken as the claim returns (not at its commit): the rows before it that a sibling loop
-    holds are its batch's, so the other loops' resumed claims start there instead of walking
-    past them (SKIP LOCKED visits every locked row it skips). Cleared when a batch of the
-    process rolls back: its rows are claimable again, before the front."""
+    """How far the claims of a process's loops have looked, without a gap, since the last
+    claim from the start of the index: the last row of the furthest full batch whose claim
+    began at or before that point (a claim from the start begins before everything). Every
+    row up to it was claimed by a loop or locked by another transaction when a claim went
+    past it, so a loop whose own position lies behind it resumes there instead of walking
+    past its siblings' batches (SKIP LOCKED reads every locked row it skips). A claim from
+    the start sets it to its own last row: what it found proves the rows behind the old
+    front are not all taken (late rows), and the loops walk them again. Moved as the claim
+    returns, not at its commit; cleared when a batch of the process rolls back (its rows
+    are claimable again, behind it)."""
 
     at: tuple[datetime, int] | None = None
 
-    def advance(self, rows: Sequence[Claimed], batch_size: int) -> None:
+    def advance(
+        self, start: tuple[datetime, int] | None, rows: Sequence[Claimed], batch_size: int
+    ) -> None:
+        """A claim that began at ``start`` (None: the start of the index) returned ``rows``."""
         last = rows[-1] if len(rows) >= batch_size else None
         if last is None or last.created_at is None:
             return
         position = (last.created_at, last.id)
-        if self.at is None or position > self.at:
+        # From the start, or from no further than the front and past it: no gap.
+        if start is None or (self.at is not None and start <= self.at < position):
             self.at = position
 
     def clear(self) -> None:
@@ -151,14 +160,15 @@ class Resume:
     thousands of rows made each claim read hundreds of index pages more, for the same ten
     rows, until autovacuum came. So after a full batch the next claim looks only after that
     batch's last row, or after the process's ``front`` when that is further: the rows
-    between are held by the process's other loops. What it cannot see then, a row before
-    that position that became claimable late (its claim rolled back, its dispatcher died,
-    its producer's transaction began before the batch's rows were written and committed
-    after), the next claim from the start finds: after a batch that was not full, and at
-    least every FULL_CLAIM_EVERY_S. Retries and deferrals are due after the position (their
-    due time is the clock after the requests); a row another transaction makes due as of
-    its own start (an ordered stream's next head, an event it routes, parked rows an enable
-    resumes) may be behind it, and waits for that claim from the start."""
+    between were taken by the process's other loops (:class:`ClaimFront`). What it cannot
+    see then, a row before that position that became claimable late (its claim rolled back,
+    its dispatcher died, its producer's transaction began before the batch's rows were
+    written and committed after), the next claim from the start finds: after a batch that
+    was not full, and at least every FULL_CLAIM_EVERY_S. Retries and deferrals are due
+    after the position (their due time is the clock after the requests); a row another
+    transaction makes due as of its own start (an ordered stream's next head, an event it
+    routes, parked rows an enable resumes) may be behind it, and waits for that claim from
+    the start."""
 
     after: tuple[datetime, int] | None = None
     full_at: float = float("-inf")  # time.monotonic() of the last claim from the start
@@ -216,7 +226,7 @@ class Batch:
             since = self.d.claim_since
             after = self.resume.position()
             rows = await claim_due(conn, settings.batch_size, since=since, after=after)
-            self.resume.front.advance(rows, settings.batch_size)
+            self.resume.front.advance(after, rows, settings.batch_size)
             self.claimed = len(rows)
             self.parts = {row.id: row.partition_at for row in rows}
             if rows:

@@ -404,6 +404,9 @@ class Dispatcher:
                 self.after_rollback(batch)
                 raise  # nothing was sent: the claim itself failed
             log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+            # The claim rolled back: rows it held that are not recorded again (deliveries of
+            # a batch whose routing failed, rows not yet planned) are claimable again.
+            self.claim_front.clear()
             batch.completions = await self.recorder.record_again(conn, batch)
             self.after_commit(batch)
             return batch.claimed, 0
@@ -522,6 +525,10 @@ class Dispatcher:
         deadline = send.started_at + self.settings.timeout_ms / 1000
         load.deadlines.append(deadline)
         self._in_flight += 1
+        if send.lease is not None:
+            # Left its batch before it started (detached at once, or while it waited for a
+            # slot): no batch shows it running.
+            self.show_in_flight()
         # Whether no batch shows the count after this request: it outlived its batch, or
         # it was cancelled (its batch rolled back, or the process stops).
         unseen = True

@@ -389,53 +389,60 @@ async def connect_gate(
 
 
 class _DirectScripts:
-    """The gate's script calls on a single Redis node, on one connection of their own.
+    """The gate's script calls on a single Redis node, on connections of their own.
 
     redis-py's command path (packing each argument through its encoder, taking and giving
     back a pooled connection, its observability and event hooks, timing each write in a
     task of its own) cost the dispatcher 275-310 us of CPU per admit call of a batch of
     ten; this sends the same ``EVALSHA``, packed here, on a redis-py connection of the
     client's pool (its address, credentials, database, TLS and health checks) and reads
-    the reply with that connection's parser: 155-170 us for the whole admit call. One
-    call at a time (a lock: the claim loops' calls are short and never overlap for long).
-    A connection that broke is reconnected and the call sent once more at once, as the
-    client's own retry does (a script call is safe to repeat: its members are unique per
-    call); a server that does not know the script (restarted, ``SCRIPT FLUSH``) gets it
-    through the client's script object, which loads it. The connection is the client's
-    pool's, held from the first call to :meth:`close` (or the client's own close)."""
+    the reply with that connection's parser: 155-170 us for the whole admit call. Each
+    call has a connection to itself, as many as run at once (the claim loops' admits, the
+    reports), taken from the client's pool once and kept until :meth:`close` (the pool
+    also closes them with the client), with no socket timeout of their own: the gate's
+    timeout bounds each whole call. A connection that broke is reconnected and the call
+    sent once more at once, as the client's own retry does (a script call is safe to
+    repeat: its members are unique per call); a server that does not know the script
+    (restarted, ``SCRIPT FLUSH``) gets it through the client's script object, which loads
+    it."""
 
     def __init__(self, client: Redis) -> None:
         self._client = client
-        self._conn: Any = None
-        self._socket_timeout: float | None = None
-        self._lock = asyncio.Lock()
+        self._idle: list[Any] = []
+        self._taken: list[tuple[Any, float | None]] = []  # each with the pool's timeout
+        self._closed = False
 
     async def run(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         packed = _pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))
-        async with self._lock:
-            try:
-                return await self._send(packed)
-            except NoScriptError:
-                pass
+        conn = await self._take()
+        try:
+            return await self._send(conn, packed)
+        except NoScriptError:
+            pass
+        finally:
+            if not self._closed:
+                self._idle.append(conn)
         return await script(keys=list(keys), args=list(args))
 
-    async def _send(self, packed: bytes) -> Any:
+    async def _take(self) -> Any:
+        if self._closed:
+            raise RedisConnectionError("the delivery gate is closed")
+        if self._idle:
+            return self._idle.pop()
+        pool: Any = self._client.connection_pool
+        conn = await pool.get_connection()
+        self._taken.append((conn, conn.socket_timeout))
+        conn.socket_timeout = None
+        return conn
+
+    async def _send(self, conn: Any, packed: bytes) -> Any:
         for last in (False, True):
-            conn = self._conn
-            if conn is None:
-                # Taken from the client's pool and kept (the pool closes it with the
-                # client); no socket timeout of its own: the gate's timeout bounds each
-                # whole call (redis-py's runs every write in a task of its own to time it).
-                pool: Any = self._client.connection_pool
-                conn = self._conn = await pool.get_connection()
-                self._socket_timeout = conn.socket_timeout
-                conn.socket_timeout = None
             try:
                 await conn.send_packed_command(packed)
                 return await conn.read_response()
             except (RedisConnectionError, OSError):
                 await conn.disconnect(nowait=True)
-                if last:
+                if last or self._closed:
                     raise
             except ResponseError:
                 raise  # an answer (NOSCRIPT among them): the connection is in order
@@ -446,18 +453,26 @@ class _DirectScripts:
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
+        """Give every connection back to the client's pool, closed (a call still running
+        on one fails and fails open)."""
+        self._closed = True
+        taken, self._taken, self._idle = self._taken, [], []
+        for conn, timeout in taken:
             await conn.disconnect()
-            conn.socket_timeout = self._socket_timeout  # the pool's again
+            conn.socket_timeout = timeout  # the pool's again
             await self._client.connection_pool.release(conn)
 
 
 def _pack_command(parts: Sequence[str | int]) -> bytes:
-    """One RESP command (an array of bulk strings)."""
+    """One RESP command (an array of bulk strings) of text and whole numbers."""
     out = [b"*%d\r\n" % len(parts)]
     for part in parts:
-        data = part.encode() if isinstance(part, str) else b"%d" % part
+        if isinstance(part, str):
+            data = part.encode()
+        elif type(part) is int:
+            data = b"%d" % part
+        else:
+            raise TypeError(f"a script argument must be str or int, not {type(part).__name__}")
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
 

@@ -42,10 +42,12 @@ async def _pending(conn: psycopg.AsyncConnection[Any], n: int) -> None:
 
 
 async def _claim_and_complete(conn: psycopg.AsyncConnection[Any], resume: Resume) -> list[int]:
-    """One batch as the dispatcher runs it: claim, mark processed, commit, then move the
-    loop's position."""
+    """One batch as the dispatcher runs it: claim (moving the process's front), mark
+    processed, commit, then move the loop's position."""
     async with conn.transaction():
-        rows = await claim_due(conn, BATCH, after=resume.position())
+        after = resume.position()
+        rows = await claim_due(conn, BATCH, after=after)
+        resume.front.advance(after, rows, BATCH)
         await conn.execute(
             "UPDATE webhook_outbox SET processed = true WHERE id = ANY(%s)",
             ([r.id for r in rows],),
@@ -147,7 +149,7 @@ async def _hold(conn: psycopg.AsyncConnection[Any], front: ClaimFront) -> list[i
     Batch.run moves it."""
     await conn.execute("BEGIN")
     rows = await claim_due(conn, BATCH)
-    front.advance(rows, BATCH)
+    front.advance(None, rows, BATCH)  # a claim from the start
     return [r.id for r in rows]
 
 
@@ -197,6 +199,33 @@ async def test_a_batch_rolled_back_clears_the_front_so_its_rows_are_claimed_agai
         assert dispatcher.claim_front.at is None
         again = await _claim_and_complete(conn, resume)
         assert again == lost, "the rolled-back rows come first, not after the old front"
+
+
+async def test_rows_a_claim_from_the_start_finds_behind_the_front_are_walked_in_order(
+    database_url: str,
+) -> None:
+    front = ClaimFront()
+    async with await _connect(database_url) as conn:
+        await _pending(conn, 100)
+        sibling = Resume(front=front)
+        done = [await _claim_and_complete(conn, sibling) for _ in range(5)]
+        assert front.at is not None and front.at[1] == done[-1][-1]
+        # Thirty rows claimable behind the front (a producer's transaction that began
+        # earlier, an enable's resumed rows); nobody holds them.
+        cur = await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, created_at)"
+            " SELECT 'late', 'e', '{}', now() - interval '1 minute'"
+            " FROM generate_series(1, 30) RETURNING id"
+        )
+        late = sorted(int(r[0]) for r in await cur.fetchall())
+        loop = Resume(front=front)
+        claimed = [await _claim_and_complete(conn, loop) for _ in range(3)]
+        # The first, from the start, found them; the next two go on through them instead
+        # of jumping to the front the siblings' batches left.
+        assert [id_ for batch in claimed for id_ in batch] == late
+        assert front.at is not None and front.at[1] == late[-1]
+        rest = await _claim_and_complete(conn, sibling)
+        assert min(rest) > max(done[-1]), "a loop ahead keeps its own position"
 
 
 async def test_the_dispatchers_loops_move_their_shared_front(database_url: str) -> None:

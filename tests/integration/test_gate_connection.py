@@ -61,9 +61,37 @@ async def gate_connections(client: Redis) -> list[str]:
 
 
 def test_a_command_is_packed_as_resp_bulk_strings() -> None:
-    assert _pack_command(("EVALSHA", "ab", 2, "k", "é")) == (
-        b"*5\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n2\r\n$1\r\nk\r\n$2\r\n\xc3\xa9\r\n"
+    assert _pack_command(("EVALSHA", "ab", 2, "k", "é", -1)) == (
+        b"*6\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n2\r\n$1\r\nk\r\n$2\r\n\xc3\xa9\r\n$2\r\n-1\r\n"
     )
+    for wrong in (2.5, True, b"x"):
+        with pytest.raises(TypeError, match="str or int"):
+            _pack_command(("EVALSHA", wrong))  # type: ignore[arg-type]
+
+
+async def test_calls_at_once_each_have_a_connection(client: Redis) -> None:
+    port = client.connection_pool.connection_kwargs["port"]
+    gate_client = Redis(host="127.0.0.1", port=port, client_name="gate")
+    gate = make_gate(gate_client)
+
+    async def gates() -> int:
+        return sum(1 for c in await client.client_list() if c["name"] == "gate")
+
+    try:
+        # The first call loads the script through the client (a pooled connection, given
+        # back); the gate keeps a connection of its own.
+        assert await gate.admit(URL, [2]) == [ALLOW]
+        await client.client_pause(300, all=False)  # write commands wait: the calls overlap
+        decided = await asyncio.gather(*(gate.admit(f"{URL}/{i}", [2]) for i in range(3)))
+        assert decided == [[ALLOW]] * 3
+        assert await gates() == 3, "three calls at once, three connections"
+        await asyncio.gather(*(gate.admit(f"{URL}/{i}", [2]) for i in range(3)))
+        assert await gates() == 3, "kept and used again"
+        await gate.close()
+        assert await gates() == 0, "closed with the gate"
+    finally:
+        await gate.close()
+        await gate_client.aclose()
 
 
 async def test_a_forgotten_script_is_loaded_again(client: Redis) -> None:

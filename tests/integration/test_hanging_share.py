@@ -16,7 +16,13 @@ import pytest
 import pytest_asyncio
 
 from fluxora_webhooks import endpoints, enqueue, metrics
-from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
+from tests.support.dispatch import (
+    enqueue_many,
+    make_settings,
+    rows,
+    running_dispatcher,
+    wait_until,
+)
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -134,3 +140,28 @@ async def test_hanging_endpoints_keep_to_their_share_and_the_healthy_ones_flow(
 
 async def _count(receiver: Receiver, n: int) -> bool:
     return len(receiver.received) >= n
+
+
+async def test_requests_that_leave_their_batch_at_once_show_in_the_in_flight_gauge(
+    database_url: str, hanging: Hanging
+) -> None:
+    settings = make_settings(f"http://127.0.0.1:{hanging.port}/hook", timeout_ms=4_000)
+    settings = dataclasses.replace(settings, allowed_networks=LOOPBACK)
+    async with running_dispatcher(settings, database_url) as dispatcher:
+        target = dispatcher.targets.get("default")
+        assert target is not None
+        target.load.mark_suspect()  # its requests leave their batches at once
+        await enqueue_many(database_url, 3)
+        await wait_until(lambda: _true(hanging.requests == 3), what="three requests hanging")
+
+        def shown() -> float:
+            value = metrics.REGISTRY.get_sample_value("fluxora_webhook_in_flight_requests")
+            return value or 0.0
+
+        # No batch waits for them, so none shows them: each shows itself as it starts
+        # (not only as it ends, at its timeout).
+        await wait_until(lambda: _true(shown() == 3), timeout=2.5, what="the gauge at 3")
+
+
+async def _true(value: bool) -> bool:
+    return value
