@@ -120,6 +120,13 @@ class Send:
         return self.target.id
 
 
+def full_batch_end(rows: Sequence[Claimed], batch_size: int) -> tuple[datetime, int] | None:
+    """The claim index position (created_at, id) of a full batch's last row; None for a
+    batch that was not full."""
+    last = rows[-1] if len(rows) >= batch_size else None
+    return None if last is None or last.created_at is None else (last.created_at, last.id)
+
+
 @dataclass
 class ClaimFront:
     """How far the claims of a process's loops have looked, without a gap, since the last
@@ -139,10 +146,9 @@ class ClaimFront:
         self, start: tuple[datetime, int] | None, rows: Sequence[Claimed], batch_size: int
     ) -> None:
         """A claim that began at ``start`` (None: the start of the index) returned ``rows``."""
-        last = rows[-1] if len(rows) >= batch_size else None
-        if last is None or last.created_at is None:
+        position = full_batch_end(rows, batch_size)
+        if position is None:
             return
-        position = (last.created_at, last.id)
         # From the start, or from no further than the front and past it: no gap.
         if start is None or (self.at is not None and start <= self.at < position):
             self.at = position
@@ -184,8 +190,7 @@ class Resume:
         return front if front is not None and front > self.after else self.after
 
     def claimed(self, rows: Sequence[Claimed], batch_size: int) -> None:
-        last = rows[-1] if len(rows) >= batch_size else None
-        self.after = None if last is None or last.created_at is None else (last.created_at, last.id)
+        self.after = full_batch_end(rows, batch_size)
 
 
 class Batch:

@@ -644,9 +644,8 @@ class Dispatcher:
         """The batch's transaction committed (or its rows were recorded one by one)."""
         self.batches += 1
         for send in batch.sends:
-            if send.lease is not None:
+            if send.committed is not None:  # made with its lease
                 send.lease_written = True
-            if send.committed is not None:
                 send.committed.set()
         reports: dict[str, list[tuple[Admission, bool | None]]] = {}
         # Counted once per outcome and batch: a counter's increment is a lock (and under
