@@ -407,7 +407,14 @@ class Dispatcher:
             # The claim rolled back: rows it held that are not recorded again (deliveries of
             # a batch whose routing failed, rows not yet planned) are claimable again.
             self.claim_front.clear()
-            batch.completions = await self.recorder.record_again(conn, batch)
+            try:
+                batch.completions = await self.recorder.record_again(conn, batch)
+            except BaseException:
+                # Its one transaction rolled back too: nothing of the batch was written, so
+                # its detached requests are given up (their rows are sent again), not left
+                # waiting for a commit.
+                self.after_rollback(batch)
+                raise
             self.after_commit(batch)
             return batch.claimed, 0
         except BaseException:

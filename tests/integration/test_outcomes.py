@@ -389,3 +389,58 @@ async def test_a_batch_with_a_deferral_whose_statement_fails_is_recorded_row_by_
         ("ok-2", True, "delivered", True, False),  # deferred by the rate, then delivered
         ("poison", False, None, True, True),
     ]
+
+
+async def test_a_batch_whose_recording_fails_twice_leaves_no_detached_request_waiting(
+    database_url: str, receiver: Receiver
+) -> None:
+    """A batch with a request that outlived it (leased) whose commit is rejected, then
+    whose row-by-row recording is rejected too: both transactions rolled back, so the
+    lease was never written. The detached request is given up (its row is claimed and sent
+    again), not left waiting for a commit that will never come: the dispatcher counts no
+    detached request still outstanding, and the row is delivered."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        # Rejected at COMMIT (a deferred constraint trigger), the first two times the slow
+        # row's lease is written; a sequence counts outside the rolled-back transactions.
+        await conn.execute("CREATE SEQUENCE lease_faults")
+        await conn.execute(
+            "CREATE FUNCTION reject_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " IF NEW.stream_id = 'slow' AND NEW.lease IS NOT NULL"
+            " AND nextval('lease_faults') <= 2 THEN RAISE EXCEPTION 'rejected'; END IF;"
+            " RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE CONSTRAINT TRIGGER reject_lease AFTER UPDATE ON webhook_outbox"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION reject_lease()"
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " VALUES ('slow', 'e', '{}'), ('ok', 'e', '{}')"
+        )
+
+    slow_id = (
+        await rows(
+            database_url, "SELECT delivery_id::text FROM webhook_outbox WHERE stream_id='slow'"
+        )
+    )[0][0]
+
+    async def respond_by_id(r: Received) -> web.Response:
+        if r.delivery_id == slow_id:
+            await asyncio.sleep(1.0)  # outlives the batch's patience: detached
+        return web.Response(status=200)
+
+    receiver.respond = respond_by_id
+    settings = make_settings(receiver.url, claim_loops=1)
+    async with running_dispatcher(settings, database_url, policy=FAST) as dispatcher:
+
+        async def settled() -> bool:
+            got = await rows(
+                database_url, "SELECT outcome FROM webhook_outbox WHERE stream_id = 'slow'"
+            )
+            return got == [("delivered",)] and dispatcher.completer.outstanding == 0
+
+        await wait_until(settled, what="the slow row delivered and nothing left outstanding")
+        faults = await rows(database_url, "SELECT last_value FROM lease_faults")
+    assert faults[0][0] >= 2  # both recordings were rejected
+    # The first request's answer was given up (its lease never written): sent again.
+    assert [r.delivery_id for r in receiver.received].count(slow_id) >= 2
