@@ -33,7 +33,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
 from . import metrics
 from .delivery import AttemptResult
@@ -57,8 +56,6 @@ if TYPE_CHECKING:
     from .dispatcher import Dispatcher
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
-
-IDLE = TransactionStatus.IDLE
 
 # A batch waits this long for its requests; one still running then is detached.
 PATIENCE_S = 0.25
@@ -196,28 +193,6 @@ class Resume:
         self.after = full_batch_end(rows, batch_size)
 
 
-async def commit(conn: psycopg.AsyncConnection[Any], *, begin_next: bool) -> None:
-    """Commit a claim transaction; with ``begin_next``, begin the next one in the same
-    message (``COMMIT; BEGIN``: three round trips per batch instead of four). A connection
-    left in a transaction that has run no statement holds no snapshot and no lock; the
-    claim loop rolls it back before the connection goes back to the pool. Should the
-    commit fail, the rest of the message is not run and the connection is left idle."""
-    if begin_next:
-        await conn.execute("COMMIT; BEGIN", prepare=False)
-    else:
-        await conn.commit()
-
-
-async def rollback(conn: psycopg.AsyncConnection[Any]) -> None:
-    """End the connection's transaction, if any, ignoring a connection that broke (the
-    server has rolled it back then); psycopg forgets its prepared statements, as its own
-    transaction blocks do on a rollback."""
-    try:
-        await conn.rollback()
-    except psycopg.Error as exc:
-        log.debug("rollback failed (%s)", type(exc).__name__)
-
-
 class Batch:
     """One claim transaction of a :class:`~fluxora_webhooks.dispatcher.Dispatcher`."""
 
@@ -250,13 +225,9 @@ class Batch:
         self.busy: list[tuple[str, str]] = []
 
     async def run(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
-        """Returns (rows claimed, ms until the next future due row). The connection is in
-        autocommit mode; the batch's transaction is begun here, or was begun by the message
-        that committed the loop's previous batch (:func:`commit`)."""
+        """Returns (rows claimed, ms until the next future due row)."""
         settings = self.d.settings
-        if conn.info.transaction_status == IDLE:
-            await conn.execute("BEGIN", prepare=False)
-        try:
+        async with conn.transaction():
             since = self.d.claim_since
             after = self.resume.position()
             rows = await claim_due(conn, settings.batch_size, since=since, after=after)
@@ -272,11 +243,6 @@ class Batch:
             # next claim, from the start, goes at once (0) rather than after a poll.
             short = len(rows) < settings.batch_size
             next_due = await next_due_in_ms(conn, since=since) if short and after is None else 0
-        except BaseException:
-            await rollback(conn)
-            raise
-        # A batch that claimed rows is followed at once by the loop's next claim.
-        await commit(conn, begin_next=bool(rows) and not self.d.stopping)
         # Only once committed: a batch rolled back leaves its rows before the position.
         self.resume.claimed(rows, settings.batch_size)
         self.d.after_commit(self)

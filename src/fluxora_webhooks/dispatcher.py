@@ -28,16 +28,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
-from .batch import (
-    GONE,
-    PATIENCE_S,
-    Batch,
-    ClaimFront,
-    Resume,
-    Send,
-    breaker_signal,
-    rollback,
-)
+from .batch import GONE, PATIENCE_S, Batch, ClaimFront, Resume, Send, breaker_signal
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
@@ -354,11 +345,7 @@ class Dispatcher:
                             continue  # a partial batch: claim once more before sleeping
                         await self._waker.wait(self._sleep_s(next_due))
                 finally:
-                    try:
-                        # The transaction the last batch began for the next (batch.commit).
-                        await rollback(conn)
-                    finally:
-                        await self._pool.putconn(conn)
+                    await self._pool.putconn(conn)
             except asyncio.CancelledError:
                 raise
             except DB_ERRORS as exc:

@@ -97,7 +97,9 @@ class RedisCluster:
                 try:
                     pid = int(self.client(port).info("server")["process_id"])
                 except redis.ConnectionError:
-                    pid = None
+                    pid = None  # not listening yet
+                except redis.RedisError:
+                    return False  # something else listens there
                 if pid == proc.pid:
                     break
                 if pid is not None or time.monotonic() > deadline:
