@@ -331,38 +331,30 @@ class Batch:
     async def _plan(self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]) -> None:
         candidates: list[tuple[Claimed, Target]] = []
         queued: set[int] = set()  # rows that will wait in this process for a slot
-        for row in rows:
-            if row.is_event:
-                # The built-in default endpoint is the default tenant's (every event type).
-                default = self.d.targets.get(DEFAULT_ID) if row.id in self.for_default else None
-                if default is None:
-                    self.completions.append(Completion(row.id, Outcome.ROUTED))
+        try:
+            for row in rows:
+                target = await self._plan_one(conn, row)
+                if target is None:
                     continue
-                target = default
-            else:
-                found = await self._target(conn, row)
-                if found is None:
+                wait = self.d.capacity_wait_s(target)
+                queue = wait is not None and self.d.may_wait_for_slot(target)
+                if wait is not None and not queue:
+                    self.completions.append(deferral(row, int(wait * 1000)))
                     continue
-                target = found
-            endpoint_id = recorded_endpoint(row)
-            if not target.enabled:
-                # The cache may be a moment behind an enable (its NOTIFY is on its way):
-                # the registry decides before a row is parked.
-                target = await self.d.targets.reload(conn, target.id) or target
-            if not target.enabled:
-                self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=endpoint_id))
-                continue
-            wait = self.d.capacity_wait_s(target)
-            queue = wait is not None and self.d.may_wait_for_slot(target)
-            if wait is not None and not queue:
-                self.completions.append(deferral(row, int(wait * 1000)))
-                continue
-            if queue:
-                queued.add(row.id)
-            else:
-                target.load.in_flight += 1  # reserved now: later rows of this batch see it
-            candidates.append((row, target))
-        admissions = await self.d.admit(candidates)
+                if queue:
+                    queued.add(row.id)
+                else:
+                    target.load.in_flight += 1  # reserved now: later rows of this batch see it
+                candidates.append((row, target))
+            admissions = await self.d.admit(candidates)
+        except BaseException:
+            # No request was made of them: give their slots back (the batch rolls back and
+            # its rows are claimed again). A slot kept would be lost to the endpoint for
+            # the life of the process.
+            for row, target in candidates:
+                if row.id not in queued:
+                    target.load.release()
+            raise
         for (row, target), admission in zip(candidates, admissions, strict=True):
             if admission.allowed:
                 self.sends.append(Send(row, target, admission, queued=row.id in queued))
@@ -370,6 +362,31 @@ class Batch:
             if row.id not in queued:
                 target.load.release()
             self.completions.append(deferral(row, admission.delay_ms))
+
+    async def _plan_one(self, conn: psycopg.AsyncConnection[Any], row: Claimed) -> Target | None:
+        """The enabled endpoint to send ``row`` to; None when the row's completion is
+        decided without a request (routed, parked, deferred, dead-lettered)."""
+        if row.is_event:
+            # The built-in default endpoint is the default tenant's (every event type).
+            default = self.d.targets.get(DEFAULT_ID) if row.id in self.for_default else None
+            if default is None:
+                self.completions.append(Completion(row.id, Outcome.ROUTED))
+                return None
+            target = default
+        else:
+            found = await self._target(conn, row)
+            if found is None:
+                return None
+            target = found
+        if not target.enabled:
+            # The cache may be a moment behind an enable (its NOTIFY is on its way):
+            # the registry decides before a row is parked.
+            target = await self.d.targets.reload(conn, target.id) or target
+        if not target.enabled:
+            endpoint_id = recorded_endpoint(row)
+            self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=endpoint_id))
+            return None
+        return target
 
     async def _target(self, conn: psycopg.AsyncConnection[Any], row: Claimed) -> Target | None:
         """The row's endpoint. Unknown here: reloaded from the registry; an endpoint gone

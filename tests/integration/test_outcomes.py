@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from fluxora_webhooks import deadletters
+from fluxora_webhooks import deadletters, endpoints, metrics
 from fluxora_webhooks.outbox import enqueue
 from fluxora_webhooks.redis_gate import connect_gate
 from fluxora_webhooks.retry import RetryPolicy
@@ -444,3 +444,61 @@ async def test_a_batch_whose_recording_fails_twice_leaves_no_detached_request_wa
     assert faults[0][0] >= 2  # both recordings were rejected
     # The first request's answer was given up (its lease never written): sent again.
     assert [r.delivery_id for r in receiver.received].count(slow_id) >= 2
+
+
+def _claim_errors() -> float:
+    return metrics.REGISTRY.get_sample_value("fluxora_webhook_claim_errors_total") or 0.0
+
+
+async def test_a_batch_that_fails_while_planning_gives_back_the_slots_it_reserved(
+    database_url: str, receiver: Receiver
+) -> None:
+    """A batch reserves each row's slot of its endpoint's WEBHOOK_ENDPOINT_CONCURRENCY as it
+    plans it. When a later row's planning fails (here: the registry cannot be read for a
+    disabled endpoint's row), the batch rolls back and gives those slots back: however
+    often it fails, the endpoint keeps its concurrency and its rows are delivered once
+    the registry reads again."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = await endpoints.create(conn, url="https://example.com/h", tenant="acme")
+        await endpoints.disable(conn, endpoint.id)
+    settings = make_settings(receiver.url, claim_loops=1, endpoint_concurrency=4)
+    async with running_dispatcher(settings, database_url, policy=FAST):
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            # The registry's rows no longer read as endpoints.
+            await conn.execute(
+                "ALTER TABLE webhook_endpoints RENAME COLUMN description TO description_gone"
+            )
+            async with conn.transaction():
+                # Three events for the default endpoint, planned first (each reserves a
+                # slot), then a delivery of the disabled endpoint, read again from the
+                # registry before it is parked: that fails, every time the batch is claimed.
+                await conn.execute(
+                    "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+                    " SELECT 's' || g, 'e', '{}' FROM generate_series(1, 3) g"
+                )
+                await conn.execute(
+                    "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
+                    " endpoint_id) VALUES ('acme', 'x', 'e', '{}', %s)",
+                    (endpoint.id,),
+                )
+            errors = _claim_errors()
+
+            async def failed_often() -> bool:
+                return _claim_errors() >= errors + 3
+
+            await wait_until(failed_often, what="the batch to fail three times")
+            await conn.execute(
+                "ALTER TABLE webhook_endpoints RENAME COLUMN description_gone TO description"
+            )
+        await receiver.wait_for(3)
+
+        async def parked() -> bool:
+            got = await rows(
+                database_url,
+                "SELECT hold FROM webhook_outbox WHERE endpoint_id = %s",
+                (endpoint.id,),
+            )
+            return got == [("parked",)]
+
+        await wait_until(parked, what="the disabled endpoint's delivery parked")
+    assert len(receiver.received) == 3
