@@ -33,10 +33,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg_pool import PoolTimeout
 
 from . import metrics
 from .delivery import AttemptResult
 from .endpoints import DEFAULT_ID
+from .errors import NotFoundError
 from .gate import Admission
 from .outbox import (
     Claimed,
@@ -56,6 +58,9 @@ if TYPE_CHECKING:
     from .dispatcher import Dispatcher
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
+
+# The database unreachable (not a statement it refused): nothing to record anything with.
+DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 # A batch waits this long for its requests; one still running then is detached.
 PATIENCE_S = 0.25
@@ -641,11 +646,8 @@ async def apply_effects(
     streams (``busy``: see :func:`promote_trying`), and endpoints disabled (410 Gone at
     once; failing for longer than ``WEBHOOK_DISABLE_AFTER``). Returns how many deliveries
     became due."""
-    from . import endpoints
-
     for endpoint_id in sorted(effects.gone):
-        await endpoints.disable(conn, endpoint_id, reason="gone")
-        dispatcher.note_disabled(endpoint_id, "gone")
+        await _disable(dispatcher, conn, endpoint_id, "gone")
     after = dispatcher.settings.disable_after_ms
     candidates = sorted(effects.failed - effects.succeeded - effects.gone)
     if after and candidates:
@@ -656,9 +658,27 @@ async def apply_effects(
             (candidates, after),
         )
         for (endpoint_id,) in await cur.fetchall():
-            await endpoints.disable(conn, str(endpoint_id), reason="failing")
-            dispatcher.note_disabled(str(endpoint_id), "failing")
+            await _disable(dispatcher, conn, str(endpoint_id), "failing")
     return await promote_trying(conn, [*recorded.ordered, *effects.ordered], busy)
+
+
+async def _disable(
+    dispatcher: Dispatcher, conn: psycopg.AsyncConnection[Any], endpoint_id: str, reason: str
+) -> None:
+    """Disable one endpoint under a savepoint of its own: one the database refuses to
+    disable (or removed meanwhile) is logged and left as it is (a next failure tries
+    again) without undoing the others or the ordered streams' next heads chosen after."""
+    from . import endpoints
+
+    try:
+        async with conn.transaction():
+            await endpoints.disable(conn, endpoint_id, reason=reason)
+    except DB_ERRORS:
+        raise
+    except (psycopg.Error, NotFoundError) as exc:
+        log.error("endpoint %s: disabling it failed (%s)", endpoint_id, type(exc).__name__)
+        return
+    dispatcher.note_disabled(endpoint_id, reason)
 
 
 def breaker_signal(result: AttemptResult) -> bool | None:

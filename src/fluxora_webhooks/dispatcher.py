@@ -28,14 +28,23 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
-from .batch import GONE, PATIENCE_S, Batch, ClaimFront, Resume, Send, breaker_signal
+from .batch import (
+    DB_ERRORS,
+    GONE,
+    PATIENCE_S,
+    Batch,
+    ClaimFront,
+    Resume,
+    Send,
+    breaker_signal,
+)
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
-from .recording import DB_ERRORS, Completer, Recorder
+from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer, standard_key

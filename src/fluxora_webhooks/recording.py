@@ -19,9 +19,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg_pool import PoolTimeout
 
 from .batch import (
+    DB_ERRORS,
     Batch,
     Effects,
     Send,
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
-DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 # Outcomes written without a savepoint around the batch's statement (Recorder.record). A
 # deferral or a parking only moves the row's due time; a batch with one is the common case
 # beside a busy or hanging endpoint, where the savepoint's round trips and subtransaction

@@ -39,8 +39,14 @@ async def _get(port: int, path: str) -> int:
 
 def _workers(supervisor: DispatcherProcess) -> set[int]:
     """The pids of the supervisor's live worker processes."""
-    children = psutil.Process(supervisor.pid).children()
-    return {c.pid for c in children if c.status() != psutil.STATUS_ZOMBIE}
+    live = set()
+    for child in psutil.Process(supervisor.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                live.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass  # reaped between the listing and the look at it
+    return live
 
 
 def _sent_to(pid: int, receiver: Receiver) -> bool:

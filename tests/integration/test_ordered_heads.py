@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from aiohttp import web
 
 from fluxora_webhooks import endpoints, enqueue, partitions
 from fluxora_webhooks.outbox import claim_due, promote_heads, route_events
@@ -244,3 +245,63 @@ async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
         (pid,),
     )
     return bool(found)
+
+
+async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_chosen(
+    database_url: str,
+) -> None:
+    """One batch sends an ordered stream's head (delivered) and another endpoint's delivery
+    (410 Gone: that endpoint is disabled at once). The database refuses the disable (a
+    trigger): the stream's next head is still chosen by the batch, not left for the
+    periodic sweep (30 s, beyond this test's wait), and the endpoint stays enabled."""
+    receiver = Receiver()
+    await receiver.start()
+    receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            ordered, _ = await endpoints.create(
+                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+            )
+            gone, _ = await endpoints.create(
+                conn,
+                url=receiver.url,
+                tenant="acme",
+                headers={"x-which": "gone"},
+                allowed_networks=LOOPBACK,
+            )
+            await conn.execute(
+                "CREATE FUNCTION refuse_disable() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " IF NEW.state <> 'enabled' THEN RAISE EXCEPTION 'refused'; END IF;"
+                " RETURN NEW; END $$"
+            )
+            await conn.execute(
+                "CREATE TRIGGER refuse_disable BEFORE UPDATE ON webhook_endpoints"
+                " FOR EACH ROW EXECUTE FUNCTION refuse_disable()"
+            )
+            await conn.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
+                " endpoint_id, event_id, stream_seq, hold, created_at) VALUES"
+                " ('acme', 's', 'e', '{\"n\": 1}', %(o)s, 1, 1, NULL, now()),"
+                " ('acme', 's', 'e', '{\"n\": 2}', %(o)s, 2, 2, 'waiting', 'infinity'),"
+                " ('acme', 'g', 'e', '{\"n\": 0}', %(g)s, 3, NULL, NULL, now())",
+                {"o": ordered.id, "g": gone.id},
+            )
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1)
+
+        async def both_delivered() -> bool:
+            got = await rows(
+                database_url,
+                "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
+                (ordered.id,),
+            )
+            return got == [(2,)]
+
+        async with running_dispatcher(settings, database_url):
+            await wait_until(both_delivered, what="the stream's two deliveries")
+        sent = [json.loads(hit.body)["n"] for hit in receiver.received]
+        assert sorted(sent) == [0, 1, 2] and sent.index(1) < sent.index(2)
+    finally:
+        await receiver.stop()
+    assert await rows(
+        database_url, "SELECT state FROM webhook_endpoints WHERE id = %s", (gone.id,)
+    ) == [("enabled",)]
