@@ -59,7 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
-# The database unreachable (not a statement it refused): nothing to record anything with.
+# Errors after which nothing more is tried on the connection: psycopg's OperationalError (the
+# database unreachable, or the statement cancelled, timed out or deadlocked), a broken
+# connection, no connection to be had. Any other psycopg.Error is a statement refused.
 DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 # A batch waits this long for its requests; one still running then is detached.
@@ -666,8 +668,9 @@ async def _disable(
     dispatcher: Dispatcher, conn: psycopg.AsyncConnection[Any], endpoint_id: str, reason: str
 ) -> None:
     """Disable one endpoint under a savepoint of its own: one the database refuses to
-    disable (or removed meanwhile) is logged and left as it is (a next failure tries
-    again) without undoing the others or the ordered streams' next heads chosen after."""
+    disable (or removed meanwhile) is logged and left as it is, without undoing the others
+    or the ordered streams' next heads chosen after. A later failure tries again; a
+    delivery parked by a 410 whose disable was refused stays parked (docs/operations.md)."""
     from . import endpoints
 
     try:

@@ -725,7 +725,7 @@ class Dispatcher:
             if send.committed is not None:
                 send.committed.set()
             if send.task is None:
-                if not send.queued:
+                if not send.queued and not send.withheld:  # a withheld one gave it back
                     send.target.load.release()  # reserved, never sent
             elif send.lease is None and not send.task.done():
                 send.task.cancel()

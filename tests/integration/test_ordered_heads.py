@@ -248,7 +248,7 @@ async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
 
 
 async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_chosen(
-    database_url: str,
+    database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One batch sends an ordered stream's head (delivered) and another endpoint's delivery
     (410 Gone: that endpoint is disabled at once). The database refuses the disable (a
@@ -302,6 +302,8 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
         assert sorted(sent) == [0, 1, 2] and sent.index(1) < sent.index(2)
     finally:
         await receiver.stop()
+    # The disable was tried, and refused, by the batch that chose the next head.
+    assert f"endpoint {gone.id}: disabling it failed" in caplog.text
     assert await rows(
         database_url, "SELECT state FROM webhook_endpoints WHERE id = %s", (gone.id,)
     ) == [("enabled",)]

@@ -462,7 +462,12 @@ async def test_a_batch_that_fails_while_planning_gives_back_the_slots_it_reserve
         endpoint, _ = await endpoints.create(conn, url="https://example.com/h", tenant="acme")
         await endpoints.disable(conn, endpoint.id)
     settings = make_settings(receiver.url, claim_loops=1, endpoint_concurrency=4)
-    async with running_dispatcher(settings, database_url, policy=FAST):
+    async with running_dispatcher(settings, database_url, policy=FAST) as dispatcher:
+
+        async def loaded() -> bool:  # the registry read (before it is made unreadable)
+            return dispatcher.targets.get(endpoint.id) is not None
+
+        await wait_until(loaded, what="the endpoints loaded")
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             # The registry's rows no longer read as endpoints.
             await conn.execute(

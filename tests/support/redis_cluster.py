@@ -95,7 +95,8 @@ class RedisCluster:
                 if proc.poll() is not None:
                     return False  # it could not bind its port or its bus port
                 try:
-                    pid = int(self.client(port).info("server")["process_id"])
+                    with self.client(port) as client:
+                        pid = int(client.info("server")["process_id"])
                 except redis.ConnectionError:
                     pid = None  # not listening yet
                 except redis.RedisError:

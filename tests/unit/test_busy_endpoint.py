@@ -5,7 +5,9 @@ comes back no faster than it can take it, taking no claim capacity meanwhile (SP
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
+from fluxora_webhooks.batch import Batch, Send
 from fluxora_webhooks.dispatcher import BUSY_DEFER_S, SLOW_HORIZON_TIMEOUTS, Dispatcher
 from tests.support.dispatch import make_settings
 
@@ -54,3 +56,20 @@ def test_a_busy_slow_endpoint_waits_for_its_next_request_to_end() -> None:
     # ...and the rest, beyond the horizon, spread over it, not all at the same moment.
     rest = spread[10:]
     assert max(rest) - min(rest) > 20.0
+
+
+def test_a_rolled_back_batch_gives_back_each_slot_it_still_holds_once() -> None:
+    """Two rows planned to one endpoint, each taking a slot; one was withheld (the requests
+    detached from their batches held their share), giving its slot back then, the other
+    never sent. The batch rolls back: the endpoint has both slots again, not three."""
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    target.load.in_flight = 2  # reserved by the plan
+    never_sent = Send(cast(Any, None), target, cast(Any, None))
+    withheld = Send(cast(Any, None), target, cast(Any, None), withheld=True)
+    target.load.release()  # what withholding it did
+    batch = Batch(dispatcher)
+    batch.sends = [never_sent, withheld]
+    dispatcher.after_rollback(batch)
+    assert target.load.in_flight == 0
