@@ -232,7 +232,8 @@ class Batch:
         self.busy: list[tuple[str, str]] = []
 
     async def run(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
-        """Returns (rows claimed, ms until the next future due row)."""
+        """Returns (rows claimed, ms until the next future due row: asked only when the
+        claim found nothing, else 0)."""
         settings = self.d.settings
         async with conn.transaction():
             since = self.d.claim_since
@@ -246,10 +247,11 @@ class Batch:
                 await self._send()
                 self.d.show_in_flight()
                 await self.d.recorder.record(conn, self)
-            # A resumed claim that came back short looked only after its position: the
-            # next claim, from the start, goes at once (0) rather than after a poll.
-            short = len(rows) < settings.batch_size
-            next_due = await next_due_in_ms(conn, since=since) if short and after is None else 0
+            # Asked only when the claim from the start found nothing: a loop that claimed
+            # rows claims again at once (Dispatcher._claim_loop), and a resumed claim that
+            # came back empty looked only after its position, so the next claim, from the
+            # start, goes at once (0) rather than after a poll.
+            next_due = await next_due_in_ms(conn, since=since) if not rows and after is None else 0
         # Only once committed: a batch rolled back leaves its rows before the position.
         self.resume.claimed(rows, settings.batch_size)
         self.d.after_commit(self)
