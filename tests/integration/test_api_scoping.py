@@ -143,11 +143,18 @@ async def test_lists_and_filters_hold_only_the_tokens_tenant(world: World) -> No
         assert stats.body["backlog"]["pending"] == PER_TENANT
         assert stats.body["backlog"]["parked"] == PER_TENANT
         assert stats.body["series"][-1]["backlog"] == PER_TENANT
+        for other in {"acme", "bolt", ""} - {own}:
+            refused = await api.get("/api/v1/stats", token=token, params={"tenant": other})
+            assert refused.status == 403 and refused.error_code == "tenant_forbidden"
     admin = await api.all_pages("/api/v1/deliveries", limit=10)
     assert len(admin) == 3 * PER_TENANT
     default_only = await api.all_pages("/api/v1/deliveries", limit=10, tenant="")
     assert {d["tenant"] for d in default_only} == {""} and len(default_only) == PER_TENANT
     assert (await api.get("/api/v1/stats")).body["backlog"]["pending"] == 3 * PER_TENANT
+    for tenant in ("acme", "bolt", ""):  # an admin's filter
+        one = await api.get("/api/v1/stats", params={"tenant": tenant})
+        assert one.body["backlog"]["pending"] == PER_TENANT, tenant
+        assert [h["id"] for h in one.body["endpoints"]] == [world.endpoint[tenant]]
 
 
 async def test_a_tenant_token_cannot_write_for_another_tenant(world: World) -> None:
@@ -171,6 +178,14 @@ async def test_a_tenant_token_cannot_write_for_another_tenant(world: World) -> N
         "/api/v1/events", token="acme", json={"stream_id": "s", "event_type": "t", "payload": 1}
     )
     assert event.status == 202 and event.body["tenant"] == "acme"
+    # An admin's event names a tenant that could have endpoints and tokens, or none.
+    for bad in ("<b>", "a b", "x" * 200):
+        refused = await api.post(
+            "/api/v1/events",
+            json={"tenant": bad, "stream_id": "s", "event_type": "t", "payload": {}},
+        )
+        assert refused.status == 422 and refused.error_code == "validation_error", bad
+        assert "tenant" in refused.body["error"]["message"]
 
 
 async def test_no_secret_or_token_in_any_list_page_or_log(

@@ -46,6 +46,12 @@ def test_cursors_are_opaque_and_belong_to_their_list() -> None:
     assert "42" not in cursor and decode_int("deliveries", cursor) == 42
     assert decode("endpoints", encode("endpoints", "ep_x")) == "ep_x"
     assert decode("endpoints", None) is None and decode("endpoints", "") is None
-    for bad in ("%%%", encode("events", 1), encode("deliveries", "x"), "YQ"):
+    for bad in (
+        "%%%",
+        encode("events", 1),
+        encode("deliveries", "x"),
+        "YQ",
+        encode("deliveries", 2**63),
+    ):
         with pytest.raises(Exception, match="cursor"):
             decode_int("deliveries", bad)

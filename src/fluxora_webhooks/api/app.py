@@ -4,6 +4,7 @@ connection pool, one error shape, and the security headers on every response."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ from . import errors
 from .deps import ApiState
 
 API_PREFIX = "/api/v1"
+# The largest request body taken (an event's payload with its envelope, a form): as the
+# consumers' inbox glue refuses a delivery over 1 MiB, a larger event could only end as
+# dead letters.
+MAX_BODY_BYTES = 1 << 20
 # Scripts and styles from this server only, no inline script or eval, nothing framed.
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -90,6 +95,78 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class Guard:
+    """Inside :class:`SecurityHeaders`, around everything else: a request body larger than
+    :data:`MAX_BODY_BYTES` (declared, or as it arrives) is refused with 413 before it is
+    read whole; an exception no handler answered is logged and answered 500 in the error
+    shape (JSON, or the dashboard's page), with the security headers, rather than as the
+    server's plain-text page."""
+
+    def __init__(self, app: ASGIApp, html_error: Callable[..., Any]) -> None:
+        self.app = app
+        self.html_error = html_error
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from starlette.exceptions import HTTPException
+
+        too_large = HTTPException(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        received = 0
+        started = False
+
+        async def limited() -> Any:
+            nonlocal received
+            if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+                raise too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise too_large
+            return message
+
+        async def watched(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, watched)
+        except Exception:
+            log.exception("%s %s: unexpected error", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await self._internal_error(scope, receive, send)
+
+    async def _internal_error(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        from starlette.requests import Request
+
+        message = "internal error; the server's log has the details"
+        response: Any = errors.error_response(500, "internal_error", message)
+        if not str(scope.get("path", "")).startswith(errors.API_PREFIX):
+            try:
+                response = self.html_error(Request(scope), 500, message)
+            except Exception:  # the page itself failed: the JSON answer, then
+                log.exception("the error page could not be rendered")
+        await response(scope, receive, send)
+
+
+log = logging.getLogger("fluxora_webhooks.api")
+
+
 def create_app(config: ApiConfig) -> FastAPI:
     from .dashboard import pages, render
     from .routes import deliveries, endpoints, events, stats
@@ -131,6 +208,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         app.include_router(module.router, prefix=API_PREFIX)
     pages.install(app)
     errors.install(app, render.error_page)
+    app.add_middleware(Guard, html_error=render.error_page)  # inside the next one
     app.add_middleware(SecurityHeaders)
     _require_token_for_openapi(app)
     return app

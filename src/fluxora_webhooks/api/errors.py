@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,7 @@ _CODES = {
     405: "method_not_allowed",
     409: "conflict",
     413: "too_large",
+    500: "internal_error",
     415: "unsupported_media_type",
     422: "validation_error",
 }
@@ -60,6 +62,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
     return 422, "validation_error", "; ".join(parts) or "the request is not valid"
 
 
+def _unstorable(exc: Exception) -> str:
+    """What is wrong with a request value the database refused (SQLSTATE class 22) or that
+    cannot be encoded for it, without echoing the value (nor the database's context,
+    which quotes it)."""
+    surrogate = "a text value is not valid Unicode (it holds an unpaired surrogate)"
+    if isinstance(exc, UnicodeEncodeError):
+        return surrogate
+    sqlstate = getattr(exc, "sqlstate", None)
+    diag = getattr(exc, "diag", None)
+    if sqlstate == "22P02" and "surrogate" in str(getattr(diag, "message_detail", "") or ""):
+        return surrogate  # in JSON, escaped
+    if sqlstate is None and "NUL" in str(exc):
+        return "a text value contains a NUL character (\\u0000), which cannot be stored"
+    if sqlstate == "22P05":
+        return "the payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot hold"
+    if sqlstate == "22P02" and "json" in str(exc):
+        return "the payload is not JSON PostgreSQL accepts (NaN and Infinity are not JSON numbers)"
+    if sqlstate == "22003":
+        return "a number in the request is out of range"
+    return f"a value in the request cannot be stored (SQLSTATE {sqlstate or 'none'})"
+
+
 def install(app: FastAPI, html_error: Any) -> None:
     """Register the handlers; ``html_error(request, status, message)`` renders the
     dashboard's error page."""
@@ -89,6 +113,11 @@ def install(app: FastAPI, html_error: Any) -> None:
     @app.exception_handler(EndpointError)
     async def _refused(request: Request, exc: EndpointError) -> Response:
         return answer(request, 422, "validation_error", str(exc))
+
+    @app.exception_handler(psycopg.DataError)
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unstorable_value(request: Request, exc: Exception) -> Response:
+        return answer(request, 422, "validation_error", _unstorable(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

@@ -12,6 +12,7 @@ from .errors import ApiError
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
+MAX_KEY = 2**63 - 1  # the keys are bigint ids
 
 
 def encode(kind: str, key: str | int) -> str:
@@ -42,6 +43,6 @@ def decode_int(kind: str, cursor: str | None) -> int | None:
     key = decode(kind, cursor)
     if key is None:
         return None
-    if not key.isascii() or not key.isdigit():
+    if not key.isascii() or not key.isdigit() or int(key) > MAX_KEY:
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
     return int(key)

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from ... import deliveries
+from ...endpoints import check_tenant
 from ...errors import NotFoundError
 from ..deps import Conn, Reader, Writer, scoped
 from ..models import ErrorBody, Event, EventAccepted, EventDetail, EventIn, Page
@@ -26,7 +27,7 @@ router = APIRouter(
 async def enqueue_event(who: Writer, conn: Conn, body: EventIn) -> dict[str, Any]:
     """For producers outside the database: the event is committed to the outbox and
     delivered to its tenant's endpoints like any other."""
-    tenant = scoped(who, body.tenant)
+    tenant = scoped(who, None if body.tenant is None else check_tenant(body.tenant))
     return await deliveries.enqueue_event(
         conn,
         tenant=tenant if tenant is not None else "",

@@ -9,10 +9,14 @@ from fastapi import APIRouter, Query, Request
 
 from ... import deliveries
 from ...settings import parse_duration_ms
-from ..deps import ApiState, Conn, Reader, api_state
-from ..models import Stats
+from ..deps import ApiState, Conn, Reader, api_state, scoped
+from ..models import ErrorBody, Stats
 
-router = APIRouter(prefix="/stats", tags=["stats"])
+router = APIRouter(
+    prefix="/stats",
+    tags=["stats"],
+    responses={403: {"model": ErrorBody, "description": "another tenant's statistics"}},
+)
 
 
 async def read_stats(
@@ -48,6 +52,10 @@ async def get_stats(
     conn: Conn,
     window: Annotated[str, Query(description="the recent window: 1m to 7d")] = "1h",
     series: Annotated[bool, Query(description="add the window in 30 buckets")] = False,
+    tenant: Annotated[
+        str | None, Query(description="an admin's filter ('' is the default tenant)")
+    ] = None,
 ) -> dict[str, Any]:
     window_ms = deliveries.check_window(parse_duration_ms(window, "window"))
-    return await read_stats(api_state(request), conn, who.tenant, window_ms, with_series=series)
+    scope = scoped(who, tenant)
+    return await read_stats(api_state(request), conn, scope, window_ms, with_series=series)

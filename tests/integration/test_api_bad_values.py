@@ -1,0 +1,135 @@
+"""Requests the database cannot store, bodies over the limit, and errors nothing expected:
+each is answered in the error shape with the security headers, never as the server's
+plain-text 500, and nothing of it is stored."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+
+from fluxora_webhooks.api.app import MAX_BODY_BYTES
+from fluxora_webhooks.api.pagination import encode
+from tests.support.api import Api, Reply, serving
+
+pytestmark = pytest.mark.integration
+
+EVENTS = "/api/v1/events"
+
+
+@pytest_asyncio.fixture
+async def api(database_url: str) -> AsyncIterator[Api]:
+    async with serving(database_url) as running:
+        yield running
+
+
+def refused(reply: Reply, status: int, code: str, *words: str) -> None:
+    assert reply.status == status, reply.text
+    assert reply.error_code == code
+    assert reply.headers.get("content-security-policy", "").startswith("default-src 'none'")
+    assert reply.headers.get("cache-control") == "no-store"
+    message = reply.body["error"]["message"]
+    for word in words:
+        assert word in message, message
+
+
+def event(payload: Any, **fields: Any) -> dict[str, Any]:
+    return {"stream_id": "s", "event_type": "t", "payload": payload, **fields}
+
+
+async def stored(database_url: str, table: str) -> int:
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        cur = await conn.execute(f"SELECT count(*) FROM {table}")
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_values_the_database_cannot_store_are_refused_with_422(
+    api: Api, database_url: str
+) -> None:
+    endpoint = {"url": "https://a.example.com/hook", "tenant": "acme"}
+    nul = await api.post("/api/v1/endpoints", json={**endpoint, "description": "a\u0000b"})
+    refused(nul, 422, "validation_error", "NUL")
+    refused(await api.post(EVENTS, json=event({"k": "\u0000"})), 422, "validation_error", "NUL")
+    refused(await api.post(EVENTS, json=event({}, stream_id="s\u0000")), 422, "validation_error")
+    # Python's JSON reads NaN, Infinity and 1e999 (as infinity); PostgreSQL's does not.
+    for number in ("NaN", "Infinity", "1e999"):
+        text = f'{{"stream_id": "s", "event_type": "t", "payload": {{"n": {number}}}}}'
+        reply = await api.post(EVENTS, data=text, headers={"Content-Type": "application/json"})
+        refused(reply, 422, "validation_error", "NaN and Infinity")
+    # An unpaired surrogate, as JSON escapes it: in a payload, a URL, a secret.
+    surrogate = '"\\ud800"'
+    for text in (
+        f'{{"stream_id": "s", "event_type": "t", "payload": {{"k": {surrogate}}}}}',
+        f'{{"url": "https://a.example.com/{surrogate[1:-1]}", "tenant": "acme"}}',
+        f'{{"url": "https://a.example.com/", "secret": "{"x" * 24}{surrogate[1:-1]}"}}',
+    ):
+        path = EVENTS if "payload" in text else "/api/v1/endpoints"
+        reply = await api.post(path, data=text, headers={"Content-Type": "application/json"})
+        refused(reply, 422, "validation_error", "surrogate")
+    # A NUL in a filter or an id, an id past bigint in a cursor.
+    refused(
+        await api.get("/api/v1/deliveries", params={"stream_id": "\u0000"}), 422, "validation_error"
+    )
+    refused(await api.get("/api/v1/endpoints/ep_\u0000"), 422, "validation_error", "NUL")
+    for kind in ("events", "deliveries"):
+        cursor = encode(kind, 2**63)
+        reply = await api.get(f"/api/v1/{kind}", params={"cursor": cursor})
+        refused(reply, 400, "invalid_cursor")
+    assert await stored(database_url, "webhook_outbox") == 0
+    assert await stored(database_url, "webhook_endpoints WHERE tenant = 'acme'") == 0
+    # The same requests without the bad value are taken.
+    assert (await api.post(EVENTS, json=event({"k": "fine"}))).status == 202
+    assert await stored(database_url, "webhook_outbox") == 1
+
+
+async def post_raw(api: Api, body: Any) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` (a file-like object: its length declared; an async iterator: sent in
+    chunks, no length) to the events list, as the admin."""
+    headers = {"Authorization": f"Bearer {api.tokens['admin']}", "Content-Type": "application/json"}
+    async with api.session.post(api.url + EVENTS, data=body, headers=headers) as resp:
+        assert resp.headers["content-security-policy"].startswith("default-src 'none'")
+        return resp.status, await resp.json()
+
+
+async def test_a_body_over_the_limit_is_refused_with_413_and_not_stored(
+    api: Api, database_url: str
+) -> None:
+    big = json.dumps(event({"blob": "x" * MAX_BODY_BYTES})).encode()
+    status, body = await post_raw(api, io.BytesIO(big))
+    assert status == 413 and body["error"]["code"] == "too_large"
+    assert str(MAX_BODY_BYTES) in body["error"]["message"]
+
+    # Sent in chunks, no length declared: refused as it arrives past the limit.
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(big), 65536):
+            yield big[start : start + 65536]
+
+    status, body = await post_raw(api, chunks())
+    assert status == 413 and body["error"]["code"] == "too_large"
+    assert await stored(database_url, "webhook_outbox") == 0
+    # Just under the limit is taken.
+    room = MAX_BODY_BYTES - len(json.dumps(event({"blob": ""}))) - 100
+    assert (await api.post(EVENTS, json=event({"blob": "x" * room}))).status == 202
+    assert await stored(database_url, "webhook_outbox") == 1
+
+
+async def test_an_unexpected_error_is_answered_500_in_the_error_shape(
+    api: Api, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute("ALTER TABLE webhook_endpoints RENAME TO webhook_endpoints_away")
+        try:
+            reply = await api.get("/api/v1/endpoints")
+        finally:
+            await conn.execute("ALTER TABLE webhook_endpoints_away RENAME TO webhook_endpoints")
+    refused(reply, 500, "internal_error", "server's log")
+    assert "webhook_endpoints" not in reply.text  # the database's message stays in the log
+    assert any("GET /api/v1/endpoints: unexpected error" in r.getMessage() for r in caplog.records)
+    assert (await api.get("/api/v1/endpoints")).status == 200  # and the server goes on
