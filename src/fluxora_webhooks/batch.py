@@ -568,27 +568,22 @@ class Effects:
 def outcome_of(
     dispatcher: Dispatcher, send: Send, result: AttemptResult, *, lease: uuid.UUID | None = None
 ) -> tuple[Completion, Decision]:
-    """The completion of one attempt (a 410 parks the delivery: its endpoint is disabled)."""
+    """The completion of one attempt. A 410 Gone from a registered endpoint is recorded as
+    any failed attempt, with a next attempt whatever the attempts left (reason ``gone``):
+    its endpoint is disabled in the same transaction (:func:`apply_effects`), which parks
+    that next attempt with the endpoint's other deliveries; should the database refuse the
+    disable, it is due after the retry schedule's delay instead of waiting parked on an
+    enabled endpoint."""
     row = send.row
     endpoint_id = recorded_endpoint(row)
     if result.status == GONE and not send.target.builtin:
-        decision = Decision(Outcome.PARKED, reason="gone")
-        return (
-            Completion(
-                row.id,
-                Outcome.PARKED,
-                status_code=result.status,
-                error=result.error,
-                response_body=result.body,
-                duration_ms=result.duration_ms,
-                endpoint_id=endpoint_id,
-                lease=lease,
-            ),
-            decision,
+        decision = Decision(
+            Outcome.RETRY, delay_ms=dispatcher.policy.delay_ms(row.attempt), reason="gone"
         )
-    decision = dispatcher.policy.decide(
-        row.attempt, result.kind, reason=result.reason, retry_after_ms=result.retry_after_ms
-    )
+    else:
+        decision = dispatcher.policy.decide(
+            row.attempt, result.kind, reason=result.reason, retry_after_ms=result.retry_after_ms
+        )
     dispatcher.log_decision(row, send.target, result, decision)
     return (
         Completion(
@@ -671,8 +666,8 @@ async def _disable(
 ) -> None:
     """Disable one endpoint under a savepoint of its own: one the database refuses to
     disable (or removed meanwhile) is logged and left as it is, without undoing the others
-    or the ordered streams' next heads chosen after. A later failure tries again; a
-    delivery parked by a 410 whose disable was refused stays parked (docs/operations.md)."""
+    or the ordered streams' next heads chosen after. A later failure tries again; the next
+    attempt of a delivery that got a 410 is then due on the retry schedule (outcome_of)."""
     from . import endpoints
 
     try:

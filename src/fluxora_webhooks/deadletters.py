@@ -54,6 +54,21 @@ async def replay_or_purge_on(
     return [d for d, _ in found], [k for k in keys if k not in matched]
 
 
+async def orphaned(
+    database_url: str, keys: Sequence[str], *, include_all: bool = False
+) -> list[tuple[str, str]]:
+    """Waiting dead letters among ``keys`` (or all) that replay leaves where they are: their
+    endpoint was removed. Returns (the key as given, or the delivery id; the endpoint id)."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute(query("dlq_orphaned"), {"keys": list(keys), "all": include_all})
+        found = await cur.fetchall()
+    given = set(keys)
+    return [
+        (row_id if row_id in given and delivery_id not in given else delivery_id, str(endpoint))
+        for delivery_id, row_id, endpoint in found
+    ]
+
+
 async def list_dead(
     database_url: str,
     *,

@@ -618,7 +618,7 @@ class Dispatcher:
         if result is None:
             return "cancelled"
         if result.status == GONE and not target.builtin:
-            return Outcome.PARKED.value
+            return Outcome.RETRY.value  # its next attempt parked (batch.outcome_of)
         if result.kind is Kind.DELIVERED:
             return Outcome.DELIVERED.value
         if result.kind is Kind.RETRYABLE and not self.policy.exhausted(row.attempt):

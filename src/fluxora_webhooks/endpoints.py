@@ -537,6 +537,8 @@ async def recover(
         cur = await conn.execute("SELECT clock_timestamp()")
         row = await cur.fetchone()
         assert row is not None
+        if row[0] <= since:  # no until given: the window ends now
+            raise ConfigError("since", "is in the future (the window ends now)")
         until = row[0]
     assert until is not None
     if until <= since:

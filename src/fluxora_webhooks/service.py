@@ -38,7 +38,7 @@ from .ops import (
     set_endpoint_gauges,
 )
 from .redis_gate import gate_for
-from .settings import Settings, database_url_secrets
+from .settings import Settings, cannot_listen, database_url_secrets
 from .telemetry import AttemptTracer
 from .telemetry import from_env as tracer_from_env
 
@@ -290,7 +290,12 @@ class Service:
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
         site = web.TCPSite(self._web, self.settings.metrics_host, self.settings.metrics_port)
-        await site.start()
+        try:
+            await site.start()
+        except (OSError, UnicodeError) as exc:
+            raise cannot_listen(
+                "METRICS", self.settings.metrics_host, self.settings.metrics_port, exc
+            ) from None
         server: Any = site._server
         self.metrics_port = server.sockets[0].getsockname()[1]
         log.info(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import ipaddress
 import logging
 import re
@@ -29,6 +30,7 @@ MAX_WORKERS = 64
 _DURATION = re.compile(r"^\s*([0-9]+)\s*(ms|s|m|h|d)\s*$")
 _DIGITS = re.compile(r"[0-9]+")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 MAX_DELAY_MS = 7 * 86_400_000
 # The longest period any duration may name (retention, prune): a hundred years is beyond
 # any real use and far inside what PostgreSQL intervals and timestamps can hold, so a
@@ -272,11 +274,29 @@ def database_url_secrets(url: str | None) -> tuple[str, ...]:
 
 
 def _is_host(text: str) -> bool:
+    """An IP address, or a host name: dot-separated labels of 1-63 letters, digits and
+    hyphens, not all digits (``999.1.1.1`` is no address and no name)."""
     try:
         ipaddress.ip_address(text)
         return True
     except ValueError:
-        return bool(_HOSTNAME.fullmatch(text))
+        labels = text.split(".")
+        return (
+            bool(_HOSTNAME.fullmatch(text))
+            and all(_LABEL.fullmatch(label) for label in labels)
+            and not all(label.isdigit() for label in labels)
+        )
+
+
+def cannot_listen(kind: str, host: str, port: int, exc: BaseException) -> ConfigError:
+    """A listening socket that could not be opened (``kind``: METRICS or API), as the
+    configuration error it is, naming the variable: the port when it is taken or not
+    allowed, else the host (not an address of this machine, or a name that does not
+    resolve)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        return ConfigError(f"WEBHOOK_{kind}_PORT", f"cannot listen on port {port}: {exc.strerror}")
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+    return ConfigError(f"WEBHOOK_{kind}_HOST", f"cannot listen on {shown_value(host)}: {reason}")
 
 
 @dataclass(frozen=True)

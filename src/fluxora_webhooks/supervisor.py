@@ -55,7 +55,7 @@ from .service import (
     start_api,
     wait_for_database,
 )
-from .settings import Settings
+from .settings import Settings, cannot_listen
 from .telemetry import check_env as check_telemetry_env
 
 log = logging.getLogger("fluxora_webhooks.supervisor")
@@ -361,7 +361,12 @@ class Supervisor:
         self._web = web.AppRunner(app, access_log=None)
         await self._web.setup()
         site = web.TCPSite(self._web, self.settings.metrics_host, self.settings.metrics_port)
-        await site.start()
+        try:
+            await site.start()
+        except (OSError, UnicodeError) as exc:
+            raise cannot_listen(
+                "METRICS", self.settings.metrics_host, self.settings.metrics_port, exc
+            ) from None
         server: Any = site._server
         self.metrics_port = server.sockets[0].getsockname()[1]
         log.info(

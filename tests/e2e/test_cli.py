@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from tests.support.procs import command_env, dispatcher_env, run_command
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -25,6 +26,10 @@ SECRET = "cli-secret-that-must-never-be-printed-42"
         ("WEBHOOK_URL", "http://example.com/hook"),
         ("WEBHOOK_RETRY_SCHEDULE", "5 minutes"),
         ("WEBHOOK_SECRET", ""),
+        ("WEBHOOK_METRICS_HOST", "not..a..host"),
+        ("WEBHOOK_METRICS_HOST", "999.1.1.1"),
+        # A name, but none this machine has: found only as the socket is opened.
+        ("WEBHOOK_METRICS_HOST", "no-such-host.invalid"),
     ],
 )
 async def test_bad_configuration_stops_start_up_naming_the_variable(
@@ -38,6 +43,8 @@ async def test_bad_configuration_stops_start_up_naming_the_variable(
         WEBHOOK_SECRET=SECRET,
     )
     env[variable] = value
+    if variable == "WEBHOOK_METRICS_HOST":
+        env["WEBHOOK_METRICS_PORT"] = str(free_port())  # 0 serves no metrics at all
     code, out = await run_command("run", env=env, timeout=30)
     assert code == 2, out
     assert f"configuration error: {variable}:" in out
@@ -102,6 +109,40 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     assert code == 1 and "no waiting dead letter with id no-such-id" in out, out
     code, out = await run_command("dlq", "purge", ids[0], env=env)  # replayed, not waiting
     assert code == 1 and f"no waiting dead letter with id {ids[0]}" in out, out
+
+
+async def test_dlq_replay_says_which_dead_letters_wait_for_a_removed_endpoint(
+    database_url: str,
+) -> None:
+    """Replay leaves a dead letter of a removed endpoint where it is: by id, the command says
+    so and fails; with --all, it replays the rest and says how many it left."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+            " attempts, reason, enqueued_at, tenant, endpoint_id)"
+            " SELECT gen_random_uuid(), 's' || g, 'e', '{}', 1, 'endpoint_removed', now(),"
+            " CASE WHEN g < 3 THEN 'acme' ELSE '' END,"
+            " CASE WHEN g < 3 THEN 'ep_removed' END"
+            " FROM generate_series(1, 3) g RETURNING delivery_id::text, endpoint_id"
+        )
+        made = await cur.fetchall()
+    orphans = [d for d, e in made if e == "ep_removed"]
+    kept = next(d for d, e in made if e is None)
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("dlq", "replay", orphans[0], env=env)
+    assert code == 1, out
+    assert f"dead letter {orphans[0]} not replayed: its endpoint ep_removed was removed" in out
+    assert "no waiting dead letter" not in out
+    code, out = await run_command("dlq", "replay", "--all", "--yes", "--json", env=env)
+    assert code == 0, out
+    assert json.loads(out.splitlines()[0]) == {
+        "replayed": [kept],
+        "not_found": [],
+        "endpoint_removed": [{"id": d, "endpoint_id": "ep_removed"} for d in orphans],
+    }
+    assert "2 dead letter(s) not replayed: their endpoints were removed" in out
+    code, out = await run_command("dlq", "purge", "--all", "--yes", env=env)
+    assert code == 0 and "2 dead letter(s) purged" in out, out
 
 
 async def test_database_unreachable_is_a_clear_message(tmp_path: Path) -> None:

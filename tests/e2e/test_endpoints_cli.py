@@ -90,6 +90,10 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
         env, "recover", "--endpoint", endpoint_id, "--since", "2026-01-01T00:00:00Z", "--json"
     )
     assert again == {"requeued": 0}
+    code, out = await run_command(
+        "recover", "--endpoint", endpoint_id, "--since", "2099-01-01T00:00:00Z", env=env
+    )
+    assert code == 2 and "since: is in the future" in out, out  # no --until was given
 
     code, out = await run_command("endpoints", "remove", endpoint_id, env=env)
     assert code == 2 and "--yes" in out  # not on a terminal: asks for --yes
@@ -112,6 +116,8 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
         (["endpoints", "add", "--url", "https://a.example/", "--rate-limit", "0"], "--rate-limit"),
         (["endpoints", "add", "--url", "https://a.example/", "--tenant", "a b"], "tenant"),
         (["endpoints", "add", "--url", "https://a.example/", "--secret", "short"], "secret"),
+        # An empty list (an unset shell variable, say) is not "every event type".
+        (["endpoints", "add", "--url", "https://a.example/", "--events", ""], "event type"),
         (["endpoints", "rotate-secret", "ep_x", "--keep-previous", "forever"], "--keep-previous"),
         (["recover", "--endpoint", "ep_x", "--since", "yesterday"], "--since"),
     ],

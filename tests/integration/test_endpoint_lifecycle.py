@@ -139,6 +139,14 @@ async def test_410_disables_at_once_and_parks_the_delivery_with_the_rest(
             await wait_until(lambda: _state(database_url, ep.id, "disabled"), what="disabled")
             found = await endpoints.get(conn, ep.id)
             assert found.disabled_reason == "gone"
+            # The 410 is recorded as an attempt; the delivery's next one is parked.
+            gone_id = consumer.received[0].delivery_id
+            assert await rows(
+                database_url,
+                "SELECT attempt, processed, outcome, status_code, hold FROM webhook_outbox"
+                " WHERE delivery_id = %s ORDER BY attempt",
+                (gone_id,),
+            ) == [(1, True, "retry", 410, None), (2, False, None, None, "parked")]
             await send(database_url, 2)
             await wait_until(lambda: _eq(held(database_url, ep.id), 3), what="3 parked")
             assert len(consumer.received) == 1
@@ -156,6 +164,8 @@ async def test_410_disables_at_once_and_parks_the_delivery_with_the_rest(
     for r in operator.received:
         assert verify(r.body, r.headers, OPERATOR_SECRET) == r.delivery_id
     assert len({r.delivery_id for r in consumer.received}) == 3
+    again = [r.attempt for r in consumer.received if r.delivery_id == gone_id]
+    assert again == [1, 2]  # the consumer never sees one attempt number twice
 
 
 async def test_a_failure_streak_longer_than_disable_after_disables_it(

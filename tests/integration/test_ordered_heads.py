@@ -253,7 +253,8 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
     """One batch sends an ordered stream's head (delivered) and another endpoint's delivery
     (410 Gone: that endpoint is disabled at once). The database refuses the disable (a
     trigger): the stream's next head is still chosen by the batch, not left for the
-    periodic sweep (30 s, beyond this test's wait), and the endpoint stays enabled."""
+    periodic sweep (30 s, beyond this test's wait), the endpoint stays enabled, and the
+    410's delivery is attempted again on the retry schedule rather than left parked."""
     receiver = Receiver()
     await receiver.start()
     receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
@@ -296,12 +297,32 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
             )
             return got == [(2,)]
 
+        async def gone_again() -> bool:
+            got = await rows(
+                database_url,
+                "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
+                (gone.id,),
+            )
+            return bool(got[0][0] >= 2)
+
         async with running_dispatcher(settings, database_url):
             await wait_until(both_delivered, what="the stream's two deliveries")
+            await wait_until(gone_again, what="the 410's delivery attempted again")
         sent = [json.loads(hit.body)["n"] for hit in receiver.received]
-        assert sorted(sent) == [0, 1, 2] and sent.index(1) < sent.index(2)
+        assert [n for n in sent if n] == [1, 2] and sent.count(0) >= 2
     finally:
         await receiver.stop()
+    assert await rows(
+        database_url,
+        "SELECT attempt, status_code, outcome FROM webhook_outbox"
+        " WHERE endpoint_id = %s AND processed ORDER BY attempt LIMIT 2",
+        (gone.id,),
+    ) == [(1, 410, "retry"), (2, 410, "retry")]
+    assert await rows(
+        database_url,
+        "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND hold = 'parked'",
+        (gone.id,),
+    ) == [(0,)]
     # The disable was tried, and refused, by the batch that chose the next head.
     assert f"endpoint {gone.id}: disabling it failed" in caplog.text
     assert await rows(

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from ..settings import cannot_listen
 from .app import ApiConfig, create_app
 
 log = logging.getLogger("fluxora_webhooks.api")
@@ -54,9 +55,9 @@ class ApiServer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((self.host, self.port))
-        except OSError:
+        except (OSError, UnicodeError) as exc:
             sock.close()
-            raise
+            raise cannot_listen("API", self.host, self.port, exc) from None
         sock.listen(128)
         sock.setblocking(False)
         self._socket = sock

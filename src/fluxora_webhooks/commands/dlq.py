@@ -99,15 +99,36 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             database_url, args.dlq_command, args.ids, include_all=args.all
         )
         verb = "replayed" if args.dlq_command == "replay" else "purged"
+        # Replay leaves a dead letter of a removed endpoint where it is: said, not hidden
+        # among the ids that match nothing, nor skipped in silence by --all.
+        left: list[tuple[str, str]] = []
+        if args.dlq_command == "replay" and (missing or args.all):
+            left = await deadletters.orphaned(database_url, missing, include_all=args.all)
+            missing = [key for key in missing if key not in {k for k, _ in left}]
         if args.json:
-            print(json.dumps({verb: done, "not_found": missing}))
+            out: dict[str, Any] = {verb: done, "not_found": missing}
+            if args.dlq_command == "replay":
+                out["endpoint_removed"] = [{"id": k, "endpoint_id": e} for k, e in left]
+            print(json.dumps(out))
         else:
             for delivery_id in done:
                 print(f"{verb} {delivery_id}")
             print(f"{len(done)} dead letter(s) {verb}")
+        if args.all and left:
+            print(
+                f"{len(left)} dead letter(s) not replayed: their endpoints were removed"
+                " (`dlq list` shows them, `dlq purge` discards them)",
+                file=sys.stderr,
+            )
+        for key, endpoint_id in [] if args.all else left:
+            print(
+                f"dead letter {visible(key)} not replayed: its endpoint {visible(endpoint_id)}"
+                " was removed (`dlq purge` discards it)",
+                file=sys.stderr,
+            )
         for key in missing:
             print(f"no waiting dead letter with id {visible(key)}", file=sys.stderr)
-        return 1 if missing else 0
+        return 1 if missing or (left and not args.all) else 0
 
     return run_async(main())
 

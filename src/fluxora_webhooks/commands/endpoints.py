@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     conn,
                     url=args.url,
                     tenant=args.tenant,
-                    event_types=args.events or ["*"],
+                    event_types=["*"] if args.events is None else args.events,
                     secret=args.secret,
                     description=args.description or "",
                     headers=dict(args.header or []),

@@ -549,6 +549,17 @@ SELECT p.delivery_id::text, p.id::text, p.target, p.stream_id,
        (COALESCE(e.ordered, false) AND p.stream_seq IS NOT NULL) AS ordered
 FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target;
 
+-- name: dlq_orphaned
+-- Waiting dead letters (of these keys, or all) whose endpoint was removed since: dlq_replay
+-- leaves them where they are, and the command line says why. Returns each one's delivery
+-- id, row id and endpoint id.
+SELECT delivery_id::text, id::text, endpoint_id
+FROM webhook_dead_letter d
+WHERE d.state = 'dead' AND d.endpoint_id NOT IN ('default', 'operator')
+  AND (%(all)s OR d.delivery_id::text = ANY(%(keys)s) OR d.id::text = ANY(%(keys)s))
+  AND NOT EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id)
+ORDER BY d.id;
+
 -- name: dlq_purge
 UPDATE webhook_dead_letter
 SET state = 'purged', state_changed_at = now()
