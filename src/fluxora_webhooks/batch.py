@@ -51,6 +51,7 @@ from .outbox import (
     try_lock_streams,
     try_promote_heads,
 )
+from .queries import query
 from .retry import Decision, Kind
 from .targets import Target
 
@@ -569,14 +570,15 @@ def outcome_of(
     dispatcher: Dispatcher, send: Send, result: AttemptResult, *, lease: uuid.UUID | None = None
 ) -> tuple[Completion, Decision]:
     """The completion of one attempt. A 410 Gone from a registered endpoint is recorded as
-    any failed attempt, with a next attempt whatever the attempts left (reason ``gone``):
-    its endpoint is disabled in the same transaction (:func:`apply_effects`), which parks
-    that next attempt with the endpoint's other deliveries; should the database refuse the
-    disable, it is due after the retry schedule's delay instead of waiting parked on an
-    enabled endpoint."""
+    any failed attempt, with a next attempt even past ``WEBHOOK_MAX_ATTEMPTS`` by one
+    (reason ``gone``): its endpoint is disabled in the same transaction
+    (:func:`apply_effects`), which parks that next attempt with the endpoint's other
+    deliveries. Should the database refuse the disable, the next attempt is due after the
+    retry schedule's delay instead of waiting parked on an enabled endpoint, and a 410 to
+    that extra attempt is decided as any failure (a dead letter)."""
     row = send.row
     endpoint_id = recorded_endpoint(row)
-    if result.status == GONE and not send.target.builtin:
+    if gone(send, result) and row.attempt <= dispatcher.policy.max_attempts:
         decision = Decision(
             Outcome.RETRY, delay_ms=dispatcher.policy.delay_ms(row.attempt), reason="gone"
         )
@@ -602,6 +604,12 @@ def outcome_of(
     )
 
 
+def gone(send: Send, result: AttemptResult) -> bool:
+    """A 410 Gone from a registered endpoint: it is disabled at once (the built-in ones
+    keep the first wave's rule: a 410 is a dead letter)."""
+    return result.status == GONE and not send.target.builtin
+
+
 def effects_of(done: Sequence[tuple[Send, AttemptResult, Decision]]) -> Effects:
     effects = Effects(set(), set(), [], set())
     for send, result, decision in done:
@@ -610,7 +618,7 @@ def effects_of(done: Sequence[tuple[Send, AttemptResult, Decision]]) -> Effects:
             effects.succeeded.add(endpoint)
         else:
             effects.failed.add(endpoint)
-        if decision.reason == "gone":
+        if gone(send, result):
             effects.gone.add(endpoint)
         if send.row.stream_seq is not None and decision.outcome in (
             Outcome.DELIVERED,
@@ -673,6 +681,11 @@ async def _disable(
     try:
         async with conn.transaction():
             await endpoints.disable(conn, endpoint_id, reason=reason)
+            if reason == "gone":
+                # Disabled by another transaction since this one's completion inserted the
+                # next attempt (unparked, the endpoint enabled as it saw it), disable
+                # parks nothing here: the next attempt is parked now.
+                await conn.execute(query("endpoint_park"), {"id": endpoint_id})
     except DB_ERRORS:
         raise
     except (psycopg.Error, NotFoundError) as exc:

@@ -56,17 +56,12 @@ async def replay_or_purge_on(
 
 async def orphaned(
     database_url: str, keys: Sequence[str], *, include_all: bool = False
-) -> list[tuple[str, str]]:
+) -> list[tuple[str, str, str]]:
     """Waiting dead letters among ``keys`` (or all) that replay leaves where they are: their
-    endpoint was removed. Returns (the key as given, or the delivery id; the endpoint id)."""
+    endpoint was removed. Returns (delivery id, row id, endpoint id) of each."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         cur = await conn.execute(query("dlq_orphaned"), {"keys": list(keys), "all": include_all})
-        found = await cur.fetchall()
-    given = set(keys)
-    return [
-        (row_id if row_id in given and delivery_id not in given else delivery_id, str(endpoint))
-        for delivery_id, row_id, endpoint in found
-    ]
+        return [(str(d), str(r), str(e)) for d, r, e in await cur.fetchall()]
 
 
 async def list_dead(

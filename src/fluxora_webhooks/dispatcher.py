@@ -617,7 +617,7 @@ class Dispatcher:
         for its span: ``cancelled`` when the request was abandoned."""
         if result is None:
             return "cancelled"
-        if result.status == GONE and not target.builtin:
+        if result.status == GONE and not target.builtin and row.attempt <= self.policy.max_attempts:
             return Outcome.RETRY.value  # its next attempt parked (batch.outcome_of)
         if result.kind is Kind.DELIVERED:
             return Outcome.DELIVERED.value
@@ -743,6 +743,14 @@ class Dispatcher:
         if decision.outcome is Outcome.DELIVERED:
             if log.isEnabledFor(logging.DEBUG):  # the fields are built only when logged
                 log.debug("delivered", extra=_log_fields(row, target, result))
+        elif decision.reason == "gone":
+            log.info(
+                "delivery %s attempt %d: 410 Gone; the endpoint is disabled, the next"
+                " attempt parked",
+                row.delivery_id,
+                row.attempt,
+                extra=_log_fields(row, target, result),
+            )
         elif decision.outcome is Outcome.RETRY:
             log.info(
                 "delivery %s attempt %d failed (%s); retry in %.1fs",

@@ -202,8 +202,8 @@ class AttemptTracer:
 
     def end(self, span: Any, result: AttemptResult | None, outcome: str) -> None:
         """End the span with the attempt's status code and outcome (``delivered``,
-        ``retry``, ``dead_letter``, ``parked``; ``cancelled`` when the request was
-        abandoned). The error's type is the attempt's reason, never the consumer's text.
+        ``retry``, ``dead_letter``; ``cancelled`` when the request was abandoned). The
+        error's type is the attempt's reason, never the consumer's text.
         Never raises."""
         try:
             self._end(span, result, outcome)

@@ -52,6 +52,7 @@ def test_cursors_are_opaque_and_belong_to_their_list() -> None:
         encode("deliveries", "x"),
         "YQ",
         encode("deliveries", 2**63),
+        encode("deliveries", "9" * 5000),  # past int()'s digits limit,
     ):
         with pytest.raises(Exception, match="cursor"):
             decode_int("deliveries", bad)

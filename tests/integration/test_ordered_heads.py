@@ -254,7 +254,8 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
     (410 Gone: that endpoint is disabled at once). The database refuses the disable (a
     trigger): the stream's next head is still chosen by the batch, not left for the
     periodic sweep (30 s, beyond this test's wait), the endpoint stays enabled, and the
-    410's delivery is attempted again on the retry schedule rather than left parked."""
+    410's delivery is attempted again on the retry schedule rather than left parked, until
+    it is a dead letter one attempt past WEBHOOK_MAX_ATTEMPTS."""
     receiver = Receiver()
     await receiver.start()
     receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
@@ -287,7 +288,7 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
                 " ('acme', 'g', 'e', '{\"n\": 0}', %(g)s, 3, NULL, NULL, now())",
                 {"o": ordered.id, "g": gone.id},
             )
-        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1)
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1, max_attempts=2)
 
         async def both_delivered() -> bool:
             got = await rows(
@@ -303,21 +304,21 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
                 "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
                 (gone.id,),
             )
-            return bool(got[0][0] >= 2)
+            return bool(got[0][0] >= 3)
 
         async with running_dispatcher(settings, database_url):
             await wait_until(both_delivered, what="the stream's two deliveries")
             await wait_until(gone_again, what="the 410's delivery attempted again")
         sent = [json.loads(hit.body)["n"] for hit in receiver.received]
-        assert [n for n in sent if n] == [1, 2] and sent.count(0) >= 2
+        assert [n for n in sent if n] == [1, 2] and sent.count(0) == 3
     finally:
         await receiver.stop()
     assert await rows(
         database_url,
         "SELECT attempt, status_code, outcome FROM webhook_outbox"
-        " WHERE endpoint_id = %s AND processed ORDER BY attempt LIMIT 2",
+        " WHERE endpoint_id = %s ORDER BY attempt",
         (gone.id,),
-    ) == [(1, 410, "retry"), (2, 410, "retry")]
+    ) == [(1, 410, "retry"), (2, 410, "retry"), (3, 410, "dead_letter")]
     assert await rows(
         database_url,
         "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND hold = 'parked'",

@@ -116,6 +116,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         from starlette.exceptions import HTTPException
+        from starlette.requests import ClientDisconnect
 
         too_large = HTTPException(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
@@ -140,10 +141,14 @@ class Guard:
 
         try:
             await self.app(scope, limited, watched)
-        except Exception:
-            log.exception("%s %s: unexpected error", scope.get("method"), scope.get("path"))
+        except Exception as exc:
             if started:
-                raise
+                raise  # the server logs it; the answer is on its way
+            where = f"{scope.get('method')} {scope.get('path')}"
+            if isinstance(exc, ClientDisconnect):
+                log.info("%s: the client went away while sending its request", where)
+                return
+            log.exception("%s: unexpected error", where)
             await self._internal_error(scope, receive, send)
 
     async def _internal_error(

@@ -4,6 +4,7 @@ router's own 404/405. The dashboard's paths get an HTML page instead."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import psycopg
@@ -15,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import ConfigError, ConflictError, EndpointError, NotFoundError
 
 API_PREFIX = "/api/"
+log = logging.getLogger("fluxora_webhooks.api")
 
 _CODES = {
     400: "bad_request",
@@ -60,6 +62,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
         parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
     return 422, "validation_error", "; ".join(parts) or "the request is not valid"
+
+
+# SQLSTATEs a request's own value causes: invalid text for the type (22P02), a NUL in JSON
+# (22P05), a number out of range (22003), a character the encoding lacks (22021).
+_REQUEST_STATES = ("22P02", "22P05", "22003", "22021")
+
+
+def _caused_by_request(exc: Exception) -> bool:
+    """A value of the request the database cannot store: psycopg's refusal of a NUL in text
+    (no SQLSTATE), an unpaired surrogate, or one of :data:`_REQUEST_STATES`. Anything else
+    of class 22 is a fault of ours, answered 500."""
+    if isinstance(exc, UnicodeEncodeError):
+        return exc.reason == "surrogates not allowed"
+    sqlstate = getattr(exc, "sqlstate", None)
+    return sqlstate in _REQUEST_STATES or (sqlstate is None and "NUL" in str(exc))
 
 
 def _unstorable(exc: Exception) -> str:
@@ -117,7 +134,11 @@ def install(app: FastAPI, html_error: Any) -> None:
     @app.exception_handler(psycopg.DataError)
     @app.exception_handler(UnicodeEncodeError)
     async def _unstorable_value(request: Request, exc: Exception) -> Response:
-        return answer(request, 422, "validation_error", _unstorable(exc))
+        if not _caused_by_request(exc):
+            raise exc  # answered 500 and logged (app.Guard)
+        message = _unstorable(exc)
+        log.warning("%s %s: refused, %s", request.method, request.url.path, message)
+        return answer(request, 422, "validation_error", message)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

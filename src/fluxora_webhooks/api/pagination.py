@@ -43,6 +43,6 @@ def decode_int(kind: str, cursor: str | None) -> int | None:
     key = decode(kind, cursor)
     if key is None:
         return None
-    if not key.isascii() or not key.isdigit() or int(key) > MAX_KEY:
+    if not key.isascii() or not key.isdigit() or len(key) > 19 or int(key) > MAX_KEY:
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
     return int(key)

@@ -101,10 +101,13 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         verb = "replayed" if args.dlq_command == "replay" else "purged"
         # Replay leaves a dead letter of a removed endpoint where it is: said, not hidden
         # among the ids that match nothing, nor skipped in silence by --all.
-        left: list[tuple[str, str]] = []
+        left: list[tuple[str, str]] = []  # (the key given, or the delivery id; endpoint)
         if args.dlq_command == "replay" and (missing or args.all):
-            left = await deadletters.orphaned(database_url, missing, include_all=args.all)
-            missing = [key for key in missing if key not in {k for k, _ in left}]
+            orphans = await deadletters.orphaned(database_url, missing, include_all=args.all)
+            given = set(missing)
+            left = [(r if r in given and d not in given else d, e) for d, r, e in orphans]
+            matched = {key for d, r, _ in orphans for key in (d, r)}
+            missing = [key for key in missing if key not in matched]
         if args.json:
             out: dict[str, Any] = {verb: done, "not_found": missing}
             if args.dlq_command == "replay":

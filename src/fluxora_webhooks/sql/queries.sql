@@ -555,7 +555,8 @@ FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target;
 -- id, row id and endpoint id.
 SELECT delivery_id::text, id::text, endpoint_id
 FROM webhook_dead_letter d
-WHERE d.state = 'dead' AND d.endpoint_id NOT IN ('default', 'operator')
+WHERE d.state = 'dead' AND d.endpoint_id IS NOT NULL
+  AND d.endpoint_id NOT IN ('default', 'operator')
   AND (%(all)s OR d.delivery_id::text = ANY(%(keys)s) OR d.id::text = ANY(%(keys)s))
   AND NOT EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id)
 ORDER BY d.id;
