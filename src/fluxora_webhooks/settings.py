@@ -30,6 +30,8 @@ MAX_WORKERS = 64
 _DURATION = re.compile(r"^\s*([0-9]+)\s*(ms|s|m|h|d)\s*$")
 _DIGITS = re.compile(r"[0-9]+")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+# The names LOG_LEVEL takes (logs.configure reads it; a service refuses anything else).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
 _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 MAX_DELAY_MS = 7 * 86_400_000
 # The longest period any duration may name (retention, prune): a hundred years is beyond
@@ -386,6 +388,11 @@ class Settings:
         log_format = env.get("LOG_FORMAT", "text").strip().lower() or "text"
         if log_format not in ("text", "json"):
             raise ConfigError("LOG_FORMAT", f"must be text or json, got {shown_value(log_format)}")
+        log_level = env.get("LOG_LEVEL", "").strip().upper()
+        if log_level and log_level not in LOG_LEVELS:
+            raise ConfigError(
+                "LOG_LEVEL", f"must be DEBUG, INFO, WARNING or ERROR, got {shown_value(log_level)}"
+            )
         metrics_host = env.get("WEBHOOK_METRICS_HOST", "127.0.0.1").strip() or "127.0.0.1"
         if not _is_host(metrics_host):
             raise ConfigError(

@@ -26,6 +26,7 @@ SECRET = "cli-secret-that-must-never-be-printed-42"
         ("WEBHOOK_URL", "http://example.com/hook"),
         ("WEBHOOK_RETRY_SCHEDULE", "5 minutes"),
         ("WEBHOOK_SECRET", ""),
+        ("LOG_LEVEL", "verbose"),
         ("WEBHOOK_METRICS_HOST", "not..a..host"),
         ("WEBHOOK_METRICS_HOST", "999.1.1.1"),
         # A name, but none this machine has: found only as the socket is opened.
