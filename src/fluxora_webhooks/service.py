@@ -48,6 +48,29 @@ log = logging.getLogger("fluxora_webhooks.service")
 STARTUP_RETRY_MAX_S = 5.0
 
 
+async def serve_health(settings: Settings, **handlers: Any) -> tuple[web.AppRunner, int]:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (``handlers`` by name) on
+    ``WEBHOOK_METRICS_HOST:WEBHOOK_METRICS_PORT``; returns the runner and the bound port. An
+    address or port that cannot be listened on is a configuration error naming its
+    variable."""
+    app = web.Application()
+    for name, handler in handlers.items():
+        app.router.add_get(f"/{name}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, port = settings.metrics_host, settings.metrics_port
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except (OSError, UnicodeError) as exc:
+        await runner.cleanup()
+        raise cannot_listen("METRICS", host, port, exc) from None
+    server: Any = site._server
+    bound = int(server.sockets[0].getsockname()[1])
+    log.info("metrics and health on http://%s:%d", host, bound)
+    return runner, bound
+
+
 def _curable_by_waiting(exc: psycopg.OperationalError) -> bool:
     """The server was not reached (refused, timed out, no route, no such host yet) or is
     starting, recovering or shutting down, as during a restart or a failover; not a
@@ -283,23 +306,8 @@ class Service:
     # -- HTTP endpoint ---------------------------------------------------------------
 
     async def _start_http(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        self._web = web.AppRunner(app, access_log=None)
-        await self._web.setup()
-        site = web.TCPSite(self._web, self.settings.metrics_host, self.settings.metrics_port)
-        try:
-            await site.start()
-        except (OSError, UnicodeError) as exc:
-            raise cannot_listen(
-                "METRICS", self.settings.metrics_host, self.settings.metrics_port, exc
-            ) from None
-        server: Any = site._server
-        self.metrics_port = server.sockets[0].getsockname()[1]
-        log.info(
-            "metrics and health on http://%s:%d", self.settings.metrics_host, self.metrics_port
+        self._web, self.metrics_port = await serve_health(
+            self.settings, metrics=self._metrics, healthz=self._healthz, readyz=self._readyz
         )
 
     async def _start_api(self) -> None:

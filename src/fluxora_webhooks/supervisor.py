@@ -52,10 +52,11 @@ from .service import (
     DRAIN_GRACE_S,
     ENDPOINT_READING_TIMEOUT_MS,
     GAUGE_REFRESH_S,
+    serve_health,
     start_api,
     wait_for_database,
 )
-from .settings import Settings, cannot_listen
+from .settings import Settings
 from .telemetry import check_env as check_telemetry_env
 
 log = logging.getLogger("fluxora_webhooks.supervisor")
@@ -354,23 +355,8 @@ class Supervisor:
     # -- HTTP endpoint ---------------------------------------------------------------
 
     async def _start_http(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        self._web = web.AppRunner(app, access_log=None)
-        await self._web.setup()
-        site = web.TCPSite(self._web, self.settings.metrics_host, self.settings.metrics_port)
-        try:
-            await site.start()
-        except (OSError, UnicodeError) as exc:
-            raise cannot_listen(
-                "METRICS", self.settings.metrics_host, self.settings.metrics_port, exc
-            ) from None
-        server: Any = site._server
-        self.metrics_port = server.sockets[0].getsockname()[1]
-        log.info(
-            "metrics and health on http://%s:%d", self.settings.metrics_host, self.metrics_port
+        self._web, self.metrics_port = await serve_health(
+            self.settings, metrics=self._metrics, healthz=self._healthz, readyz=self._readyz
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:

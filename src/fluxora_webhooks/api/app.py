@@ -69,38 +69,12 @@ ASGIApp = Callable[
 ]
 
 
-class SecurityHeaders:
-    """Adds :data:`SECURITY_HEADERS` to every HTTP response (static files and errors too)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def with_headers(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                present = {k.lower() for k, _ in message.get("headers", [])}
-                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in present]
-                message["headers"] = [*message.get("headers", []), *extra]
-            await send(message)
-
-        await self.app(scope, receive, with_headers)
-
-
 class Guard:
-    """Inside :class:`SecurityHeaders`, around everything else: a request body larger than
-    :data:`MAX_BODY_BYTES` (declared, or as it arrives) is refused with 413 before it is
-    read whole; an exception no handler answered is logged and answered 500 in the error
-    shape (JSON, or the dashboard's page), with the security headers, rather than as the
-    server's plain-text page."""
+    """Around the whole application: :data:`SECURITY_HEADERS` on every HTTP response
+    (static files and errors too); a request body larger than :data:`MAX_BODY_BYTES`
+    (declared, or as it arrives) refused with 413 before it is read whole; an exception no
+    handler answered logged and answered 500 in the error shape (JSON, or the dashboard's
+    page), rather than as the server's plain-text page."""
 
     def __init__(self, app: ASGIApp, html_error: Callable[..., Any]) -> None:
         self.app = app
@@ -136,7 +110,11 @@ class Guard:
 
         async def watched(message: Any) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in present]
+                message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         try:
@@ -149,7 +127,7 @@ class Guard:
                 log.info("%s: the client went away while sending its request", where)
                 return
             log.exception("%s: unexpected error", where)
-            await self._internal_error(scope, receive, send)
+            await self._internal_error(scope, receive, watched)
 
     async def _internal_error(
         self,
@@ -213,8 +191,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         app.include_router(module.router, prefix=API_PREFIX)
     pages.install(app)
     errors.install(app, render.error_page)
-    app.add_middleware(Guard, html_error=render.error_page)  # inside the next one
-    app.add_middleware(SecurityHeaders)
+    app.add_middleware(Guard, html_error=render.error_page)
     _require_token_for_openapi(app)
     return app
 
