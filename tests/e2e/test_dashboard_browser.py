@@ -140,6 +140,7 @@ class Tab:
     page: Page
     dialogs: list[str]
     base: str
+    console_errors: list[str]  # what the browser's console reported as errors (CSP too)
 
     async def open(self, path: str) -> None:
         response = await self.page.goto(self.base + path)
@@ -163,7 +164,9 @@ async def signed_in(browser: Browser, site: Site, token: str) -> AsyncIterator[T
         await dialog.dismiss()
 
     page.on("dialog", on_dialog)
-    tab = Tab(page, dialogs, site.api.url)
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    tab = Tab(page, dialogs, site.api.url, errors)
     await tab.open("/")
     assert page.url.endswith("/login")  # no session: the sign-in form
     await page.fill("#token", site.api.tokens[token])
@@ -245,6 +248,9 @@ async def test_sign_in_and_every_page_with_stored_markup_shown_as_text(
     csp = response.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "unsafe" not in csp
     assert response.headers["x-frame-options"] == "DENY"
+    # Every page above loaded without an error in the console: no resource missing (the
+    # icon included), no script failing, nothing the Content-Security-Policy blocked.
+    assert admin.console_errors == []
 
 
 async def test_replay_disable_enable_rotate_and_recover(admin: Tab, site: Site) -> None:

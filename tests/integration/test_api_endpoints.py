@@ -200,6 +200,12 @@ async def test_unknown_routes_methods_and_the_openapi_document(api: Api) -> None
         assert set(paths[path]) == methods, path
     assert not [p for p in paths if not p.startswith("/api/v1/")]  # no dashboard routes
     assert doc.body["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    # The answers the server gives are in the document.
+    assert {"400", "401", "403", "413", "422", "500"} <= set(
+        paths["/api/v1/events"]["post"]["responses"]
+    )
+    assert "409" in paths["/api/v1/endpoints/{endpoint_id}"]["patch"]["responses"]
+    assert "409" in paths["/api/v1/endpoints/{endpoint_id}/rotate-secret"]["post"]["responses"]
     # Security headers on API answers too.
     assert "frame-ancestors 'none'" in doc.headers["content-security-policy"]
     assert doc.headers["x-frame-options"] == "DENY"

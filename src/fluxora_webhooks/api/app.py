@@ -183,8 +183,11 @@ def create_app(config: ApiConfig) -> FastAPI:
         redoc_url=None,
         lifespan=lifespan,
         responses={
+            400: {"model": errors_model(), "description": "the body is not JSON, or a bad cursor"},
             401: {"model": errors_model(), "description": "no token, or not a valid one"},
+            413: {"model": errors_model(), "description": "a request body over 1 MiB"},
             422: {"model": errors_model(), "description": "the request is not valid"},
+            500: {"model": errors_model(), "description": "an unexpected error (in the log)"},
         },
     )
     for module in (endpoints, events, deliveries, stats):

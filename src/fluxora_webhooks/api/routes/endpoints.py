@@ -26,6 +26,10 @@ from ..models import (
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode, page
 
 log = logging.getLogger("fluxora_webhooks.api")
+# A built-in endpoint (default, operator) is the service's configuration, not the API's.
+BUILT_IN: dict[int | str, dict[str, Any]] = {
+    409: {"model": ErrorBody, "description": "a built-in endpoint"}
+}
 
 router = APIRouter(
     prefix="/endpoints",
@@ -81,7 +85,9 @@ async def get_endpoint(endpoint_id: str, who: Reader, conn: Conn) -> dict[str, A
     return (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
 
 
-@router.patch("/{endpoint_id}", response_model=Endpoint, summary="Update an endpoint")
+@router.patch(
+    "/{endpoint_id}", response_model=Endpoint, summary="Update an endpoint", responses=BUILT_IN
+)
 async def update_endpoint(
     request: Request, endpoint_id: str, who: Writer, conn: Conn, body: EndpointPatch
 ) -> dict[str, Any]:
@@ -105,14 +111,19 @@ async def update_endpoint(
     return updated.as_json()
 
 
-@router.delete("/{endpoint_id}", status_code=204, summary="Remove an endpoint")
+@router.delete("/{endpoint_id}", status_code=204, summary="Remove an endpoint", responses=BUILT_IN)
 async def remove_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> Response:
     """Its pending deliveries become dead letters (reason `endpoint_removed`)."""
     await endpoints.remove(conn, endpoint_id, tenant=who.tenant)
     return Response(status_code=204)
 
 
-@router.post("/{endpoint_id}/disable", response_model=Endpoint, summary="Disable an endpoint")
+@router.post(
+    "/{endpoint_id}/disable",
+    response_model=Endpoint,
+    summary="Disable an endpoint",
+    responses=BUILT_IN,
+)
 async def disable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
     """Its deliveries are parked: kept, not attempted, until it is enabled."""
     return (await endpoints.disable(conn, endpoint_id, tenant=who.tenant)).as_json()
@@ -124,7 +135,12 @@ async def enable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str
     return (await endpoints.enable(conn, endpoint_id, tenant=who.tenant)).as_json()
 
 
-@router.post("/{endpoint_id}/rotate-secret", response_model=Secret, summary="Rotate the secret")
+@router.post(
+    "/{endpoint_id}/rotate-secret",
+    response_model=Secret,
+    summary="Rotate the secret",
+    responses=BUILT_IN,
+)
 async def rotate_secret(
     endpoint_id: str,
     who: Writer,
