@@ -93,11 +93,24 @@ async def test_validation_and_conflicts_answer_422_400_and_409(
         "a wrong type": {"url": receiver.url, "event_types": "invoice.*"},
         "a bad tenant": {"url": receiver.url, "tenant": "no spaces allowed"},
         "a short secret": {"url": receiver.url, "secret": "short"},
+        # Types as the document gives them, not coerced.
+        "a number as text": {"url": receiver.url, "rate_limit": "10"},
+        "a boolean as a number": {"url": receiver.url, "ordered": 1},
+        "a boolean as text": {"url": receiver.url, "ordered": "yes"},
+        "a number as a boolean": {"url": receiver.url, "rate_limit": True},
     }
     for what, body in bad.items():
         reply = await api.post("/api/v1/endpoints", json=body)
         assert reply.status == 422, what
         assert reply.error_code == "validation_error", what
+    made = await api.post("/api/v1/endpoints", json={"url": receiver.url, "rate_limit": 5})
+    path = f"/api/v1/endpoints/{made.body['id']}"
+    for field in ("url", "description", "event_types", "headers", "ordered"):
+        reply = await api.call("PATCH", path, json={field: None})
+        assert reply.status == 422 and field in reply.body["error"]["message"], reply.text
+    cleared = await api.call("PATCH", path, json={"rate_limit": None})
+    assert cleared.status == 200 and cleared.body["rate_limit"] is None
+    assert cleared.body["url"] == receiver.url  # nothing else changed
     broken = await api.post("/api/v1/endpoints", data="{not json")
     assert broken.status == 400 and broken.error_code == "bad_request"
     cursor = await api.get("/api/v1/endpoints", params={"cursor": "bm9wZQ"})

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 T = TypeVar("T")
 Status = Literal["pending", "retrying", "parked", "delivered", "dead_letter"]
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: no field it does not know, and each of the type the document gives
+    (strict: "10" is no integer, 1 and "yes" are no booleans)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorDetail(BaseModel):
@@ -51,6 +54,15 @@ class EndpointPatch(_In):
     headers: dict[str, str] | None = None
     rate_limit: int | None = Field(None, ge=1, le=1_000_000, description="null: WEBHOOK_RETRY_RPS")
     ordered: bool | None = None
+
+    @model_validator(mode="after")
+    def _null_only_for_rate_limit(self) -> EndpointPatch:
+        """A field left out is kept; null clears only ``rate_limit`` (the others have no
+        empty state to go back to), so a null elsewhere is refused, not ignored."""
+        for name in ("url", "event_types", "description", "headers", "ordered"):
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValueError(f"{name} cannot be null (leave it out to keep it)")
+        return self
 
 
 class Endpoint(BaseModel):
