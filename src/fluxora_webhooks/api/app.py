@@ -19,6 +19,8 @@ from ..settings import Settings
 from . import errors
 from .deps import ApiState
 
+log = logging.getLogger("fluxora_webhooks.api")
+
 API_PREFIX = "/api/v1"
 # The largest request body taken (an event's payload with its envelope, a form): as the
 # consumers' inbox glue refuses a delivery over 1 MiB, a larger event could only end as
@@ -145,9 +147,6 @@ class Guard:
             except Exception:  # the page itself failed: the JSON answer, then
                 log.exception("the error page could not be rendered")
         await response(scope, receive, send)
-
-
-log = logging.getLogger("fluxora_webhooks.api")
 
 
 def create_app(config: ApiConfig) -> FastAPI:
