@@ -51,8 +51,7 @@ from .outbox import (
     try_lock_streams,
     try_promote_heads,
 )
-from .queries import query
-from .retry import Decision, Kind
+from .retry import Decision, Kind, RetryPolicy
 from .targets import Target
 
 if TYPE_CHECKING:
@@ -578,7 +577,7 @@ def outcome_of(
     that extra attempt is decided as any failure (a dead letter)."""
     row = send.row
     endpoint_id = recorded_endpoint(row)
-    if gone(send, result) and row.attempt <= dispatcher.policy.max_attempts:
+    if gone_retried(dispatcher.policy, row, send.target, result):
         decision = Decision(
             Outcome.RETRY, delay_ms=dispatcher.policy.delay_ms(row.attempt), reason="gone"
         )
@@ -604,10 +603,16 @@ def outcome_of(
     )
 
 
-def gone(send: Send, result: AttemptResult) -> bool:
+def gone(target: Target, result: AttemptResult) -> bool:
     """A 410 Gone from a registered endpoint: it is disabled at once (the built-in ones
     keep the first wave's rule: a 410 is a dead letter)."""
-    return result.status == GONE and not send.target.builtin
+    return result.status == GONE and not target.builtin
+
+
+def gone_retried(policy: RetryPolicy, row: Claimed, target: Target, result: AttemptResult) -> bool:
+    """A 410 recorded with a next attempt (:func:`outcome_of`): allowed once past the
+    attempts of ``WEBHOOK_MAX_ATTEMPTS``."""
+    return gone(target, result) and row.attempt <= policy.max_attempts
 
 
 def effects_of(done: Sequence[tuple[Send, AttemptResult, Decision]]) -> Effects:
@@ -618,7 +623,7 @@ def effects_of(done: Sequence[tuple[Send, AttemptResult, Decision]]) -> Effects:
             effects.succeeded.add(endpoint)
         else:
             effects.failed.add(endpoint)
-        if gone(send, result):
+        if gone(send.target, result):
             effects.gone.add(endpoint)
         if send.row.stream_seq is not None and decision.outcome in (
             Outcome.DELIVERED,
@@ -681,11 +686,6 @@ async def _disable(
     try:
         async with conn.transaction():
             await endpoints.disable(conn, endpoint_id, reason=reason)
-            if reason == "gone":
-                # Disabled by another transaction since this one's completion inserted the
-                # next attempt (unparked, the endpoint enabled as it saw it), disable
-                # parks nothing here: the next attempt is parked now.
-                await conn.execute(query("endpoint_park"), {"id": endpoint_id})
     except DB_ERRORS:
         raise
     except (psycopg.Error, NotFoundError) as exc:

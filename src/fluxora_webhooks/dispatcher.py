@@ -30,13 +30,13 @@ from psycopg_pool import AsyncConnectionPool
 from . import endpoints, metrics, partitions
 from .batch import (
     DB_ERRORS,
-    GONE,
     PATIENCE_S,
     Batch,
     ClaimFront,
     Resume,
     Send,
     breaker_signal,
+    gone_retried,
 )
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
@@ -617,7 +617,7 @@ class Dispatcher:
         for its span: ``cancelled`` when the request was abandoned."""
         if result is None:
             return "cancelled"
-        if result.status == GONE and not target.builtin and row.attempt <= self.policy.max_attempts:
+        if gone_retried(self.policy, row, target, result):
             return Outcome.RETRY.value  # its next attempt parked (batch.outcome_of)
         if result.kind is Kind.DELIVERED:
             return Outcome.DELIVERED.value

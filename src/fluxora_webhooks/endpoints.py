@@ -429,8 +429,9 @@ async def disable(
     tenant: str | None = None,
 ) -> Endpoint:
     """Disable the endpoint and park its pending deliveries (kept, not attempted); the
-    operator is told (``endpoint.disabled``). Disabling a disabled endpoint changes
-    nothing."""
+    operator is told (``endpoint.disabled``). Disabling a disabled endpoint parks what is
+    pending and not parked yet (a retry its completion inserted while it saw the endpoint
+    enabled, two 410s at once, say), and changes nothing else."""
     if reason not in DISABLED_REASONS:
         raise ConfigError("reason", f"must be one of {', '.join(DISABLED_REASONS)}")
     current = await get(conn, endpoint_id, tenant=tenant)
@@ -440,9 +441,9 @@ async def disable(
         row = await _one(
             conn, "endpoint_disable", {"id": endpoint_id, "reason": reason, **_scope(tenant)}
         )
+        await conn.execute(query("endpoint_park"), {"id": endpoint_id})
         if row is None:
             return await get(conn, endpoint_id, tenant=tenant)  # already disabled
-        await conn.execute(query("endpoint_park"), {"id": endpoint_id})
         await operator_event(
             conn, "endpoint.disabled", stream_id=endpoint_id, payload=_state_event(row, reason)
         )

@@ -13,6 +13,8 @@ from typing import Any
 import psycopg
 from fastapi import FastAPI
 from psycopg_pool import AsyncConnectionPool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 
 from .._version import __version__
 from ..settings import Settings
@@ -71,6 +73,10 @@ ASGIApp = Callable[
 ]
 
 
+def _too_large() -> HTTPException:
+    return HTTPException(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+
+
 class Guard:
     """Around the whole application: :data:`SECURITY_HEADERS` on every HTTP response
     (static files and errors too); a request body larger than :data:`MAX_BODY_BYTES`
@@ -91,10 +97,6 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        from starlette.exceptions import HTTPException
-        from starlette.requests import ClientDisconnect
-
-        too_large = HTTPException(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         received = 0
         started = False
@@ -102,12 +104,12 @@ class Guard:
         async def limited() -> Any:
             nonlocal received
             if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-                raise too_large
+                raise _too_large()
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
-                    raise too_large
+                    raise _too_large()
             return message
 
         async def watched(message: Any) -> None:
@@ -137,8 +139,6 @@ class Guard:
         receive: Callable[[], Awaitable[Any]],
         send: Callable[[Any], Awaitable[None]],
     ) -> None:
-        from starlette.requests import Request
-
         message = "internal error; the server's log has the details"
         response: Any = errors.error_response(500, "internal_error", message)
         if not str(scope.get("path", "")).startswith(errors.API_PREFIX):
