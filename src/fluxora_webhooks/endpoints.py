@@ -45,6 +45,9 @@ MAX_PAGE = 1000
 MAX_RATE_LIMIT = 1_000_000
 MAX_HEADERS = 32
 MAX_DESCRIPTION = 1000
+# RFC 9110 4.1 asks senders and recipients to support URIs of at least 8,000 octets; a
+# longer one would be refused by many consumers' servers, and is stored and shown everywhere.
+MAX_URL_LENGTH = 8000
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
 
@@ -177,6 +180,8 @@ def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str
     (``WEBHOOK_ALLOWED_NETWORKS``) allows it. Host names are checked again when resolved."""
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(name, "is required (the endpoint's https URL)")
+    if len(url) > MAX_URL_LENGTH:
+        raise ConfigError(name, f"must be at most {MAX_URL_LENGTH} characters (is {len(url)})")
     try:
         validate_url(url)
         check_url_address(url, allowed_networks=allowed_networks, registered=True)
@@ -255,7 +260,9 @@ def check_secret(value: str, name: str = "secret") -> str:
             raise ConfigError(name, "a whsec_ secret must decode to 24-64 bytes")
     elif len(value.encode()) < 24 or len(value) > 512:
         raise ConfigError(name, "must be 24 to 512 characters (or whsec_ + base64)")
-    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in value):
+    # isprintable() is false for control characters and for every space but U+0020
+    # (a no-break space, say), which no one can tell from a space when copying a secret.
+    if not value.isprintable() or " " in value:
         raise ConfigError(name, "must be printable text without spaces")
     return value
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -49,6 +50,30 @@ async def test_bad_configuration_stops_start_up_naming_the_variable(
     code, out = await run_command("run", env=env, timeout=30)
     assert code == 2, out
     assert f"configuration error: {variable}:" in out
+    assert "Traceback" not in out
+    assert SECRET not in out
+
+
+@pytest.mark.parametrize(("command", "variable"), [("run", "METRICS"), ("api", "API")])
+async def test_a_port_in_use_stops_start_up_naming_the_port(
+    database_url: str, command: str, variable: str
+) -> None:
+    env = dispatcher_env(
+        database_url,
+        "redis://127.0.0.1:1/0",
+        "https://hooks.example.com/x",
+        "p:",
+        WEBHOOK_SECRET=SECRET,
+    )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env[f"WEBHOOK_{variable}_HOST"] = "127.0.0.1"
+        env[f"WEBHOOK_{variable}_PORT"] = str(port)
+        code, out = await run_command(command, env=env, timeout=60)
+    assert code == 2, out
+    assert f"configuration error: WEBHOOK_{variable}_PORT: cannot listen on port {port}" in out
     assert "Traceback" not in out
     assert SECRET not in out
 

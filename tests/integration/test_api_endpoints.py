@@ -93,6 +93,8 @@ async def test_validation_and_conflicts_answer_422_400_and_409(
         "a wrong type": {"url": receiver.url, "event_types": "invoice.*"},
         "a bad tenant": {"url": receiver.url, "tenant": "no spaces allowed"},
         "a short secret": {"url": receiver.url, "secret": "short"},
+        "a secret with a no-break space": {"url": receiver.url, "secret": "a" * 20 + "\u00a0bcde"},
+        "a url past 8000 characters": {"url": receiver.url + "?" + "q" * 8000},
         # Types as the document gives them, not coerced.
         "a number as text": {"url": receiver.url, "rate_limit": "10"},
         "a boolean as a number": {"url": receiver.url, "ordered": 1},

@@ -351,6 +351,12 @@ async def test_bad_registrations_are_refused_naming_the_field(database_url: str)
             ({"url": "https://ok.example.com/", "event_types": ["a b"]}, "event_types"),
             ({"url": "https://ok.example.com/", "secret": "short"}, "secret"),
             ({"url": "https://ok.example.com/", "secret": "whsec_"}, "secret"),
+            # A no-break space inside, which reads as a space when the secret is copied.
+            (
+                {"url": "https://ok.example.com/", "secret": "abcdefghijkl\u00a0mnopqrstuvwxyz"},
+                "secret",
+            ),
+            ({"url": "https://ok.example.com/" + "a" * 8000}, "url"),
             ({"url": "https://ok.example.com/", "tenant": "bad tenant"}, "tenant"),
             ({"url": "https://ok.example.com/", "rate_limit": 0}, "rate_limit"),
         ):
