@@ -7,10 +7,13 @@ against the raw HTTP limit on the same receiver process.
 
 Sections (``--only`` picks some):
 
-- ``raw``: the HTTP limit, ``rawhttp.py`` blasting the receiver (as ``run.py`` measures it).
+- ``raw``: the HTTP limit, ``rawhttp.py`` blasting the receiver (as ``run.py`` measures it:
+  the best of one client process and one per CPU).
 - ``fanout``: events of one tenant fanned out to 100 endpoints (each its own path on the
-  receiver), delivered by one ``fluxora-webhooks run`` with the defaults and with
-  ``WEBHOOK_BATCH_SIZE=100``: deliveries per second from the first to the last receipt.
+  receiver), delivered by one ``fluxora-webhooks run`` as a user starts it (its supervisor
+  and one worker per CPU) and by one worker process alone, each with the defaults and with
+  ``WEBHOOK_BATCH_SIZE=100``: deliveries per second from the producer's commit to the
+  last receipt.
 - ``fanout_latency``: commit-to-receipt at a steady rate, each event its own transaction
   carrying its commit time, fanned out to 10 endpoints.
 - ``ordered``: one ordered endpoint, many streams of several events each, all in one
@@ -64,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import PAD, ahttp_json, dig, free_port, percentile, run
 from plumbing import Plumbing, add_common_arguments, with_dbname
-from procs import Child, Children, CpuMeter
+from procs import Child, Children, CpuMeter, process_tree
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -82,6 +85,10 @@ ISOLATION_P99_MAX_MS = 50.0
 ISOLATION_ROUNDS = 2
 # ordered_head's second endpoint: a retry limit of its own, above the section's rate.
 HEAD_RATE_LIMIT = 1000
+# A dispatcher's environment value meaning "leave the variable out" (its default applies).
+UNSET = ""
+# What `run` starts by default: one worker per usable CPU (as the supervisor counts them).
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -235,7 +242,7 @@ class ManyBench(Plumbing):
         env.update(self.preset.extra)
         env.update(self.overrides)
         env.update(extra)
-        return env
+        return {k: v for k, v in env.items() if v != UNSET}
 
     async def dispatcher(self, extra: dict[str, str] | None = None) -> Child:
         """The one running ``fluxora-webhooks run``, with ``extra`` in its environment: the
@@ -271,6 +278,8 @@ class ManyBench(Plumbing):
         while time.monotonic() < deadline and child.proc.returncode is None:
             with contextlib.suppress(Exception):
                 await ahttp_json(f"http://127.0.0.1:{port}/readyz", timeout=1)
+                if env.get("WEBHOOK_WORKERS") != "1":  # a supervisor: its workers start after
+                    await self.wait_workers([child], int(env.get("WEBHOOK_WORKERS") or CPUS))
                 await asyncio.sleep(0.3)  # claim loops connect after /readyz answers
                 return child
             await asyncio.sleep(0.1)
@@ -369,7 +378,9 @@ class ManyBench(Plumbing):
             if rounds > 1:
                 await self.truncate(database_url)
             await self.reset()
-            meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
+            meter = CpuMeter(
+                {"dispatcher": process_tree(dispatcher.pid), "receiver": [self.receiver.pid]}
+            )
             meter.start()
             await self.insert_events(database_url, tenant, events)
             committed = time.time()
@@ -446,29 +457,12 @@ class ManyBench(Plumbing):
     # -- sections --------------------------------------------------------------------
 
     async def section_raw(self) -> dict[str, Any]:
-        runs = []
-        assert self.receiver is not None
-        for conc in self.preset.raw_concurrency:
-            await self.reset()
-            meter = CpuMeter({"receiver": [self.receiver.pid]})
-            meter.start()
-            client = await self.children.script(
-                f"many-raw-c{conc}",
-                "rawhttp.py",
-                "--url",
-                self.receiver_url + "/raw",
-                "--requests",
-                str(self.preset.raw_requests),
-                "--concurrency",
-                str(conc),
-            )
-            await asyncio.wait_for(client.proc.wait(), 300)
-            cpu = meter.stop()
-            client_side = json.loads(client.log().strip().splitlines()[-1])
-            cpu["client"] = round(100 * client_side["cpu_s"] / client_side["seconds"], 1)
-            rate = self.rate(await self.stats())
-            self.log(f"raw c={conc}: {rate:,.0f} req/s")
-            runs.append({"concurrency": conc, "rate": rate, "cpu_pct": cpu})
+        """The best of one client process and one per CPU (issue 16's raw limit)."""
+        runs = [
+            await self.raw_run(conc, processes, self.preset.raw_requests)
+            for processes in sorted({1, os.cpu_count() or 1})
+            for conc in self.preset.raw_concurrency
+        ]
         return {"runs": runs, "best": max(runs, key=lambda r: r["rate"])}
 
     async def section_fanout(self) -> dict[str, Any]:
@@ -476,8 +470,16 @@ class ManyBench(Plumbing):
         url = await self.database()
         await self.add_endpoints(url, "fan", [f"/fan/ep-{i}" for i in range(p.fanout_endpoints)])
         runs = []
-        # The tuned run first: the sections after this one share the default dispatcher.
-        for label, extra in (("batch 100", {"WEBHOOK_BATCH_SIZE": "100"}), ("defaults", {})):
+        # One `run` as a user starts it (WEBHOOK_WORKERS unset: one worker per CPU), then one
+        # worker process alone; the tuned runs first: the sections after this one share the
+        # default dispatcher (one worker, defaults).
+        one_run = {"WEBHOOK_WORKERS": UNSET}
+        for label, extra in (
+            ("one run, batch 100", {**one_run, "WEBHOOK_BATCH_SIZE": "100"}),
+            ("one run, defaults", one_run),
+            ("1 process, batch 100", {"WEBHOOK_BATCH_SIZE": "100"}),
+            ("1 process, defaults", {}),
+        ):
             await self.truncate(url)
             dispatcher = await self.dispatcher(extra)
             result = await self.burst(
@@ -538,7 +540,9 @@ class ManyBench(Plumbing):
         await self.truncate(url)
         await self.reset()
         assert self.receiver is not None
-        meter = CpuMeter({"dispatcher": [dispatcher.pid], "receiver": [self.receiver.pid]})
+        meter = CpuMeter(
+            {"dispatcher": process_tree(dispatcher.pid), "receiver": [self.receiver.pid]}
+        )
         meter.start()
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
             # One transaction; a stream's events in order of their ids.
@@ -818,13 +822,20 @@ def render_table(out: dict[str, Any]) -> str:
         return "-" if r is None else f"{r:.2f}"
 
     for r in dig(out, "raw", "runs") or []:
+        procs = r.get("processes", 1)
         rows.append(
-            (f"raw HTTP, {r['concurrency']} connections", f"{_n(r['rate'])} req/s", "1.00", "")
+            (
+                f"raw HTTP, {procs} client process{'es' if procs > 1 else ''} x"
+                f" {r['concurrency']} connections",
+                f"{_n(r['rate'])} req/s",
+                vs_raw(r["rate"]),
+                "",
+            )
         )
     for r in dig(out, "fanout", "runs") or []:
         rows.append(
             (
-                f"fan-out x{r['endpoints']}, 1 process, {r['label']}",
+                f"fan-out x{r['endpoints']}, {r['label']}",
                 f"{_n(r['rate'])} deliveries/s",
                 vs_raw(r["rate"]),
                 f"dispatcher {_n(r['dispatcher_cpu_us_per_delivery'])} us CPU/delivery",

@@ -10,15 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from benchlib import ahttp_json
-from procs import Children
+from procs import Child, Children, CpuMeter, process_tree
 from psycopg import sql
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -60,7 +62,9 @@ class Plumbing:
     prefix: str
     databases: list[str]
     children: Children
+    receiver: Child | None
     receiver_url: str
+    log: Callable[[str], None]
 
     async def migrate(self, database_url: str) -> None:
         """``fluxora-webhooks migrate`` as a command: the code on disk is what the
@@ -129,3 +133,54 @@ class Plumbing:
         routing, as its deliveries come due only after every event."""
         span = stats["last"] - committed
         return stats["count"] / span if span > 0 else float("nan")
+
+    async def raw_run(self, conc: int, processes: int, requests: int) -> dict[str, Any]:
+        """The raw HTTP limit: ``processes`` aiohttp client processes (``rawhttp.py``), each
+        of ``conc`` keep-alive connections, sharing ``requests`` POSTs to the receiver."""
+        await self.reset()
+        assert self.receiver is not None
+        meter = CpuMeter({"receiver": [self.receiver.pid]})
+        meter.start()
+        clients = [
+            await self.children.script(
+                f"raw-{processes}x-c{conc}-{i}",
+                "rawhttp.py",
+                "--url",
+                self.receiver_url + "/raw",
+                "--requests",
+                str(requests // processes),
+                "--concurrency",
+                str(conc),
+            )
+            for i in range(processes)
+        ]
+        for client in clients:
+            await asyncio.wait_for(client.proc.wait(), 300)
+        cpu = meter.stop()
+        sides = [json.loads(c.log().strip().splitlines()[-1]) for c in clients]
+        client_cpu_s = sum(side["cpu_s"] for side in sides)
+        cpu["client"] = round(100 * client_cpu_s / max(side["seconds"] for side in sides), 1)
+        stats = await self.stats()
+        rate = self.rate(stats)
+        self.log(f"raw {processes}x c={conc}: {rate:,.0f} req/s")
+        return {
+            "concurrency": conc,
+            "processes": processes,
+            "rate": rate,
+            "client_rate": sum(side["rate"] for side in sides),
+            "errors": sum(side["errors"] for side in sides),
+            "connections": stats["connections"],
+            "cpu_pct": cpu,
+            "client_cpu_us_per_request": round(1e6 * client_cpu_s / stats["count"], 1)
+            if stats["count"]
+            else None,
+        }
+
+    async def wait_workers(self, procs: list[Child], workers: int, timeout: float = 30) -> None:
+        """Until each supervisor has its worker processes (they start after it answers)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(len(process_tree(p.pid)) > workers for p in procs):
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"workers did not start: {[process_tree(p.pid) for p in procs]}")

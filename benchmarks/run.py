@@ -279,51 +279,11 @@ class Bench(Plumbing):
                 runs.append(
                     await self.best_of(
                         f"raw {procs}x c={conc}",
-                        lambda i, c=conc, n=procs: self.raw_run(c, n),
+                        lambda i, c=conc, n=procs: self.raw_run(c, n, self.raw_requests),
                     )
                 )
         best = max(runs, key=lambda r: r["rate"])
         return {"runs": runs, "best": best}
-
-    async def raw_run(self, conc: int, processes: int = 1) -> dict[str, Any]:
-        """``processes`` client processes, each ``conc`` connections, sharing the requests."""
-        await self.reset()
-        meter = CpuMeter({"receiver": [self.receiver.pid]})
-        meter.start()
-        clients = [
-            await self.children.script(
-                f"raw-{processes}x-c{conc}-{i}",
-                "rawhttp.py",
-                "--url",
-                self.receiver_url + "/raw",
-                "--requests",
-                str(self.raw_requests // processes),
-                "--concurrency",
-                str(conc),
-            )
-            for i in range(processes)
-        ]
-        for client in clients:
-            await asyncio.wait_for(client.proc.wait(), 300)
-        cpu = meter.stop()
-        sides = [json.loads(c.log().strip().splitlines()[-1]) for c in clients]
-        client_cpu_s = sum(side["cpu_s"] for side in sides)
-        cpu["client"] = round(100 * client_cpu_s / max(side["seconds"] for side in sides), 1)
-        stats = await self.stats()
-        rate = self.rate(stats)
-        self.log(f"raw {processes}x c={conc}: {rate:,.0f} req/s")
-        return {
-            "concurrency": conc,
-            "processes": processes,
-            "rate": rate,
-            "client_rate": sum(side["rate"] for side in sides),
-            "errors": sum(side["errors"] for side in sides),
-            "connections": stats["connections"],
-            "cpu_pct": cpu,
-            "client_cpu_us_per_request": round(1e6 * client_cpu_s / stats["count"], 1)
-            if stats["count"]
-            else None,
-        }
 
     # -- our dispatcher --------------------------------------------------------------
 
@@ -397,15 +357,6 @@ class Bench(Plumbing):
             await self.wait_workers([c for c, _ in procs], os.cpu_count() or 1)
         await asyncio.sleep(0.5)  # claim loops connect after /readyz answers
         return [c for c, _ in procs]
-
-    async def wait_workers(self, procs: list[Child], workers: int, timeout: float = 30) -> None:
-        """Until each supervisor has its worker processes (they start after it answers)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(len(process_tree(p.pid)) > workers for p in procs):
-                return
-            await asyncio.sleep(0.1)
-        raise RuntimeError(f"workers did not start: {[process_tree(p.pid) for p in procs]}")
 
     async def wait_ready(self, child: Child, port: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

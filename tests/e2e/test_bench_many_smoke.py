@@ -5,6 +5,7 @@ are asserted: the benchmark measures, the test only checks that it can."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,17 @@ def test_many_tiny_gives_every_section(tmp_path: Path) -> None:
     for section in SECTIONS:
         assert section in result, f"{section} missing:\n{text}"
     fanout = result["fanout"]["runs"]
-    assert [r["label"] for r in fanout] == ["batch 100", "defaults"]
+    assert [r["label"] for r in fanout] == [
+        "one run, batch 100",
+        "one run, defaults",
+        "1 process, batch 100",
+        "1 process, defaults",
+    ]
     assert all(r["received"] >= r["deliveries"] for r in fanout)
+    # One `run` as a user starts it: its workers' CPU is counted, not only the supervisor's.
+    assert all(r["dispatcher_cpu_us_per_delivery"] > 0 for r in fanout)
+    # The raw limit as run.py takes it: one client process and one per CPU.
+    assert {r["processes"] for r in result["raw"]["runs"]} == {1, os.cpu_count() or 1}
     latency = result["fanout_latency"]
     assert latency["received"] == latency["events"] * latency["endpoints"]
     ordered = result["ordered"]
