@@ -19,6 +19,17 @@ pytestmark = pytest.mark.e2e
 SECRET = "cli-secret-that-must-never-be-printed-42"
 
 
+def _unreachable_redis_env(database_url: str) -> dict[str, str]:
+    """A dispatcher's environment whose Redis is never reached: start-up stops before."""
+    return dispatcher_env(
+        database_url,
+        "redis://127.0.0.1:1/0",
+        "https://hooks.example.com/x",
+        "p:",
+        WEBHOOK_SECRET=SECRET,
+    )
+
+
 @pytest.mark.parametrize(
     ("variable", "value"),
     [
@@ -37,13 +48,7 @@ SECRET = "cli-secret-that-must-never-be-printed-42"
 async def test_bad_configuration_stops_start_up_naming_the_variable(
     database_url: str, variable: str, value: str
 ) -> None:
-    env = dispatcher_env(
-        database_url,
-        "redis://127.0.0.1:1/0",
-        "https://hooks.example.com/x",
-        "p:",
-        WEBHOOK_SECRET=SECRET,
-    )
+    env = _unreachable_redis_env(database_url)
     env[variable] = value
     if variable == "WEBHOOK_METRICS_HOST":
         env["WEBHOOK_METRICS_PORT"] = str(free_port())  # 0 serves no metrics at all
@@ -58,13 +63,7 @@ async def test_bad_configuration_stops_start_up_naming_the_variable(
 async def test_a_port_in_use_stops_start_up_naming_the_port(
     database_url: str, command: str, variable: str
 ) -> None:
-    env = dispatcher_env(
-        database_url,
-        "redis://127.0.0.1:1/0",
-        "https://hooks.example.com/x",
-        "p:",
-        WEBHOOK_SECRET=SECRET,
-    )
+    env = _unreachable_redis_env(database_url)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
