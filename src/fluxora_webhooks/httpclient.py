@@ -232,14 +232,25 @@ class _Connection(asyncio.Protocol):
 
     # -- one request ------------------------------------------------------------------
 
-    async def request(self, data: bytes, max_body: int) -> Response:
+    async def request(self, data: bytes, max_body: int, deadline: float) -> Response:
+        """Send ``data`` and read the response, until the event loop's time ``deadline``
+        (``TimeoutError`` then). The deadline is a timer of this request's own, cheaper
+        than a task-wide ``asyncio.timeout`` on the path that every request takes."""
         assert self.transport is not None
         self._reset_message()
         self._cap = max_body
         self.reusable = False
-        self._waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(data)
-        return await self._waiter
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_at(deadline, self._time_out)
+        try:
+            self.transport.write(data)
+            return await self._waiter
+        finally:
+            timer.cancel()
+
+    def _time_out(self) -> None:
+        self._fail(TimeoutError())
 
     def partial(self, body_error: str) -> Response | None:
         """What came of the response so far, if its head is complete."""
@@ -322,22 +333,23 @@ class HttpClient:
         ``TimeoutError``, :class:`ProtocolError` or another ``OSError``."""
         origin = _origin(url)
         data = request_head(origin, headers, len(body)) + body
+        deadline = asyncio.get_running_loop().time() + timeout_s  # all of it, connecting too
         conn: _Connection | None = None
         try:
-            async with asyncio.timeout(timeout_s):
-                conn = self._idle_connection(origin)
-                if conn is not None:
-                    try:
-                        response = await conn.request(data, max_body)
-                    except ConnectionError:
-                        if not conn.silent:
-                            raise
-                        # The consumer closed an idle connection as we reused it (it had not
-                        # seen the request, or not answered it): once more, on a new one.
-                        conn = None
-                if conn is None:
+            conn = self._idle_connection(origin)
+            if conn is not None:
+                try:
+                    response = await conn.request(data, max_body, deadline)
+                except ConnectionError:
+                    if not conn.silent:
+                        raise
+                    # The consumer closed an idle connection as we reused it (it had not
+                    # seen the request, or not answered it): once more, on a new one.
+                    conn = None
+            if conn is None:
+                async with asyncio.timeout_at(deadline):
                     conn = await self._connect(origin)
-                    response = await conn.request(data, max_body)
+                response = await conn.request(data, max_body, deadline)
         except TimeoutError:
             if conn is None:
                 raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any
 
 import psycopg
@@ -186,6 +187,62 @@ async def test_interim_responses_are_read_past_to_the_final_one() -> None:
     assert (second.status, second.body) == (503, b"answer 2")
     assert requests == [b'{"n":1}', b'{"n":2}']
     assert client.opened == 1  # the second request went on the same connection
+
+
+async def test_the_timeout_holds_on_a_reused_connection_and_for_a_slow_body() -> None:
+    """The request timeout covers a request sent on a kept-alive connection (the path
+    every request after a connection's first takes): a consumer that answers the first
+    request and then holds the second gets a TimeoutError after the timeout, not later, and
+    one that sends its head in time but holds the body is answered by that head, its body
+    marked unreadable. Neither connection is used again."""
+    held = asyncio.Event()
+    handlers: list[asyncio.Task[None]] = []
+
+    async def consumer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(length)
+            if body == b"hold":
+                await held.wait()  # never answers while the test runs
+            elif body == b"head only":
+                writer.write(b"HTTP/1.1 202 Accepted\r\ncontent-length: 100\r\n\r\npart")
+                await writer.drain()
+                await held.wait()
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(consumer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = HttpClient(SafeResolver(True))
+    url = f"http://127.0.0.1:{port}/hook"
+    try:
+        assert (await client.post(url, b"quick", {}, timeout_s=5, max_body=1024)).status == 200
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await client.post(url, b"hold", {}, timeout_s=0.3, max_body=1024)
+        assert time.monotonic() - started < 3.0  # the timeout, not the test's own limit
+        assert client.opened == 1  # the held request went on the kept-alive connection
+        assert (await client.post(url, b"quick", {}, timeout_s=5, max_body=1024)).status == 200
+        assert client.opened == 2  # the timed-out connection was not used again
+        partial = await client.post(url, b"head only", {}, timeout_s=0.3, max_body=1024)
+        assert (partial.status, partial.body) == (202, b"part")
+        assert partial.body_error == "response body unreadable: TimeoutError"
+        assert (await client.post(url, b"quick", {}, timeout_s=5, max_body=1024)).status == 200
+        assert client.opened == 3
+    finally:
+        held.set()
+        await client.close()
+        server.close()
+        await server.wait_closed()
+        await asyncio.gather(*handlers)  # each saw the client's close and closed its end
 
 
 # --- 3. A zero retention is off --------------------------------------------------------------
