@@ -120,10 +120,9 @@ def webhook(request: HttpRequest) -> JsonResponse:
                 return JsonResponse({"status": "duplicate"})
             apply(event)  # raises: rolled back, Django answers 500, the sender retries
     except VerificationError as exc:
-        malformed = exc.reason in ("bad_payload", "bad_delivery_id")
-        return JsonResponse(
-            {"error": "verification_failed", "reason": exc.reason}, status=400 if malformed else 401
-        )
+        if exc.reason in ("bad_payload", "bad_delivery_id"):  # signed, but unusable: 400
+            return JsonResponse({"error": "bad_request", "reason": exc.reason}, status=400)
+        return JsonResponse({"error": "verification_failed", "reason": exc.reason}, status=401)
     return JsonResponse({"status": "processed", "delivery_id": event.delivery_id})
 
 

@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from fluxora_webhooks.errors import SchemaError, VerificationError
 from fluxora_webhooks.inbox import InboxEvent
 from fluxora_webhooks.inbox.aiohttp import inbox_handler
 from fluxora_webhooks.inbox.asgi import inbox_endpoint
@@ -42,7 +43,10 @@ class Consumer:
     """The app's state: a handler that credits a balance, and can be told to fail."""
 
     fail_next: bool = False
+    # How the next call fails after its write, if it is to: a name from FAILURES.
+    fail_how: str | None = None
     handled: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)  # kept by the test, sorted
     connections: int = 0
 
     async def credit(self, event: InboxEvent, conn: psycopg.AsyncConnection[Any], _: Any) -> None:
@@ -53,6 +57,16 @@ class Consumer:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("the handler failed after its write")
+        how, self.fail_how = self.fail_how, None
+        if how == "rollback":
+            raise psycopg.Rollback()
+        if how == "statement_timeout":  # the handler's own statement, cancelled by the server
+            await conn.execute("SET LOCAL statement_timeout = '50ms'")
+            await conn.execute("SELECT pg_sleep(5)")
+        if how == "verification":  # a check of the handler's own, with the library's error
+            raise VerificationError("no_matching_signature", "the handler's inner check")
+        if how == "schema":
+            raise SchemaError("a table of the handler's own is missing")
 
     def counting(self, connect: Connect) -> Connect:
         @contextlib.asynccontextmanager
@@ -172,7 +186,8 @@ async def test_the_glue_applies_once_and_answers_for_the_senders_retry_rules(
         assert consumer.connections == 2  # the refused and the malformed took none
         huge = delivery(body=b'{"pad": "' + b"x" * (2 << 20) + b'"}')
         async with http.post(url, data=io.BytesIO(huge.body), headers=huge.headers) as resp:
-            assert resp.status == 413  # over 1 MiB: refused before it is all read
+            # Over 1 MiB: refused before it is all read, in the glue's JSON like the rest.
+            assert (resp.status, await resp.json()) == (413, {"error": "body_too_large"})
 
         consumer.fail_next = True
         assert await post(http, url, second) == (500, {"error": "handler_failed"})
@@ -185,6 +200,42 @@ async def test_the_glue_applies_once_and_answers_for_the_senders_retry_rules(
     assert "webhook refused: no_matching_signature" in logged
     assert f"handling webhook {second.delivery_id} failed" in logged
     assert SECRET.decode() not in logged
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+async def test_whatever_the_handler_raises_rolls_back_and_is_answered_handler_failed(
+    framework: str,
+    pool: AsyncConnectionPool[Any],
+    inbox_database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """psycopg.Rollback (which the transaction block would swallow, leaving a 200 for an
+    event never recorded), a statement of the handler's own that the database cancels,
+    and the library's own VerificationError or SchemaError raised by the handler are all
+    the handler's failure: 500 handler_failed, nothing recorded, and the retry applies
+    the event."""
+    caplog.set_level(logging.INFO, logger="fluxora_webhooks.inbox")
+    consumer = Consumer()
+    async with (
+        serve(framework, pool.connection, consumer) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        for n, how in enumerate(["rollback", "statement_timeout", "verification", "schema"]):
+            d = delivery({"amount": 1})
+            consumer.fail_how = how
+            assert await post(http, url, d) == (500, {"error": "handler_failed"}), how
+            assert await state(inbox_database_url) == (n, consumer.applied), how
+            assert await post(http, url, d) == (
+                200,
+                {"status": "processed", "delivery_id": d.delivery_id},
+            ), how
+            consumer.applied.append(d.delivery_id)
+            consumer.applied.sort()
+    logged = caplog.text
+    assert "raised psycopg.Rollback: nothing was applied" in logged
+    assert "QueryCanceled" in logged  # the handler's failure, with its traceback
+    assert "the handler's inner check" in logged
+    assert "database unavailable" not in logged and "inbox_not_installed" not in logged
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -232,3 +283,7 @@ async def test_a_pool_itself_is_accepted_as_the_connection_source(
     assert await state(inbox_database_url) == (3, [d.delivery_id])
     with pytest.raises(TypeError):
         inbox_handler(object(), consumer.credit, secret=SECRET)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="handler must be an async function"):
+        inbox_handler(pool, None, secret=SECRET)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="handler must be an async function"):
+        inbox_endpoint(pool, None, secret=SECRET)  # type: ignore[arg-type]

@@ -103,6 +103,41 @@ def test_receive_without_the_table_says_what_to_run(empty_database_url: str) -> 
         take(c, delivery())
 
 
+def test_a_table_made_by_hand_is_named_by_receive_and_completed_by_install(
+    empty_database_url: str,
+) -> None:
+    """A webhook_inbox made from SPEC's column list (no attempt), or without its primary key,
+    is not a raw database error on the first webhook: receive names what is missing, and
+    install adds the missing column (a key is for its owner to add)."""
+    with psycopg.connect(empty_database_url, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE webhook_inbox (delivery_id text PRIMARY KEY, event_type text,"
+            " received_at timestamptz NOT NULL DEFAULT now())"
+        )
+        c.execute("INSERT INTO webhook_inbox (delivery_id) VALUES ('kept')")
+        c.execute("CREATE TABLE keyless (LIKE webhook_inbox)")
+    with psycopg.connect(empty_database_url) as c:
+        with pytest.raises(SchemaError, match=r'column "attempt".*inbox install'):
+            take(c, delivery())
+        c.rollback()
+        assert install(c) is False  # it was there; now it is whole
+        c.commit()
+        d = delivery({"amount": 1}, attempt=2, event_type="a.b")
+        assert take(c, d) is not None
+        c.commit()
+    assert recorded(empty_database_url)[-1] == (d.delivery_id, "a.b", 2)
+    assert recorded(empty_database_url)[0] == ("kept", None, None)  # kept, not rewritten
+    with psycopg.connect(empty_database_url, autocommit=True) as c:
+        c.execute("DROP TABLE webhook_inbox")
+        c.execute("ALTER TABLE keyless RENAME TO webhook_inbox")
+        c.execute("ALTER TABLE webhook_inbox ADD COLUMN attempt integer")
+    with (
+        psycopg.connect(empty_database_url) as c,
+        pytest.raises(SchemaError, match="no primary key or unique index on delivery_id"),
+    ):
+        take(c, delivery())
+
+
 # -- receive ------------------------------------------------------------------------------
 
 

@@ -219,8 +219,8 @@ def receive(
         return _receive_async(conn, event, params)
     try:
         row = conn.execute(query("inbox_receive"), params).fetchone()
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaError(MISSING_TABLE) from exc
+    except _SCHEMA_FAULTS as exc:
+        raise _schema_error(exc) from exc
     return event if row is not None else None
 
 
@@ -229,9 +229,34 @@ async def _receive_async(
 ) -> InboxEvent | None:
     try:
         row = await (await conn.execute(query("inbox_receive"), params)).fetchone()
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaError(MISSING_TABLE) from exc
+    except _SCHEMA_FAULTS as exc:
+        raise _schema_error(exc) from exc
     return event if row is not None else None
+
+
+# What a webhook_inbox that install did not make can lack: the table, a column receive
+# writes, the primary key its ON CONFLICT needs.
+_SCHEMA_FAULTS = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.InvalidColumnReference,
+)
+
+
+def _schema_error(exc: psycopg.Error) -> SchemaError:
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return SchemaError(MISSING_TABLE)
+    if isinstance(exc, psycopg.errors.UndefinedColumn):
+        what = exc.diag.message_primary or "a column the inbox writes is missing"
+        return SchemaError(
+            f"webhook_inbox is not the inbox's table ({what}): run `fluxora-webhooks inbox "
+            "install` (or fluxora_webhooks.inbox.install(conn)), which adds missing columns"
+        )
+    return SchemaError(
+        "webhook_inbox has no primary key or unique index on delivery_id, which the inbox "
+        "needs to tell a repeat from a new event: add one (ALTER TABLE webhook_inbox ADD "
+        "PRIMARY KEY (delivery_id))"
+    )
 
 
 def _require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -357,5 +382,5 @@ async def prune(
             batches += 1
             if count < batch_size:
                 return InboxPruneResult(cutoff, deleted, batches)
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaError(MISSING_TABLE) from exc
+    except _SCHEMA_FAULTS as exc:
+        raise _schema_error(exc) from exc

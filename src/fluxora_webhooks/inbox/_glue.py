@@ -70,6 +70,15 @@ class Answer:
     body: dict[str, str]
 
 
+def check_handler(handler: object) -> None:
+    """A handler that is not callable fails when the app is built, not on every request."""
+    if not callable(handler):
+        raise TypeError(
+            "handler must be an async function (event, conn, request), "
+            f"not {type(handler).__name__}"
+        )
+
+
 def connector(
     source: ConnectionSource,
 ) -> Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]:
@@ -107,7 +116,29 @@ async def deliver(
                 scheme=verification.scheme,
             )
             if event is not None:
-                await apply(event, conn)
+                try:
+                    await apply(event, conn)
+                except Exception as exc:
+                    if _transient(exc, conn):
+                        raise  # the database's doing, not the handler's: 503 below
+                    raise _HandlerFailed from exc
+    except _HandlerFailed as failed:
+        cause = failed.__cause__
+        if isinstance(cause, psycopg.Rollback):
+            # Caught here, psycopg.Rollback would end the transaction quietly: the id
+            # would not be recorded, yet the sender would get a 2xx and stop.
+            log.warning(
+                "the handler of webhook %s raised psycopg.Rollback: nothing was applied, "
+                "the sender will retry (return without writing to skip an event)",
+                delivery_id,
+            )
+        else:
+            log.error(
+                "handling webhook %s failed; rolled back, the sender will retry",
+                delivery_id,
+                exc_info=cause,
+            )
+        return Answer(500, {"error": "handler_failed"})
     except VerificationError as exc:  # the clock moved past the tolerance in between
         return _refused(exc)
     except SchemaError as exc:
@@ -120,10 +151,24 @@ async def deliver(
         )
         return Answer(503, {"error": "database_unavailable"})
     except Exception:
-        log.exception("handling webhook %s failed; rolled back, the sender will retry", delivery_id)
+        log.exception("webhook %s failed; rolled back, the sender will retry", delivery_id)
         return Answer(500, {"error": "handler_failed"})
     status = "processed" if event is not None else "duplicate"
     return Answer(200, {"status": status, "delivery_id": delivery_id})
+
+
+class _HandlerFailed(Exception):
+    """The handler raised (its exception is the cause): 500 ``handler_failed``."""
+
+
+def _transient(exc: Exception, conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the handler's exception is the database's passing state rather than the
+    handler's fault: its connection lost, or its transaction chosen to end (a deadlock, a
+    serialization failure). Anything else it raises, a lock timeout or a cancelled
+    statement included, is the handler's failure."""
+    if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and conn.broken
 
 
 def _refused(exc: VerificationError) -> Answer:

@@ -20,7 +20,9 @@ your handler (first delivery only), commit. Answers, as JSON:
 - 401 ``{"error": "verification_failed", "reason": ...}``: bad signature, stale timestamp;
 - 400 ``{"error": "bad_request", "reason": ...}``: signed, but not JSON or an unusable id;
 - 500 ``{"error": "handler_failed"}`` (your handler raised; logged), 503
-  ``{"error": "database_unavailable"}``: rolled back, so the sender retries.
+  ``{"error": "database_unavailable"}``: rolled back, so the sender retries;
+- 413 ``{"error": "body_too_large"}``: a body over the app's ``client_max_size`` (1 MiB by
+  default).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from aiohttp import web
 
 from ..signing import DEFAULT_TOLERANCE_SECONDS
 from . import InboxEvent
-from ._glue import ConnectionSource, Verification, connector, deliver
+from ._glue import ConnectionSource, Verification, check_handler, connector, deliver
 
 __all__ = ["Handler", "inbox_handler"]
 
@@ -58,10 +60,14 @@ def inbox_handler(
     other arguments are :func:`~fluxora_webhooks.inbox.receive`'s; a bad one raises here.
     """
     connect = connector(connection)
+    check_handler(handler)
     verification = Verification(secret, previous_secret, tolerance_s, scheme)
 
     async def handle(request: web.Request) -> web.Response:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # past the app's client_max_size (1 MiB)
+            return web.json_response({"error": "body_too_large"}, status=413)
 
         async def apply(event: InboxEvent, conn: psycopg.AsyncConnection[Any]) -> object:
             return await handler(event, conn, request)

@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..signing import DEFAULT_TOLERANCE_SECONDS
 from . import InboxEvent
-from ._glue import ConnectionSource, Verification, connector, deliver
+from ._glue import ConnectionSource, Verification, check_handler, connector, deliver
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Handler", "inbox_endpoint"]
 
@@ -61,6 +61,7 @@ def inbox_endpoint(
     them once. Arguments as for :func:`fluxora_webhooks.inbox.aiohttp.inbox_handler`;
     a body over ``max_body_bytes`` (1 MiB by default, as aiohttp's) is answered 413."""
     connect = connector(connection)
+    check_handler(handler)
     verification = Verification(secret, previous_secret, tolerance_s, scheme)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
         raise TypeError("max_body_bytes must be a whole number of bytes")

@@ -9,13 +9,19 @@ SELECT pg_advisory_xact_lock(%(key)s);
 SELECT to_regclass('webhook_inbox') IS NOT NULL;
 
 -- name: inbox_install
--- Idempotent, and safe to run again after an upgrade: whatever is missing is added.
+-- Idempotent, and safe to run again after an upgrade or on a table made by hand: a
+-- column that receive writes or prune reads and the table lacks is added (a missing
+-- primary key is not: receive names it).
 CREATE TABLE IF NOT EXISTS webhook_inbox (
     delivery_id  text PRIMARY KEY,
     event_type   text,
     attempt      integer,
     received_at  timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE webhook_inbox
+    ADD COLUMN IF NOT EXISTS event_type text,
+    ADD COLUMN IF NOT EXISTS attempt integer,
+    ADD COLUMN IF NOT EXISTS received_at timestamptz NOT NULL DEFAULT now();
 -- Prune deletes the oldest ids first, in bounded batches. A timestamp that only grows
 -- appends to the right edge of this index: cheap next to the primary key.
 CREATE INDEX IF NOT EXISTS webhook_inbox_received_at_idx ON webhook_inbox (received_at);
