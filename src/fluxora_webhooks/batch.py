@@ -685,13 +685,14 @@ async def _disable(
 
     try:
         async with conn.transaction():
-            await endpoints.disable(conn, endpoint_id, reason=reason)
+            _, changed = await endpoints.disable_once(conn, endpoint_id, reason=reason)
     except DB_ERRORS:
         raise
     except (psycopg.Error, NotFoundError) as exc:
         log.error("endpoint %s: disabling it failed (%s)", endpoint_id, type(exc).__name__)
         return
-    dispatcher.note_disabled(endpoint_id, reason)
+    if changed:  # not when another batch's 410 disabled it a moment before
+        dispatcher.note_disabled(endpoint_id, reason)
 
 
 def breaker_signal(result: AttemptResult) -> bool | None:

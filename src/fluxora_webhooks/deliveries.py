@@ -25,7 +25,7 @@ from psycopg.rows import dict_row
 
 from .endpoints import OPERATOR_TENANT
 from .errors import ConfigError, ConflictError, NotFoundError
-from .outbox import enqueue, promote_heads
+from .outbox import enqueue_with_context, promote_heads
 from .queries import query
 
 STATUSES = ("pending", "retrying", "parked", "delivered", "dead_letter")
@@ -92,13 +92,23 @@ async def enqueue_event(
     stream_id: str,
     event_type: str,
     payload: Any,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
 ) -> dict[str, Any]:
     """Enqueue an event (as a producer's ``enqueue`` does, in one transaction); returns it
-    with its id and ``delivery_id`` (the built-in default endpoint's, as enqueue returns)."""
+    with its id and ``delivery_id`` (the built-in default endpoint's, as enqueue returns).
+    ``traceparent``/``tracestate``: the request's trace context (W3C headers), kept with
+    the event so that its attempts join the producer's trace."""
     try:
         async with conn.transaction():
-            delivery_id = await enqueue(
-                conn, tenant=tenant, stream_id=stream_id, event_type=event_type, payload=payload
+            delivery_id = await enqueue_with_context(
+                conn,
+                tenant=tenant,
+                stream_id=stream_id,
+                event_type=event_type,
+                payload=payload,
+                traceparent=traceparent,
+                tracestate=tracestate,
             )
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(

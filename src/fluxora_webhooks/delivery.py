@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import EndpointError
@@ -91,6 +91,29 @@ def secret_texts(*secrets: bytes | None) -> tuple[str, ...]:
         found.append(text)
         if text.startswith("whsec_"):
             found.append(text[len("whsec_") :])
+    return tuple(found)
+
+
+# A custom header's value shorter than this is kept in stored text: "blue" or "v2" would
+# mask the same word everywhere in a consumer's answer, and a credential is longer.
+MIN_MASKED_HEADER = 8
+
+
+def header_texts(headers: Mapping[str, str]) -> tuple[str, ...]:
+    """The forms in which an endpoint's custom header values (an ``Authorization`` for
+    its consumer, an API key) could come back in a response: each value of at least
+    :data:`MIN_MASKED_HEADER` characters, and its part after a scheme word (the token of
+    ``Bearer <token>``)."""
+    found: list[str] = []
+    for value in headers.values():
+        text = value.strip()
+        if len(text) < MIN_MASKED_HEADER:
+            continue
+        found.append(text)
+        scheme, _, rest = text.partition(" ")
+        rest = rest.strip()
+        if scheme and len(rest) >= MIN_MASKED_HEADER:
+            found.append(rest)
     return tuple(found)
 
 

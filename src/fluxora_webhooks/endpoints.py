@@ -439,6 +439,19 @@ async def disable(
     operator is told (``endpoint.disabled``). Disabling a disabled endpoint parks what is
     pending and not parked yet (a retry its completion inserted while it saw the endpoint
     enabled, two 410s at once, say), and changes nothing else."""
+    endpoint, _ = await disable_once(conn, endpoint_id, reason=reason, tenant=tenant)
+    return endpoint
+
+
+async def disable_once(
+    conn: psycopg.AsyncConnection[Any],
+    endpoint_id: str,
+    *,
+    reason: str = "manual",
+    tenant: str | None = None,
+) -> tuple[Endpoint, bool]:
+    """:func:`disable`, and whether this call disabled it (False: it was disabled
+    already, by another process's 410 at the same moment, say)."""
     if reason not in DISABLED_REASONS:
         raise ConfigError("reason", f"must be one of {', '.join(DISABLED_REASONS)}")
     current = await get(conn, endpoint_id, tenant=tenant)
@@ -450,11 +463,11 @@ async def disable(
         )
         await conn.execute(query("endpoint_park"), {"id": endpoint_id})
         if row is None:
-            return await get(conn, endpoint_id, tenant=tenant)  # already disabled
+            return await get(conn, endpoint_id, tenant=tenant), False  # already disabled
         await operator_event(
             conn, "endpoint.disabled", stream_id=endpoint_id, payload=_state_event(row, reason)
         )
-    return Endpoint.from_row(row)
+    return Endpoint.from_row(row), True
 
 
 async def enable(

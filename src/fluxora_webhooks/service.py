@@ -38,7 +38,7 @@ from .ops import (
     set_endpoint_gauges,
 )
 from .redis_gate import gate_for
-from .settings import Settings, cannot_listen, database_url_secrets
+from .settings import Settings, cannot_listen, register_engine_secrets
 from .telemetry import AttemptTracer
 from .telemetry import from_env as tracer_from_env
 
@@ -347,10 +347,7 @@ class Service:
         """Tell the log scrubber what must never be written."""
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
         logs.add_sensitive_url(self.settings.webhook_url)
-        # The engines' passwords only: their other parameters (sslmode=require, options=...)
-        # are no secret, and masking them would garble unrelated words in every message.
-        logs.add_sensitive(*database_url_secrets(self.database_url))
-        logs.add_sensitive(*logs.credential_secrets(self.redis_url))
+        register_engine_secrets(self.database_url, self.redis_url)
 
     def _start_background(self) -> list[asyncio.Task[None]]:
         tasks = [

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from . import logs
 from .errors import ConfigError, EndpointError
 from .host import default_workers
 from .urlpolicy import has_space_or_control
@@ -273,6 +274,14 @@ def database_url_secrets(url: str | None) -> tuple[str, ...]:
     except ConfigError:
         return ()
     return tuple(options[k] for k in ("password", "sslpassword") if options.get(k))
+
+
+def register_engine_secrets(database_url: str | None, redis_url: str | None) -> None:
+    """Tell the log scrubber the engines' passwords, and only those: their other parameters
+    (``sslmode=disable``, ``application_name=...``) are no secret, and masking them would
+    garble unrelated words in every message."""
+    logs.add_sensitive(*database_url_secrets(database_url))
+    logs.add_sensitive(*logs.credential_secrets(redis_url))
 
 
 def _is_host(text: str) -> bool:

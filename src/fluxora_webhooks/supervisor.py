@@ -56,7 +56,7 @@ from .service import (
     start_api,
     wait_for_database,
 )
-from .settings import Settings
+from .settings import Settings, register_engine_secrets
 from .telemetry import check_env as check_telemetry_env
 
 log = logging.getLogger("fluxora_webhooks.supervisor")
@@ -161,8 +161,8 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
-        for url in (self.settings.webhook_url, self.database_url, self.redis_url):
-            logs.add_sensitive_url(url)
+        logs.add_sensitive_url(self.settings.webhook_url)
+        register_engine_secrets(self.database_url, self.redis_url)
         slots: list[asyncio.Task[None]] = []
         try:
             check_telemetry_env(self.env)

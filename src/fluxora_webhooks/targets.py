@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .delivery import secret_texts
+from .delivery import header_texts, secret_texts
 from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint
 from .signing import Signer
 
@@ -138,7 +138,8 @@ class Target:
     enabled: bool = True
     failing_since: float | None = None  # unix seconds (database clock), None: no streak
     load: Load = field(default_factory=Load)
-    # Masked in the response bodies and errors stored with each attempt.
+    # Masked in the response bodies and errors stored with each attempt: the signing
+    # secrets and the custom headers' values.
     secret_texts: tuple[str, ...] = ()
 
 
@@ -265,7 +266,8 @@ class Targets:
             failing_since=failing,
             secret_texts=secret_texts(
                 endpoint.secret.encode(), (endpoint.secret_previous or "").encode() or None
-            ),
+            )
+            + header_texts(endpoint.headers),
         )
         if old is not None:  # this process's bookkeeping outlives a reload
             target.load = old.load

@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .endpoints import DEFAULT_ID
+from .endpoints import DEFAULT_ID, OPERATOR_TENANT
 from .outbox import enqueue
 from .queries import query
 
@@ -109,7 +109,7 @@ class Attempt:
     id: int
     at: datetime
     delivery_id: str
-    tenant: str
+    tenant: str | None  # None: the operator endpoint's events (no tenant's), as the API says
     endpoint_id: str | None
     event_type: str
     stream_id: str
@@ -186,7 +186,7 @@ def _attempt(row: dict[str, Any]) -> Attempt:
         id=int(row["id"]),
         at=row["processed_at"],
         delivery_id=row["delivery_id"],
-        tenant=row["tenant"],
+        tenant=None if row["tenant"] == OPERATOR_TENANT else row["tenant"],
         endpoint_id=row["endpoint_id"],
         event_type=row["event_type"],
         stream_id=row["stream_id"],

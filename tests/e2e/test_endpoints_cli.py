@@ -113,6 +113,11 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
             "headers",
         ),
         (["endpoints", "add", "--url", "https://a.example/", "--header", "nonsense"], "--header"),
+        # Written as HTTP writes it: named, its value (a credential, often) not echoed.
+        (
+            ["endpoints", "add", "--url", "https://a.example/", "--header", "Authorization: B k-9"],
+            "'Authorization': write NAME=VALUE",
+        ),
         (["endpoints", "add", "--url", "https://a.example/", "--rate-limit", "0"], "--rate-limit"),
         (["endpoints", "add", "--url", "https://a.example/", "--tenant", "a b"], "tenant"),
         (["endpoints", "add", "--url", "https://a.example/", "--secret", "short"], "secret"),
@@ -128,4 +133,5 @@ async def test_bad_input_is_refused_naming_what_is_wrong(
     code, out = await run_command(*args, env=command_env(DATABASE_URL=database_url))
     assert code == 2, out
     assert named in out and "Traceback" not in out
+    assert "k-9" not in out
     assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0

@@ -226,3 +226,40 @@ async def test_deliveries_and_events_page_and_filter(api: Api, database_url: str
         assert (await api.get("/api/v1/deliveries", params={"status": status})).body["data"] == []
     bad = await api.get("/api/v1/deliveries", params={"status": "lost"})
     assert bad.status == 422 and bad.error_code == "validation_error"
+
+
+async def test_an_events_trace_context_over_http_reaches_its_consumer(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    """A producer that enqueues over HTTP joins its trace as enqueue() does: the request's
+    traceparent and tracestate are kept with the event, and the consumer's request carries
+    them (no tracer here: the stored context is passed on). An invalid traceparent is
+    dropped, with its tracestate."""
+    await add_endpoint(api, receiver.url, "acme")
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    sent = {}
+    for name, headers in {
+        "traced": {"traceparent": parent, "tracestate": "vendor=abc"},
+        "garbled": {"traceparent": "00-not-a-trace-01", "tracestate": "vendor=abc"},
+    }.items():
+        reply = await api.post(
+            "/api/v1/events",
+            token="acme",
+            json={"stream_id": name, "event_type": "invoice.paid", "payload": {}},
+            headers=headers,
+        )
+        assert reply.status == 202, reply.text
+        sent[name] = reply.body["id"]
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        cur = await conn.execute(
+            "SELECT stream_id, traceparent, tracestate FROM webhook_outbox WHERE id = ANY(%s)",
+            (list(sent.values()),),
+        )
+        stored = {r[0]: r[1:] for r in await cur.fetchall()}
+    assert stored == {"traced": (parent, "vendor=abc"), "garbled": (None, None)}
+    async with running_dispatcher(dispatcher_settings(), database_url):
+        await receiver.wait_for(2)
+    assert len(receiver.received) == 2
+    traced = [r for r in receiver.received if r.headers.get("traceparent") == parent]
+    assert len(traced) == 1 and traced[0].headers["tracestate"] == "vendor=abc"
+    assert sum("traceparent" in r.headers for r in receiver.received) == 1

@@ -214,3 +214,22 @@ async def test_no_secret_or_token_in_any_list_page_or_log(
     for value in secrets:
         assert value not in seen
         assert value not in logged
+
+
+async def test_a_tenant_is_not_told_why_redis_cannot_be_read(database_url: str) -> None:
+    """Redis down: an admin's stats say what failed (host and port, no password); a
+    tenant's say only that the breakers cannot be read, nothing of the deployment."""
+    async with serving(database_url, "redis://:pw-of-redis-77@127.0.0.1:1/0") as api:
+        made = await api.post(
+            "/api/v1/endpoints", json={"url": "http://127.0.0.1:9/hook", "tenant": "acme"}
+        )
+        assert made.status == 201
+        admin = (await api.get("/api/v1/stats")).body["redis"]
+        tenant = (await api.get("/api/v1/stats", token="acme")).body["redis"]
+    assert admin["reachable"] is False and "127.0.0.1:1" in admin["error"]
+    assert tenant == {
+        "configured": True,
+        "reachable": False,
+        "error": "the circuit breakers' states cannot be read now",
+    }
+    assert not any("pw-of-redis-77" in text for text in api.seen)

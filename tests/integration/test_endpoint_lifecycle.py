@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from standardwebhooks import Webhook
 from fluxora_webhooks import endpoints, enqueue, verify
 from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.errors import ConfigError, ConflictError, NotFoundError, VerificationError
+from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.settings import Settings
 from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
 from tests.support.receiver import Receiver
@@ -126,6 +128,40 @@ async def test_live_add_disable_enable_update_without_a_restart(
         await other.stop()
 
 
+async def test_a_custom_header_a_consumer_echoes_back_is_stored_masked(
+    database_url: str, consumer: Receiver
+) -> None:
+    """An endpoint's custom headers are sent as they are; a consumer that echoes them in its
+    answer (an error page listing the request's headers) gets its credential masked in
+    what is stored and shown (the attempt's response, the API, the dashboard), whole or as
+    the token after its scheme; a short value ("blue") is no credential and stays."""
+    consumer.respond = lambda r: web.Response(
+        status=400,
+        text=f"auth={r.headers['authorization']} token-again={r.headers['authorization'][7:]}"
+        f" key={r.headers['x-api-key']} team={r.headers['x-team']}",
+    )
+    headers = {"Authorization": "Bearer HDRSECRET123", "X-Api-Key": "k3y-val-42", "X-Team": "blue"}
+    async with running_dispatcher(settings(), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            await endpoints.create(
+                conn, url=consumer.url, allowed_networks=LOOPBACK, headers=headers
+            )
+            await send(database_url, 1)
+            await consumer.wait_for(1)
+            await wait_until(
+                lambda: _eq(
+                    scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE processed"), 2
+                ),
+                what="routed, then the attempt recorded",
+            )
+    assert consumer.received[0].headers["authorization"] == "Bearer HDRSECRET123"
+    stored = await rows(
+        database_url, "SELECT response_body FROM webhook_outbox WHERE endpoint_id IS NOT NULL"
+    )
+    assert stored == [("auth=*** token-again=*** key=*** team=blue",)]
+
+
 async def test_410_disables_at_once_and_parks_the_delivery_with_the_rest(
     database_url: str, consumer: Receiver, operator: Receiver
 ) -> None:
@@ -166,6 +202,33 @@ async def test_410_disables_at_once_and_parks_the_delivery_with_the_rest(
     assert len({r.delivery_id for r in consumer.received}) == 3
     again = [r.attempt for r in consumer.received if r.delivery_id == gone_id]
     assert again == [1, 2]  # the consumer never sees one attempt number twice
+
+
+async def test_an_endpoint_gone_to_several_batches_at_once_is_disabled_counted_and_logged_once(
+    database_url: str, consumer: Receiver, operator: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Twenty deliveries to an endpoint that answers 410 go out in batches at once: each
+    batch's 410 disables it, but only the first does (one operator event, one increment of
+    fluxora_webhook_endpoints_disabled_total, one warning); all twenty end parked."""
+    caplog.set_level(logging.WARNING, logger="fluxora_webhooks")
+    metric = ("fluxora_webhook_endpoints_disabled_total", {"reason": "gone"})
+    before = REGISTRY.get_sample_value(*metric) or 0.0
+    consumer.respond = lambda r: web.Response(status=410)
+    async with running_dispatcher(settings(operator), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
+            await send(database_url, 20)
+            await wait_until(lambda: _eq(held(database_url, ep.id), 20), what="20 parked")
+            await operator.wait_for(1)
+            assert len(consumer.received) > 1  # more than one request met the 410
+            await asyncio.sleep(0.3)
+            _, changed = await endpoints.disable_once(conn, ep.id, reason="manual")
+            assert not changed  # disabled already: nothing to count
+    assert (REGISTRY.get_sample_value(*metric) or 0.0) - before == 1
+    disabled = [r for r in caplog.records if f"endpoint {ep.id} disabled" in r.getMessage()]
+    assert len(disabled) == 1
+    assert len(operator.received) == 1
 
 
 async def test_a_failure_streak_longer_than_disable_after_disables_it(

@@ -42,15 +42,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import signal
 
     from .. import logs
-    from ..settings import Settings
+    from ..settings import Settings, register_engine_secrets
 
     settings = Settings.from_env(env)
     logs.configure(settings.log_format)
     require_api_extra()
     database_url, _ = engines(env, redis=False)
     redis_url = settings.redis_url  # only what is configured: readings, never the gate
-    for url in (database_url, redis_url):
-        logs.add_sensitive_url(url)
+    register_engine_secrets(database_url, redis_url)
 
     from ..api import ApiConfig, ApiServer
 

@@ -24,7 +24,11 @@ DESCRIPTION = (
 def _header(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+        # Never the text itself: a header's value is often a credential.
+        if ":" in text:
+            field = text.partition(":")[0].strip()[:40]
+            raise argparse.ArgumentTypeError(f"{field!r}: write NAME=VALUE, not NAME: VALUE")
+        raise argparse.ArgumentTypeError("a header is NAME=VALUE")
     return name.strip(), value
 
 

@@ -28,7 +28,9 @@ async def endpoint_list(
 ) -> HTMLResponse:
     state = api_state(request)
     async with state.pool.connection() as conn:
-        found = await read_stats(state, conn, who.tenant, WINDOW_MS, with_series=False)
+        found = await read_stats(
+            state, conn, who.tenant, WINDOW_MS, with_series=False, detail=who.tenant is None
+        )
         listed = await endpoints.list_endpoints(conn, tenant=who.tenant, limit=1000)
     health = {h["id"]: h for h in found["endpoints"]}
     return render(
@@ -53,7 +55,9 @@ async def endpoint_page(
     state = api_state(request)
     async with state.pool.connection() as conn:
         endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
-        found = await read_stats(state, conn, who.tenant, WINDOW_MS, with_series=False)
+        found = await read_stats(
+            state, conn, who.tenant, WINDOW_MS, with_series=False, detail=who.tenant is None
+        )
     health = next((h for h in found["endpoints"] if h["id"] == endpoint.id), None)
     message = MESSAGES.get(done)
     if done == "recovered" and requeued is not None:

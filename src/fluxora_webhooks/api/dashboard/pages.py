@@ -102,7 +102,12 @@ async def overview(
     state = api_state(request)
     async with state.pool.connection() as conn:
         found = await read_stats(
-            state, conn, who.tenant, parse_duration_ms(window, "window"), with_series=True
+            state,
+            conn,
+            who.tenant,
+            parse_duration_ms(window, "window"),
+            with_series=True,
+            detail=who.tenant is None,
         )
     return render(
         request,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query
 
 from ... import deliveries
 from ...endpoints import check_tenant
@@ -24,7 +24,21 @@ router = APIRouter(
 
 
 @router.post("", status_code=202, response_model=EventAccepted, summary="Enqueue an event")
-async def enqueue_event(who: Writer, conn: Conn, body: EventIn) -> dict[str, Any]:
+async def enqueue_event(
+    who: Writer,
+    conn: Conn,
+    body: EventIn,
+    traceparent: Annotated[
+        str | None,
+        Header(
+            description="W3C trace context of the producer: each attempt's span is its child"
+            " and the consumer's request carries it on (an invalid one is ignored)"
+        ),
+    ] = None,
+    tracestate: Annotated[
+        str | None, Header(description="W3C tracestate, passed on with a valid traceparent")
+    ] = None,
+) -> dict[str, Any]:
     """For producers outside the database: the event is committed to the outbox and
     delivered to its tenant's endpoints like any other."""
     tenant = scoped(who, None if body.tenant is None else check_tenant(body.tenant))
@@ -34,6 +48,8 @@ async def enqueue_event(who: Writer, conn: Conn, body: EventIn) -> dict[str, Any
         stream_id=body.stream_id,
         event_type=body.event_type,
         payload=body.payload,
+        traceparent=traceparent,
+        tracestate=tracestate,
     )
 
 

@@ -12,6 +12,9 @@ from ...settings import parse_duration_ms
 from ..deps import ApiState, Conn, Reader, api_state, scoped
 from ..models import ErrorBody, Stats
 
+# What a tenant is told when the breakers' states cannot be read.
+REDIS_UNREADABLE = "the circuit breakers' states cannot be read now"
+
 router = APIRouter(
     prefix="/stats",
     tags=["stats"],
@@ -26,9 +29,12 @@ async def read_stats(
     window_ms: int,
     *,
     with_series: bool,
+    detail: bool,
 ) -> dict[str, Any]:
     """The statistics of a scope, with each endpoint's breaker read from Redis (the API
-    and the dashboard show the same)."""
+    and the dashboard show the same). ``detail``: why Redis could not be read, as it
+    failed (an admin's view); a tenant is told only that it could not (no internal host,
+    port or error of the deployment)."""
     out = await deliveries.stats(conn, tenant=tenant, window_ms=window_ms)
     config = state.config
     urls = [e["url"] for e in out["endpoints"]]
@@ -38,7 +44,7 @@ async def read_stats(
     out["redis"] = {
         "configured": config.redis_url is not None,
         "reachable": config.redis_url is not None and problem is None,
-        "error": problem,
+        "error": problem if detail or problem is None else REDIS_UNREADABLE,
     }
     if with_series:
         out["series"] = await deliveries.series(conn, tenant=tenant, window_ms=window_ms)
@@ -58,4 +64,6 @@ async def get_stats(
 ) -> dict[str, Any]:
     window_ms = deliveries.check_window(parse_duration_ms(window, "window"))
     scope = scoped(who, tenant)
-    return await read_stats(api_state(request), conn, scope, window_ms, with_series=series)
+    return await read_stats(
+        api_state(request), conn, scope, window_ms, with_series=series, detail=who.tenant is None
+    )
