@@ -16,6 +16,10 @@ Messages never contain a secret or a full consumer URL.
 
 from __future__ import annotations
 
+# The exit statuses of the commands (and of a worker process, which its supervisor reads).
+EXIT_CONFIG = 2
+EXIT_SCHEMA = 3
+
 
 class FluxoraError(Exception):
     """Base of every fluxora-webhooks error."""

@@ -272,7 +272,7 @@ async def pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | Non
     assert current.interval_ms is not None
     now = await _db_now(conn)
     floor = _bounds(now, current.interval_ms)[0] - dt.timedelta(milliseconds=current.interval_ms)
-    for name, lower in await _lower_bounds(conn):
+    for name, lower, _ in await _partition_ranges(conn):
         cur = await conn.execute(
             sql.SQL("SELECT EXISTS (SELECT 1 FROM ONLY {} WHERE NOT processed)").format(
                 sql.Identifier(name)
@@ -284,28 +284,36 @@ async def pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | Non
     return floor
 
 
-async def _lower_bounds(
+async def _partition_ranges(
     conn: psycopg.AsyncConnection[Any],
-) -> list[tuple[str, dt.datetime | None]]:
-    """Every partition by its range's start, oldest first; those without a start (the
-    old table: MINVALUE; the default partition) first."""
+) -> list[tuple[str, dt.datetime | None, dt.datetime | None]]:
+    """Every partition with its range's start and end, oldest first; those without a start
+    (the old table: MINVALUE; the default partition) first. None: no such bound (MINVALUE,
+    MAXVALUE, the default partition)."""
     cur = await conn.execute(
         "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i"
         " JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
         (PARENT,),
     )
-    found: list[tuple[str, dt.datetime | None]] = []
+    found: list[tuple[str, dt.datetime | None, dt.datetime | None]] = []
     for name, bound in await cur.fetchall():
-        lower = None
-        if isinstance(bound, str) and "FROM ('" in bound:
-            text = bound.split("FROM ('", 1)[1].split("')", 1)[0]
-            parsed = await conn.execute("SELECT %s::timestamptz", (text,))
-            value = await parsed.fetchone()
-            lower = value[0] if value else None
-        found.append((str(name), lower))
+        texts = [_bound_text(bound, "FROM ('"), _bound_text(bound, " TO ('")]
+        lower = upper = None
+        if any(texts):
+            parsed = await conn.execute("SELECT %s::timestamptz, %s::timestamptz", texts)
+            row = await parsed.fetchone()
+            if row is not None:
+                lower, upper = row
+        found.append((str(name), lower, upper))
     oldest = dt.datetime.min.replace(tzinfo=dt.UTC)
     found.sort(key=lambda item: (item[1] is not None, item[1] or oldest))
     return found
+
+
+def _bound_text(bound: object, marker: str) -> str | None:
+    if not isinstance(bound, str) or marker not in bound:
+        return None
+    return bound.split(marker, 1)[1].split("')", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -329,7 +337,7 @@ async def drop_expired(
     cutoff: dt.datetime = row[0]
     dropped: list[Dropped] = []
     kept: list[str] = []
-    for name, upper in await _ranges(conn):
+    for name, _, upper in await _partition_ranges(conn):
         if upper is None or upper > cutoff or name in (LEGACY, DEFAULT):
             continue
         outcome = await _drop_one(conn, name, cutoff)
@@ -340,49 +348,58 @@ async def drop_expired(
     return dropped, kept
 
 
-async def _ranges(conn: psycopg.AsyncConnection[Any]) -> list[tuple[str, dt.datetime | None]]:
-    """Each partition and the end of its range (None: the default partition, or MAXVALUE)."""
-    cur = await conn.execute(
-        "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i"
-        " JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)"
-        " ORDER BY 1",
-        (PARENT,),
-    )
-    out: list[tuple[str, dt.datetime | None]] = []
-    for name, bound in await cur.fetchall():
-        upper = None
-        if isinstance(bound, str) and " TO ('" in bound:
-            text = bound.split(" TO ('", 1)[1].split("')", 1)[0]
-            parsed = await conn.execute("SELECT %s::timestamptz", (text,))
-            value = await parsed.fetchone()
-            upper = value[0] if value else None
-        out.append((str(name), upper))
-    return out
+async def drop_expired_exclusive(
+    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int
+) -> list[Dropped] | None:
+    """:func:`drop_expired` under the partitions' session lock (instances and the
+    ``prune`` command take turns); None when another holds it now."""
+    cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (PARTITION_LOCK_KEY,))
+    row = await cur.fetchone()
+    if not row or not row[0]:
+        return None
+    try:
+        dropped, _ = await drop_expired(conn, older_than_ms=older_than_ms)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock(%s)", (PARTITION_LOCK_KEY,))
+    return dropped
 
 
 async def _drop_one(
     conn: psycopg.AsyncConnection[Any], name: str, cutoff: dt.datetime
 ) -> Dropped | None:
-    """Detach, check, drop, in one transaction: a row that became unprocessed (a replay
-    cannot land there: new rows are written now) is seen while nothing can write it."""
+    """Look, then detach, check again, drop, the last three in one transaction: a row that
+    became unprocessed (a replay cannot land there: new rows are written now) is seen while
+    nothing can write it. The detach locks the whole outbox (producers' inserts and the
+    claims wait), so what is done under it is two lookups in the partial indexes of
+    pending and processed rows; the rows are counted (for the log and the metric) before,
+    and a partition that must be kept is found so before, without the lock."""
     table = sql.Identifier(name)
+    check = sql.SQL(
+        "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
+        " (SELECT max(processed_at) FROM {t} WHERE processed)"
+    ).format(t=table)
+    cur = await conn.execute(
+        sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
+            " (SELECT max(processed_at) FROM {t} WHERE processed),"
+            " (SELECT count(*) FROM {t})"
+        ).format(t=table)
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    rows = int(row[2])
+    if _must_keep(row[0], row[1], cutoff):
+        return None
     try:
         async with conn.transaction():
             await conn.execute(f"SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}'")
             await conn.execute(
                 sql.SQL("ALTER TABLE webhook_outbox DETACH PARTITION {}").format(table)
             )
-            cur = await conn.execute(
-                sql.SQL(
-                    "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
-                    " (SELECT max(processed_at) FROM {t} WHERE processed),"
-                    " (SELECT count(*) FROM {t})"
-                ).format(t=table)
-            )
+            cur = await conn.execute(check)
             row = await cur.fetchone()
             assert row is not None
-            unprocessed, last, rows = bool(row[0]), row[1], int(row[2])
-            if unprocessed or (last is not None and last >= cutoff):
+            if _must_keep(row[0], row[1], cutoff):
                 raise _Keep
             await conn.execute(sql.SQL("DROP TABLE {}").format(table))
     except _Keep:
@@ -392,6 +409,38 @@ async def _drop_one(
         return None
     log.info("retention: dropped outbox partition %s (%d processed rows)", name, rows)
     return Dropped(name, rows)
+
+
+def _must_keep(unprocessed: object, last: dt.datetime | None, cutoff: dt.datetime) -> bool:
+    """A partition holding a pending row, or a row processed since the cutoff, stays."""
+    return bool(unprocessed) or (last is not None and last >= cutoff)
+
+
+async def whole_partitions(
+    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int
+) -> tuple[dt.datetime, dt.datetime] | None:
+    """On a partitioned outbox, the range of ``partition_at`` that retention drops whole
+    rather than row by row: from the start of the first time-range partition whose range
+    has not ended by the cutoff (now - ``older_than_ms``; it holds the cutoff) to the end
+    of the last. None when the outbox is not partitioned or has no such partition.
+
+    Rows below it (the old table's, an expired partition a pending row keeps) and above it
+    (the default partition's) are for :func:`fluxora_webhooks.retention.prune`."""
+    if not (await layout(conn)).partitioned:
+        return None
+    cur = await conn.execute("SELECT now() - %s * interval '1 millisecond'", (older_than_ms,))
+    row = await cur.fetchone()
+    assert row is not None
+    cutoff: dt.datetime = row[0]
+    ranged = [
+        (lower, upper)
+        for name, lower, upper in await _partition_ranges(conn)
+        if name not in (LEGACY, DEFAULT) and lower is not None and upper is not None
+    ]
+    live = [(lower, upper) for lower, upper in ranged if upper > cutoff]
+    if not live:
+        return None
+    return min(lower for lower, _ in live), max(upper for _, upper in live)
 
 
 class _Keep(Exception):

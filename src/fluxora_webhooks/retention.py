@@ -77,6 +77,7 @@ async def prune(
     exclusive: bool = False,
     dry_run: bool = False,
     on_batch: Callable[[str, int], None] | None = None,
+    spare: tuple[dt.datetime, dt.datetime] | None = None,
 ) -> PruneResult:
     """Delete processed outbox rows whose ``processed_at`` is older than ``older_than_ms``
     (and, with ``dead_letters``, settled dead letters), ``batch_size`` rows per transaction.
@@ -85,6 +86,9 @@ async def prune(
     load). ``exclusive`` first takes a session advisory lock and returns ``skipped`` when
     another pruner holds it (the service uses it so that instances take turns).
     ``dry_run`` only counts. ``on_batch(table, rows)`` is called after each batch.
+    ``spare``: on a partitioned outbox, the range of ``partition_at`` whose partitions
+    are dropped whole once they expire (see
+    :func:`fluxora_webhooks.partitions.whole_partitions`): their rows are left to that.
     """
     if not 0 <= older_than_ms <= MAX_OLDER_THAN_MS:
         raise ValueError("older_than_ms must be from 0 to 100 years")
@@ -103,15 +107,31 @@ async def prune(
         row = await cur.fetchone()
         assert row is not None
         cutoff: dt.datetime = row[0]
+        outbox_query = "prune_outbox" if spare is None else "prune_outbox_sparing"
+        params: dict[str, Any] = {"cutoff": cutoff}
+        if spare is not None:
+            params["spare_from"], params["spare_until"] = spare
         if dry_run:
-            outbox = await _scalar(conn, "prune_outbox_count", cutoff)
-            dead = await _scalar(conn, "prune_dead_letters_count", cutoff) if dead_letters else 0
+            outbox = await _scalar(conn, outbox_query + "_count", params)
+            dead = (
+                await _scalar(conn, "prune_dead_letters_count", {"cutoff": cutoff})
+                if dead_letters
+                else 0
+            )
             return PruneResult(cutoff, outbox, dead, 0, dry_run=True)
-        outbox, batches = await _drain(conn, "prune_outbox", cutoff, batch_size, pause_s, on_batch)
+        outbox, batches = await _drain(
+            conn, outbox_query, "outbox", params, batch_size, pause_s, on_batch
+        )
         dead = 0
         if dead_letters:
             dead, more = await _drain(
-                conn, "prune_dead_letters", cutoff, batch_size, pause_s, on_batch
+                conn,
+                "prune_dead_letters",
+                "dead_letter",
+                {"cutoff": cutoff},
+                batch_size,
+                pause_s,
+                on_batch,
             )
             batches += more
         return PruneResult(cutoff, outbox, dead, batches)
@@ -127,17 +147,17 @@ async def prune(
 async def _drain(
     conn: psycopg.AsyncConnection[Any],
     name: str,
-    cutoff: dt.datetime,
+    table: str,
+    params: dict[str, Any],
     batch_size: int,
     pause_s: float,
     on_batch: Callable[[str, int], None] | None,
 ) -> tuple[int, int]:
     """Run one batch query until a batch comes back short. Returns (rows, batches)."""
-    table = "outbox" if name == "prune_outbox" else "dead_letter"
     total = batches = 0
     sql = query(name)
     while True:
-        cur = await conn.execute(sql, {"cutoff": cutoff, "batch": batch_size})
+        cur = await conn.execute(sql, {**params, "batch": batch_size})
         row = await cur.fetchone()
         deleted = int(row[0]) if row else 0
         batches += 1
@@ -152,7 +172,7 @@ async def _drain(
             await asyncio.sleep(pause_s)
 
 
-async def _scalar(conn: psycopg.AsyncConnection[Any], name: str, cutoff: dt.datetime) -> int:
-    cur = await conn.execute(query(name), {"cutoff": cutoff})
+async def _scalar(conn: psycopg.AsyncConnection[Any], name: str, params: dict[str, Any]) -> int:
+    cur = await conn.execute(query(name), params)
     row = await cur.fetchone()
     return int(row[0]) if row else 0

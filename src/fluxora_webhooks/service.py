@@ -424,7 +424,7 @@ class Service:
         Instances take turns through an advisory lock (a run that finds it taken is
         skipped); batches are small and paced, so dispatching is not disturbed.
         """
-        from . import retention
+        from . import partitions, retention
 
         assert self.settings.retention_ms is not None
         while True:
@@ -433,8 +433,10 @@ class Service:
                     self.database_url, autocommit=True, connect_timeout=10
                 ) as conn:
                     # A partitioned outbox drops whole partitions first; rows are deleted
-                    # only from what is left (the partition of the rows from before the
-                    # conversion, and partitions an unprocessed row still holds).
+                    # only from what is left below the partition that holds the cutoff
+                    # (the old table's rows from before the conversion, expired partitions
+                    # an unprocessed row still holds) and from the default partition. The
+                    # partitions from the cutoff's on are dropped whole when they expire.
                     await self._drop_partitions(conn)
                     result = await retention.prune(
                         conn,
@@ -444,6 +446,9 @@ class Service:
                         pause_s=RETENTION_PAUSE_S,
                         exclusive=True,
                         on_batch=_count_pruned,
+                        spare=await partitions.whole_partitions(
+                            conn, older_than_ms=self.settings.retention_ms
+                        ),
                     )
             except (psycopg.Error, OSError) as exc:
                 metrics.RETENTION_RUNS.labels(result="error").inc()
@@ -471,15 +476,10 @@ class Service:
         from . import partitions
 
         assert self.settings.retention_ms is not None
-        if not await _try_lock(conn, partitions.PARTITION_LOCK_KEY):
-            return
-        try:
-            dropped, _ = await partitions.drop_expired(
-                conn, older_than_ms=self.settings.retention_ms
-            )
-        finally:
-            await conn.execute("SELECT pg_advisory_unlock(%s)", (partitions.PARTITION_LOCK_KEY,))
-        for one in dropped:
+        dropped = await partitions.drop_expired_exclusive(
+            conn, older_than_ms=self.settings.retention_ms
+        )
+        for one in dropped or ():
             metrics.RETENTION_DELETED.labels(table="outbox").inc(one.rows)
 
     async def _partitions_loop(self) -> None:

@@ -44,7 +44,7 @@ from prometheus_client import (
 )
 
 from . import logs, metrics
-from .errors import ConfigError, SchemaError
+from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
 from .migrations import check_schema
 from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
 from .queries import query
@@ -144,6 +144,9 @@ class Supervisor:
         self.api_port: int | None = None
         self._stopping = asyncio.Event()
         self._signals = 0
+        # Non-zero: a worker stopped on its configuration or the schema at start-up, and
+        # `run` exits with its status.
+        self.exit_code = 0
         self._readers: set[asyncio.Task[None]] = set()
         # What /metrics shows: the workers' files, and the supervisor's own two series
         # (no worker has a sample of them: see metrics.py).
@@ -250,6 +253,20 @@ class Supervisor:
                 code = await worker.proc.wait()
                 self._forget(worker)
                 if self._stopping.is_set():
+                    return
+                if code in (EXIT_CONFIG, EXIT_SCHEMA) and not worker.ready:
+                    # The worker refused its configuration (or the schema) at start-up, as
+                    # every worker would, each time: stop, with its exit status, rather
+                    # than start it again forever. Its message is on stderr, above.
+                    log.error(
+                        "worker %d (pid %d) stopped at start-up with a %s error; stopping",
+                        index,
+                        worker.proc.pid,
+                        "configuration" if code == EXIT_CONFIG else "schema",
+                    )
+                    if self.exit_code == 0:
+                        self.exit_code = code
+                        self.stop()
                     return
                 if time.monotonic() - worker.started >= HEALTHY_AFTER_S:
                     backoff = RESTART_MIN_S
@@ -399,14 +416,16 @@ class Supervisor:
                 ) as conn:
                     await check_schema(conn)
         except SchemaError as exc:
-            return _not_ready(str(exc))
+            return _not_ready(str(exc), self._worker_counts())
         except (psycopg.Error, OSError, TimeoutError) as exc:
-            return _not_ready(f"database unreachable ({type(exc).__name__})")
-        if self._stopping.is_set():
-            return _not_ready("stopping")
+            reason = f"database unreachable ({type(exc).__name__})"
+            return _not_ready(reason, self._worker_counts())
         counts = self._worker_counts()
+        if self._stopping.is_set():
+            return _not_ready("stopping", counts)
         if counts["dispatching"] < counts["wanted"]:
-            return _not_ready(f"{counts['dispatching']} of {counts['wanted']} workers dispatching")
+            reason = f"{counts['dispatching']} of {counts['wanted']} workers dispatching"
+            return _not_ready(reason, counts)
         return web.json_response({"status": "ready", "workers": counts})
 
 
@@ -421,8 +440,9 @@ def _mark_dead(pid: int, path: str) -> None:
     mark(pid, path)
 
 
-def _not_ready(reason: str) -> web.Response:
-    return web.json_response({"status": "not ready", "reason": reason}, status=503)
+def _not_ready(reason: str, workers: dict[str, int]) -> web.Response:
+    body = {"status": "not ready", "reason": reason, "workers": workers}
+    return web.json_response(body, status=503)
 
 
 def _describe_exit(code: int) -> str:

@@ -20,12 +20,11 @@ import sys
 from collections.abc import Sequence
 
 from . import logs
-from .errors import ConfigError, FluxoraError, SchemaError
+from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, FluxoraError, SchemaError
 from .host import run_async
 from .service import Service
 from .settings import Settings
 
-EXIT_CONFIG, EXIT_SCHEMA = 2, 3
 PARENT_CHECK_S = 1.0
 
 

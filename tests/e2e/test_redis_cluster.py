@@ -8,8 +8,10 @@ the gate fail open, counted, while deliveries go on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -185,6 +187,39 @@ async def test_a_cluster_url_with_another_database_is_a_configuration_error(
         await _gate(cluster.url().replace("/0", "/3"), "p:")
     assert caught.value.variable == "REDIS_URL"
     assert "only database 0" in str(caught.value)
+
+
+async def test_run_with_workers_stops_on_a_cluster_url_with_another_database(
+    cluster: RedisCluster, database_url: str, tmp_path: Path
+) -> None:
+    """The same mistake under a supervisor (each worker refuses it as it starts): `run`
+    stops with exit 2 naming REDIS_URL, rather than starting its workers again forever."""
+    env = dispatcher_env(
+        database_url,
+        cluster.url().replace("/0", "/3"),
+        "http://127.0.0.1:9/unused",
+        "p:",
+        WEBHOOK_WORKERS="2",
+    )
+    log = tmp_path / "run.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "fluxora_webhooks", "run"),
+            env=env,
+            stdout=sink,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    try:
+        code = await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    out = log.read_text()
+    assert code == 2, out
+    assert "REDIS_URL" in out and "only database 0" in out
+    assert "stopped at start-up with a configuration error; stopping" in out
+    assert "starting another in" not in out and "Traceback" not in out
 
 
 def _other_node(cluster: RedisCluster, key: str) -> int:

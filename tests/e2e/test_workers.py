@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -24,7 +25,7 @@ from tests.support.scrape import scrape, total
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-async def _get(port: int, path: str) -> int:
+async def _get_json(port: int, path: str) -> tuple[int, Any]:
     try:
         async with (
             aiohttp.ClientSession() as session,
@@ -32,9 +33,9 @@ async def _get(port: int, path: str) -> int:
                 f"http://127.0.0.1:{port}{path}", timeout=aiohttp.ClientTimeout(total=5)
             ) as resp,
         ):
-            return resp.status
+            return resp.status, await resp.json()
     except aiohttp.ClientError:
-        return 0
+        return 0, None
 
 
 def _workers(supervisor: DispatcherProcess) -> set[int]:
@@ -77,7 +78,7 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
     try:
 
         async def ready() -> bool:
-            return await _get(port, "/readyz") == 200
+            return (await _get_json(port, "/readyz"))[0] == 200
 
         await wait_until(ready, timeout=30, what="both workers dispatching")
         first = _workers(supervisor)
@@ -94,6 +95,18 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
         # One worker killed (idle, so nothing of it is in flight): another takes its place.
         victim = min(first)
         os.kill(victim, signal.SIGKILL)
+
+        async def unready() -> bool:  # while it is replaced: 503, with the workers' counts
+            return await _get_json(port, "/readyz") == (
+                503,
+                {
+                    "status": "not ready",
+                    "reason": "1 of 2 workers dispatching",
+                    "workers": {"wanted": 2, "dispatching": 1},
+                },
+            )
+
+        await wait_until(unready, timeout=10, what="not ready while a worker is replaced")
 
         async def replaced() -> bool:
             now = _workers(supervisor)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from typing import Any
 
 import psycopg
@@ -23,6 +24,7 @@ from tests.support.dispatch import (
     scalar,
     wait_until,
 )
+from tests.support.procs import command_env, run_command
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -131,17 +133,66 @@ async def test_retention_drops_old_processed_partitions_and_keeps_one_with_a_pen
     assert not names & remaining and days[1] in remaining
 
 
+async def test_prune_drops_expired_partitions_and_leaves_the_later_ones_rows_to_their_drop(
+    database_url: str,
+) -> None:
+    """`prune` on a partitioned outbox: the partitions whose range ended before the cutoff
+    go whole; the rows of the partition that holds the cutoff (and of later ones) are not
+    deleted one by one, though processed before the cutoff, since their partition will be
+    dropped whole once it expires; the old table's rows from before the conversion, which
+    no drop ever takes, are deleted as rows."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
+            " processed, processed_at, outcome, endpoint_id)"
+            " SELECT 'old', 'stream.updated', '{}', now() - interval '11 days', true,"
+            " now() - interval '10 days', 'delivered', 'default' FROM generate_series(1, 30)"
+        )
+        cur = await conn.execute("SELECT date_trunc('day', now()) - interval '5 days', now()")
+        row = await cur.fetchone()
+        assert row is not None
+        five_days_ago, now = row
+        await partitions.convert(conn, interval_ms=DAY, first_partition_at=five_days_ago)
+        for day in range(5):
+            await partitions.create_partition(conn, five_days_ago + dt.timedelta(days=day), DAY)
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
+            " processed, processed_at, outcome, endpoint_id)"
+            " SELECT 'day' || d, 'stream.updated', '{}',"
+            " %s + d * interval '1 day' + interval '1 hour', true,"
+            " %s + d * interval '1 day' + interval '2 hours', 'delivered', 'default'"
+            " FROM generate_series(0, 4) d, generate_series(1, 100) n",
+            (five_days_ago, five_days_ago),
+        )
+    # The cutoff at noon of day 2 (of 0-4): days 0 and 1 have ended before it.
+    cutoff = five_days_ago + dt.timedelta(days=2, hours=12)
+    older_than_ms = int((now - cutoff).total_seconds() * 1000)
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("prune", "--older-than", f"{older_than_ms}ms", "--json", env=env)
+    assert code == 0, out
+    result = json.loads(out.strip().splitlines()[-1])  # after the log lines (stderr)
+    days = [partitions.partition_name(five_days_ago + dt.timedelta(days=i)) for i in range(5)]
+    assert sorted(d["name"] for d in result["partitions_dropped"]) == days[:2]
+    assert all(d["rows"] == 100 for d in result["partitions_dropped"])
+    assert result["outbox_rows"] == 30  # the old table's, and no row of day 2
+    left = dict(
+        await rows(database_url, "SELECT stream_id, count(*) FROM webhook_outbox GROUP BY 1")
+    )
+    assert left == {"day2": 100, "day3": 100, "day4": 100}
+    assert set(days[:2]).isdisjoint(await _partitions(database_url))
+
+
 async def test_a_new_installation_can_be_partitioned_from_the_start(
     empty_database_url: str,
 ) -> None:
-    from tests.support.procs import command_env, run_command
-
     env = command_env(DATABASE_URL=empty_database_url)
     code, out = await run_command("migrate", "--partitioned", "--partition-interval", "1h", env=env)
     assert code == 0, out
     assert "partitioned (converted now)" in out
     code, out = await run_command("migrate", "--partitioned", env=env)
     assert code == 0 and "(converted now)" not in out, out
+    # The default 1d asked of an outbox partitioned by the hour: said, not done.
+    assert "its partitions stay 1h each" in out and "1d is not applied" in out
     code, out = await run_command(
         "migrate", "--partition-interval", "10m", "--partitioned", env=env
     )

@@ -6,14 +6,14 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping
 
+from ..errors import EXIT_CONFIG as EXIT_CONFIG  # re-exported: the commands take it from here
+from ..errors import EXIT_SCHEMA as EXIT_SCHEMA
 from ..errors import ConfigError
 from ..host import run_async as run_async  # the commands' one way to run a coroutine
 from ..settings import MAX_BIGINT, EngineSettings, parse_int
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_SCHEMA = 3
 
 # An extra the core install does not have: the zero-config engines.
 EMBEDDED_EXTRA = "fluxora-webhooks[embedded]"

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .. import partitions
     from ..errors import ConfigError
     from ..migrations import MIGRATION_LOCK_KEY, latest_version, migrate
-    from ..settings import parse_duration_ms
+    from ..settings import format_ms, parse_duration_ms
 
     interval_ms = parse_duration_ms(args.partition_interval, "--partition-interval")
     if not partitions.MIN_INTERVAL_MS <= interval_ms <= 31 * 86_400_000:
@@ -51,10 +51,12 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             applied = await migrate(conn)
             converted = False
+            current: int | None = None
             if args.partitioned:
                 await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
                 try:
                     converted = await partitions.convert(conn, interval_ms=interval_ms)
+                    current = (await partitions.layout(conn)).interval_ms
                 finally:
                     await conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
         if applied:
@@ -64,6 +66,13 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             print(f"schema is up to date (version {latest_version()})")
         if args.partitioned:
             print("the outbox is partitioned" + (" (converted now)" if converted else ""))
+            if current is not None and current != interval_ms:
+                # Kept: the existing partitions' ranges cannot change in place.
+                print(
+                    f"note: its partitions stay {format_ms(current)} each (a partitioned "
+                    f"outbox keeps its interval): --partition-interval "
+                    f"{args.partition_interval} is not applied"
+                )
         return 0
 
     return run_async(main())

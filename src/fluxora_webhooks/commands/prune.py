@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
 from .common import engines, int_option, run_async
+
+if TYPE_CHECKING:
+    from ..partitions import Dropped
 
 NAME = "prune"
 HELP = "delete processed rows older than a retention period"
@@ -53,6 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import psycopg
 
+    from ..partitions import drop_expired_exclusive, whole_partitions
     from ..retention import prune
     from ..settings import parse_duration_ms
 
@@ -72,25 +77,38 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             database_url, autocommit=True, connect_timeout=10
         ) as conn:
             await check_schema(conn)
+            # A partitioned outbox: its expired partitions are dropped whole first (as the
+            # service's retention does), and rows are deleted only outside the partitions
+            # that will be dropped whole (partitions.whole_partitions).
+            dropped = (
+                []
+                if opts.dry_run
+                else await drop_expired_exclusive(conn, older_than_ms=older_than_ms) or []
+            )
             result = await prune(
                 conn,
                 older_than_ms=older_than_ms,
                 dead_letters=opts.dead_letters,
                 batch_size=opts.batch_size,
                 dry_run=opts.dry_run,
+                spare=await whole_partitions(conn, older_than_ms=older_than_ms),
             )
-        report(result, opts)
+        report(result, opts, dropped)
         return 0
 
     return run_async(main())
 
 
-def report(result: PruneResult, opts: argparse.Namespace) -> None:
+def report(result: PruneResult, opts: argparse.Namespace, dropped: Sequence[Dropped] = ()) -> None:
     if opts.json:
-        print(json.dumps(result.as_dict()))
+        shown = result.as_dict()
+        shown["partitions_dropped"] = [{"name": d.name, "rows": d.rows} for d in dropped]
+        print(json.dumps(shown))
         return
     verb = "would delete" if result.dry_run else "deleted"
     cutoff = result.cutoff.isoformat(timespec="seconds") if result.cutoff else "?"
+    for one in dropped:
+        print(f"dropped outbox partition {one.name} ({one.rows} processed row(s))")
     print(f"{verb} {result.outbox_rows} processed outbox row(s) older than {cutoff}")
     if opts.dead_letters:
         print(f"{verb} {result.dead_letters} replayed or purged dead letter(s)")

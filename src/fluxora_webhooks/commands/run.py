@@ -40,7 +40,7 @@ def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> 
 
         async def supervise() -> int:
             await supervisor.run()
-            return 0
+            return supervisor.exit_code
 
         return run_async(supervise())
     service = Service(settings, database_url=database_url, redis_url=redis_url, clock=clock)

@@ -623,6 +623,26 @@ WITH gone AS (
 )
 SELECT count(*) FROM gone;
 
+-- name: prune_outbox_sparing
+-- prune_outbox on a partitioned outbox: not the rows of the partitions that retention
+-- drops whole later, [spare_from, spare_until) (the one holding the cutoff and those after
+-- it). A row deleted there would only be deleted twice, once as a row and once with its
+-- partition; the condition on the partition key lets PostgreSQL skip those partitions.
+WITH gone AS (
+    DELETE FROM webhook_outbox
+    WHERE (id, partition_at) IN (
+        SELECT id, partition_at FROM webhook_outbox
+        WHERE processed AND processed_at < %(cutoff)s
+          AND (partition_at < %(spare_from)s OR partition_at >= %(spare_until)s)
+        ORDER BY processed_at
+        LIMIT %(batch)s
+        FOR UPDATE SKIP LOCKED
+    )
+    AND processed
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
 -- name: prune_dead_letters
 -- One bounded batch of dead letters already replayed or purged before the cutoff.
 -- Dead letters still waiting ('dead') are never candidates.
@@ -642,6 +662,11 @@ SELECT count(*) FROM gone;
 
 -- name: prune_outbox_count
 SELECT count(*) FROM webhook_outbox WHERE processed AND processed_at < %(cutoff)s;
+
+-- name: prune_outbox_sparing_count
+SELECT count(*) FROM webhook_outbox
+WHERE processed AND processed_at < %(cutoff)s
+  AND (partition_at < %(spare_from)s OR partition_at >= %(spare_until)s);
 
 -- name: prune_dead_letters_count
 SELECT count(*) FROM webhook_dead_letter
