@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from . import logs
@@ -61,13 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser(modules).parse_args(argv)
         return int(args.run(args, env))
     except ConfigError as exc:
-        print(f"fluxora-webhooks: configuration error: {exc}", file=sys.stderr)
+        _fatal(f"configuration error: {exc}", env)
         return EXIT_CONFIG
     except SchemaError as exc:
-        print(f"fluxora-webhooks: {exc}", file=sys.stderr)
+        _fatal(str(exc), env)
         return EXIT_SCHEMA
     except FluxoraError as exc:
-        print(f"fluxora-webhooks: {exc}", file=sys.stderr)
+        _fatal(str(exc), env)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
@@ -75,8 +77,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = _describe_failure(exc)
         if message is None:
             raise
-        print(f"fluxora-webhooks: {logs.escape_controls(logs.scrub(message))}", file=sys.stderr)
+        _fatal(logs.escape_controls(logs.scrub(message)), env)
         return EXIT_FAILED
+
+
+def _fatal(message: str, env: Mapping[str, str]) -> None:
+    """Why the command stops, on stderr: a line of text, or with ``LOG_FORMAT=json`` a
+    log record like every other line a pipeline reading JSON gets."""
+    if env.get("LOG_FORMAT", "").strip().lower() == "json":
+        logging.getLogger("fluxora_webhooks.cli").critical("%s", message)
+        return
+    print(f"fluxora-webhooks: {message}", file=sys.stderr)
+
+
+# libpq's account of one host of a multi-host URL: "- host: 'h', port: 'p', ...: ...
+# failed: <why>".
+_HOST_FAILED = re.compile(r"- host: '([^']*)', port: '([^']*)'.*failed: (.*)$")
+
+
+def _each_host(text: str) -> str | None:
+    """For a multi-host URL whose hosts all failed, each host and why (the first line
+    alone names only the last one tried); None otherwise."""
+    found = [_HOST_FAILED.match(line.strip()) for line in text.splitlines()]
+    hosts = [f"{m[1]}:{m[2]} ({m[3].strip()})" for m in found if m]
+    return "every host failed: " + "; ".join(hosts) if len(hosts) > 1 else None
 
 
 def _describe_failure(exc: BaseException) -> str | None:
@@ -86,7 +110,8 @@ def _describe_failure(exc: BaseException) -> str | None:
 
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if isinstance(exc, psycopg.OperationalError):
-        return f"cannot reach the database: {first_line or type(exc).__name__}"
+        hosts = _each_host(str(exc))
+        return f"cannot reach the database: {hosts or first_line or type(exc).__name__}"
     if isinstance(exc, psycopg.Error):
         return f"database error ({type(exc).__name__}): {first_line}"
     if isinstance(exc, redis.RedisError):

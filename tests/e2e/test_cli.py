@@ -179,6 +179,39 @@ async def test_database_unreachable_is_a_clear_message(tmp_path: Path) -> None:
         assert "Traceback" not in out and "pw-not-shown" not in out, (args, out)
 
 
+async def test_a_multi_host_url_that_reaches_no_host_names_each_one() -> None:
+    env = command_env(DATABASE_URL="postgresql://u:pw-not-shown@127.0.0.1:1,127.0.0.1:2/x")
+    code, out = await run_command("status", env=env)
+    assert code == 1, out
+    assert (
+        "cannot reach the database: every host failed: 127.0.0.1:1 (Connection refused);"
+        " 127.0.0.1:2 (Connection refused)"
+    ) in out
+    assert "pw-not-shown" not in out
+
+
+async def test_with_json_logs_the_reason_a_command_stops_is_a_json_line(
+    database_url: str,
+) -> None:
+    """LOG_FORMAT=json: a pipeline that reads the logs as JSON gets the stop's reason as a
+    record too, not a line of text among them; the password stays out."""
+    env = _unreachable_redis_env(database_url)
+    env.update(LOG_FORMAT="json", WEBHOOK_BATCH_SIZE="0")
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 2, out
+    records = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert records[-1]["level"] == "critical"
+    assert records[-1]["message"].startswith("configuration error: WEBHOOK_BATCH_SIZE:")
+    env = command_env(
+        DATABASE_URL="postgresql://someone:pw-not-shown@127.0.0.1:1/nowhere", LOG_FORMAT="json"
+    )
+    code, out = await run_command("status", env=env)
+    assert code == 1, out
+    (record,) = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert record["message"].startswith("cannot reach the database")
+    assert "pw-not-shown" not in out
+
+
 @pytest.mark.parametrize("command", [["migrate"], ["status"], ["dlq", "list"], ["demo"]])
 async def test_a_core_install_names_the_extra_when_the_embedded_engines_are_needed(
     command: list[str], tmp_path: Path
