@@ -218,7 +218,9 @@ def check_headers(headers: Mapping[str, str], name: str = "headers") -> dict[str
     out: dict[str, str] = {}
     for key, value in headers.items():
         if not isinstance(key, str) or not _HEADER_NAME.fullmatch(key):
-            raise ConfigError(name, f"{str(key)[:40]!r} is not a header name")
+            # Up to a space or a colon only: past them may be a credential.
+            shown = re.split(r"[\s:]", str(key), maxsplit=1)[0][:40]
+            raise ConfigError(name, f"{shown!r} is not a header name")
         lower = key.lower()
         if lower in RESERVED_HEADERS or lower.startswith(RESERVED_HEADER_PREFIXES):
             raise ConfigError(name, f"{key} is set by fluxora-webhooks and cannot be overridden")

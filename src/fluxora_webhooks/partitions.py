@@ -378,18 +378,14 @@ async def _drop_one(
         "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
         " (SELECT max(processed_at) FROM {t} WHERE processed)"
     ).format(t=table)
-    cur = await conn.execute(
-        sql.SQL(
-            "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
-            " (SELECT max(processed_at) FROM {t} WHERE processed),"
-            " (SELECT count(*) FROM {t})"
-        ).format(t=table)
-    )
+    cur = await conn.execute(check)
     row = await cur.fetchone()
     assert row is not None
-    rows = int(row[2])
     if _must_keep(row[0], row[1], cutoff):
-        return None
+        return None  # found without a scan, and without the lock
+    cur = await conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
+    counted = await cur.fetchone()
+    rows = int(counted[0]) if counted else 0
     try:
         async with conn.transaction():
             await conn.execute(f"SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}'")

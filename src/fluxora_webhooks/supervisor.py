@@ -147,6 +147,7 @@ class Supervisor:
         # Non-zero: a worker stopped on its configuration or the schema at start-up, and
         # `run` exits with its status.
         self.exit_code = 0
+        self._ever_ready = False  # whether any worker has reported ready
         self._readers: set[asyncio.Task[None]] = set()
         # What /metrics shows: the workers' files, and the supervisor's own two series
         # (no worker has a sample of them: see metrics.py).
@@ -254,10 +255,12 @@ class Supervisor:
                 self._forget(worker)
                 if self._stopping.is_set():
                     return
-                if code in (EXIT_CONFIG, EXIT_SCHEMA) and not worker.ready:
-                    # The worker refused its configuration (or the schema) at start-up, as
-                    # every worker would, each time: stop, with its exit status, rather
-                    # than start it again forever. Its message is on stderr, above.
+                if code in (EXIT_CONFIG, EXIT_SCHEMA) and not self._ever_ready:
+                    # Before any worker was ready, a worker refused its configuration (or
+                    # the schema), as every worker would, each time: stop, with its exit
+                    # status, rather than start it again forever. Its message is on
+                    # stderr, above. Once workers have run, a worker that exits so (a
+                    # newer schema migrated meanwhile) is started again, as any other.
                     log.error(
                         "worker %d (pid %d) stopped at start-up with a %s error; stopping",
                         index,
@@ -328,9 +331,11 @@ class Supervisor:
             lambda: asyncio.StreamReaderProtocol(reader), pipe
         )
         try:
-            if (await reader.readline()).strip() == b"ready" and worker.proc.returncode is None:
-                worker.ready = True
-                self._count_ready()
+            if (await reader.readline()).strip() == b"ready":
+                self._ever_ready = True  # it dispatched, even if it has exited since
+                if worker.proc.returncode is None:
+                    worker.ready = True
+                    self._count_ready()
         finally:
             transport.close()
 

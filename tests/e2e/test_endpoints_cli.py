@@ -118,6 +118,10 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
             ["endpoints", "add", "--url", "https://a.example/", "--header", "Authorization: B k-9"],
             "'Authorization': write NAME=VALUE",
         ),
+        (  # base64's padding is an "=": still not taken for NAME=VALUE, nor echoed
+            ["endpoints", "add", "--url", "https://a.example/", "--header", "Authorization: k-9=="],
+            "'Authorization': write NAME=VALUE",
+        ),
         (["endpoints", "add", "--url", "https://a.example/", "--rate-limit", "0"], "--rate-limit"),
         (["endpoints", "add", "--url", "https://a.example/", "--tenant", "a b"], "tenant"),
         (["endpoints", "add", "--url", "https://a.example/", "--secret", "short"], "secret"),

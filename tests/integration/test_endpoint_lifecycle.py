@@ -422,10 +422,13 @@ async def test_bad_registrations_are_refused_naming_the_field(database_url: str)
             ({"url": "https://ok.example.com/" + "a" * 8000}, "url"),
             ({"url": "https://ok.example.com/", "tenant": "bad tenant"}, "tenant"),
             ({"url": "https://ok.example.com/", "rate_limit": 0}, "rate_limit"),
+            # A name and its value written as one (a colon, a space): only the name is shown.
+            ({"url": "https://ok.example.com/", "headers": {"Auth: Basic c2Vj==": "v"}}, "headers"),
         ):
             with pytest.raises(ConfigError) as caught:
                 await endpoints.create(conn, **kwargs)
             assert caught.value.variable == field, kwargs
+            assert "c2Vj" not in str(caught.value)
         assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
         await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, "https://hooks.example.com/")
         with pytest.raises(ConflictError):

@@ -23,11 +23,12 @@ DESCRIPTION = (
 
 def _header(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
+    # Never the text itself: a header's value is often a credential, and one written as
+    # HTTP writes it ("Authorization: Basic dXNlcjpw...==") has an "=" in its value.
+    if ":" in name:
+        field = name.partition(":")[0].strip()[:40]
+        raise argparse.ArgumentTypeError(f"{field!r}: write NAME=VALUE, not NAME: VALUE")
     if not sep or not name.strip():
-        # Never the text itself: a header's value is often a credential.
-        if ":" in text:
-            field = text.partition(":")[0].strip()[:40]
-            raise argparse.ArgumentTypeError(f"{field!r}: write NAME=VALUE, not NAME: VALUE")
         raise argparse.ArgumentTypeError("a header is NAME=VALUE")
     return name.strip(), value
 

@@ -249,8 +249,9 @@ def _schema_error(exc: psycopg.Error) -> SchemaError:
     if isinstance(exc, psycopg.errors.UndefinedColumn):
         what = exc.diag.message_primary or "a column the inbox writes is missing"
         return SchemaError(
-            f"webhook_inbox is not the inbox's table ({what}): run `fluxora-webhooks inbox "
-            "install` (or fluxora_webhooks.inbox.install(conn)), which adds missing columns"
+            f"webhook_inbox is not the inbox's table ({what}): `fluxora-webhooks inbox "
+            "install` (or fluxora_webhooks.inbox.install(conn)) adds event_type, attempt "
+            "and received_at to it; a table without delivery_id is not one it can complete"
         )
     return SchemaError(
         "webhook_inbox has no primary key or unique index on delivery_id, which the inbox "

@@ -18,10 +18,23 @@ CREATE TABLE IF NOT EXISTS webhook_inbox (
     attempt      integer,
     received_at  timestamptz NOT NULL DEFAULT now()
 );
-ALTER TABLE webhook_inbox
-    ADD COLUMN IF NOT EXISTS event_type text,
-    ADD COLUMN IF NOT EXISTS attempt integer,
-    ADD COLUMN IF NOT EXISTS received_at timestamptz NOT NULL DEFAULT now();
+-- Only when one is missing: ALTER TABLE locks the table even when it changes nothing.
+DO $$
+BEGIN
+    IF EXISTS (
+        SELECT 1 FROM (VALUES ('event_type'), ('attempt'), ('received_at')) AS wanted (name)
+        WHERE NOT EXISTS (
+            SELECT 1 FROM pg_attribute
+            WHERE attrelid = 'webhook_inbox'::regclass AND attname = wanted.name
+              AND NOT attisdropped
+        )
+    ) THEN
+        ALTER TABLE webhook_inbox
+            ADD COLUMN IF NOT EXISTS event_type text,
+            ADD COLUMN IF NOT EXISTS attempt integer,
+            ADD COLUMN IF NOT EXISTS received_at timestamptz NOT NULL DEFAULT now();
+    END IF;
+END $$;
 -- Prune deletes the oldest ids first, in bounded batches. A timestamp that only grows
 -- appends to the right edge of this index: cheap next to the primary key.
 CREATE INDEX IF NOT EXISTS webhook_inbox_received_at_idx ON webhook_inbox (received_at);
