@@ -103,14 +103,7 @@ def enqueue(
     ``tenant`` is the customer the event belongs to ('' is the default tenant): it reaches
     that tenant's endpoints only.
     """
-    _check_names(tenant, stream_id, event_type)
-    params = {
-        "tenant": tenant,
-        "stream_id": stream_id,
-        "event_type": event_type,
-        "payload": Jsonb(payload),
-        **_trace_context(),
-    }
+    params = _enqueue_params(tenant, stream_id, event_type, payload, _trace_context())
     if isinstance(conn, psycopg.AsyncConnection):
         return _enqueue_async(conn, params)
     row = conn.execute(query("enqueue"), params).fetchone()
@@ -134,21 +127,33 @@ async def enqueue_with_context(
     valid traceparent too); with none valid, the current span's context, as enqueue."""
     from .tracing import traceparent_header, tracestate_header
 
-    _check_names(tenant, stream_id, event_type)
     parent = traceparent_header(traceparent)
     context = (
         {"traceparent": parent, "tracestate": tracestate_header(tracestate)}
         if parent is not None
         else _trace_context()
     )
-    params = {
+    return await _enqueue_async(
+        conn, _enqueue_params(tenant, stream_id, event_type, payload, context)
+    )
+
+
+def _enqueue_params(
+    tenant: str,
+    stream_id: str,
+    event_type: str,
+    payload: Any,
+    context: dict[str, str | None],
+) -> dict[str, Any]:
+    """The enqueue statement's parameters, the names checked first."""
+    _check_names(tenant, stream_id, event_type)
+    return {
         "tenant": tenant,
         "stream_id": stream_id,
         "event_type": event_type,
         "payload": Jsonb(payload),
         **context,
     }
-    return await _enqueue_async(conn, params)
 
 
 def _trace_context() -> dict[str, str | None]:
