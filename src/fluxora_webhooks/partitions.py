@@ -323,11 +323,11 @@ class Dropped:
 
 
 async def drop_expired(
-    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int
+    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int, dry_run: bool = False
 ) -> tuple[list[Dropped], list[str]]:
     """Drop every partition whose range ended before the cutoff (now - ``older_than_ms``)
     and whose rows were all processed before it. Returns (dropped, kept: expired partitions
-    still holding an unprocessed or recent row)."""
+    still holding an unprocessed or recent row). ``dry_run``: only say which would go."""
     current = await layout(conn)
     if not current.partitioned:
         return [], []
@@ -340,7 +340,7 @@ async def drop_expired(
     for name, _, upper in await _partition_ranges(conn):
         if upper is None or upper > cutoff or name in (LEGACY, DEFAULT):
             continue
-        outcome = await _drop_one(conn, name, cutoff)
+        outcome = await (_droppable if dry_run else _drop_one)(conn, name, cutoff)
         if outcome is None:
             kept.append(name)
         else:
@@ -349,7 +349,7 @@ async def drop_expired(
 
 
 async def drop_expired_exclusive(
-    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int
+    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int, dry_run: bool = False
 ) -> list[Dropped] | None:
     """:func:`drop_expired` under the partitions' session lock (instances and the
     ``prune`` command take turns); None when another holds it now."""
@@ -358,7 +358,7 @@ async def drop_expired_exclusive(
     if not row or not row[0]:
         return None
     try:
-        dropped, _ = await drop_expired(conn, older_than_ms=older_than_ms)
+        dropped, _ = await drop_expired(conn, older_than_ms=older_than_ms, dry_run=dry_run)
     finally:
         await conn.execute("SELECT pg_advisory_unlock(%s)", (PARTITION_LOCK_KEY,))
     return dropped
@@ -374,28 +374,16 @@ async def _drop_one(
     pending and processed rows; the rows are counted (for the log and the metric) before,
     and a partition that must be kept is found so before, without the lock."""
     table = sql.Identifier(name)
-    check = sql.SQL(
-        "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
-        " (SELECT max(processed_at) FROM {t} WHERE processed)"
-    ).format(t=table)
-    cur = await conn.execute(check)
-    row = await cur.fetchone()
-    assert row is not None
-    if _must_keep(row[0], row[1], cutoff):
+    looked = await _droppable(conn, name, cutoff)
+    if looked is None:
         return None  # found without a scan, and without the lock
-    cur = await conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
-    counted = await cur.fetchone()
-    rows = int(counted[0]) if counted else 0
     try:
         async with conn.transaction():
             await conn.execute(f"SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}'")
             await conn.execute(
                 sql.SQL("ALTER TABLE webhook_outbox DETACH PARTITION {}").format(table)
             )
-            cur = await conn.execute(check)
-            row = await cur.fetchone()
-            assert row is not None
-            if _must_keep(row[0], row[1], cutoff):
+            if await _must_keep(conn, table, cutoff):
                 raise _Keep
             await conn.execute(sql.SQL("DROP TABLE {}").format(table))
     except _Keep:
@@ -403,12 +391,37 @@ async def _drop_one(
     except psycopg.errors.LockNotAvailable:
         log.info("partition %s not dropped now: the outbox is busy; next run", name)
         return None
-    log.info("retention: dropped outbox partition %s (%d processed rows)", name, rows)
-    return Dropped(name, rows)
+    log.info("retention: dropped outbox partition %s (%d processed rows)", name, looked.rows)
+    return looked
 
 
-def _must_keep(unprocessed: object, last: dt.datetime | None, cutoff: dt.datetime) -> bool:
-    """A partition holding a pending row, or a row processed since the cutoff, stays."""
+async def _droppable(
+    conn: psycopg.AsyncConnection[Any], name: str, cutoff: dt.datetime
+) -> Dropped | None:
+    """The partition as it would be dropped (its rows counted), or None when it must stay;
+    a look without a lock."""
+    table = sql.Identifier(name)
+    if await _must_keep(conn, table, cutoff):
+        return None
+    cur = await conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
+    counted = await cur.fetchone()
+    return Dropped(name, int(counted[0]) if counted else 0)
+
+
+async def _must_keep(
+    conn: psycopg.AsyncConnection[Any], table: sql.Identifier, cutoff: dt.datetime
+) -> bool:
+    """A partition holding a pending row, or a row processed since the cutoff, stays: two
+    lookups in the partial indexes of pending and processed rows, no scan."""
+    cur = await conn.execute(
+        sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {t} WHERE NOT processed),"
+            " (SELECT max(processed_at) FROM {t} WHERE processed)"
+        ).format(t=table)
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    unprocessed, last = row
     return bool(unprocessed) or (last is not None and last >= cutoff)
 
 

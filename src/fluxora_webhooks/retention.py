@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,29 @@ class PruneResult:
         }
 
 
+@contextlib.asynccontextmanager
+async def exclusive_run(
+    conn: psycopg.AsyncConnection[Any], *, wait: bool = False
+) -> AsyncIterator[bool]:
+    """The retention lock for a whole run (partition drops and row pruning together, so
+    that no instance deletes the rows of a partition another is detaching): yields
+    whether it is held; ``wait`` waits for it instead of giving up at once."""
+    if wait:
+        await conn.execute("SELECT pg_advisory_lock(%s)", (RETENTION_LOCK_KEY,))
+        held = True
+    else:
+        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (RETENTION_LOCK_KEY,))
+        row = await cur.fetchone()
+        held = bool(row and row[0])
+    try:
+        yield held
+    finally:
+        # Best effort: a broken connection releases its lock anyway.
+        if held and not conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute("SELECT pg_advisory_unlock(%s)", (RETENTION_LOCK_KEY,))
+
+
 async def prune(
     conn: psycopg.AsyncConnection[Any],
     *,
@@ -97,10 +120,19 @@ async def prune(
     if not conn.autocommit:
         raise ValueError("prune needs a connection in autocommit mode (one transaction a batch)")
     if exclusive:
-        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (RETENTION_LOCK_KEY,))
-        row = await cur.fetchone()
-        if not row or not row[0]:
-            return PruneResult(cutoff=None, skipped=True, dry_run=dry_run)
+        async with exclusive_run(conn) as held:
+            if not held:
+                return PruneResult(cutoff=None, skipped=True, dry_run=dry_run)
+            return await prune(
+                conn,
+                older_than_ms=older_than_ms,
+                dead_letters=dead_letters,
+                batch_size=batch_size,
+                pause_s=pause_s,
+                dry_run=dry_run,
+                on_batch=on_batch,
+                spare=spare,
+            )
     try:
         await conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
         cur = await conn.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
@@ -136,12 +168,10 @@ async def prune(
             batches += more
         return PruneResult(cutoff, outbox, dead, batches)
     finally:
-        # Best effort: a broken connection releases its session settings and lock anyway.
+        # Best effort: a broken connection releases its session settings anyway.
         with contextlib.suppress(psycopg.Error):
             if not conn.closed:
                 await conn.execute("RESET lock_timeout")
-                if exclusive:
-                    await conn.execute("SELECT pg_advisory_unlock(%s)", (RETENTION_LOCK_KEY,))
 
 
 async def _drain(

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from aiohttp import web
@@ -41,6 +41,9 @@ from .redis_gate import gate_for
 from .settings import Settings, cannot_listen, register_engine_secrets
 from .telemetry import AttemptTracer
 from .telemetry import from_env as tracer_from_env
+
+if TYPE_CHECKING:
+    from .retention import PruneResult
 
 log = logging.getLogger("fluxora_webhooks.service")
 
@@ -424,32 +427,13 @@ class Service:
         Instances take turns through an advisory lock (a run that finds it taken is
         skipped); batches are small and paced, so dispatching is not disturbed.
         """
-        from . import partitions, retention
-
         assert self.settings.retention_ms is not None
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
                     self.database_url, autocommit=True, connect_timeout=10
                 ) as conn:
-                    # A partitioned outbox drops whole partitions first; rows are deleted
-                    # only from what is left below the partition that holds the cutoff
-                    # (the old table's rows from before the conversion, expired partitions
-                    # an unprocessed row still holds) and from the default partition. The
-                    # partitions from the cutoff's on are dropped whole when they expire.
-                    await self._drop_partitions(conn)
-                    result = await retention.prune(
-                        conn,
-                        older_than_ms=self.settings.retention_ms,
-                        dead_letters=True,
-                        batch_size=RETENTION_BATCH_SIZE,
-                        pause_s=RETENTION_PAUSE_S,
-                        exclusive=True,
-                        on_batch=_count_pruned,
-                        spare=await partitions.whole_partitions(
-                            conn, older_than_ms=self.settings.retention_ms
-                        ),
-                    )
+                    result = await self._retention_run(conn)
             except (psycopg.Error, OSError) as exc:
                 metrics.RETENTION_RUNS.labels(result="error").inc()
                 log.warning(
@@ -471,6 +455,33 @@ class Service:
                         result.cutoff.isoformat() if result.cutoff else "?",
                     )
             await asyncio.sleep(self.retention_interval_s)
+
+    async def _retention_run(self, conn: psycopg.AsyncConnection[Any]) -> PruneResult:
+        """One retention run, under the one retention lock (instances take turns for the
+        whole run, and none deletes rows of a partition another is detaching). A
+        partitioned outbox drops whole partitions first; rows are deleted only from what
+        is left below the partition that holds the cutoff (the old table's rows from before
+        the conversion, expired partitions an unprocessed row still holds) and from the
+        default partition. The partitions from the cutoff's on are dropped whole when they
+        expire."""
+        from . import partitions, retention
+
+        assert self.settings.retention_ms is not None
+        async with retention.exclusive_run(conn) as held:
+            if not held:
+                return retention.PruneResult(cutoff=None, skipped=True)
+            await self._drop_partitions(conn)
+            return await retention.prune(
+                conn,
+                older_than_ms=self.settings.retention_ms,
+                dead_letters=True,
+                batch_size=RETENTION_BATCH_SIZE,
+                pause_s=RETENTION_PAUSE_S,
+                on_batch=_count_pruned,
+                spare=await partitions.whole_partitions(
+                    conn, older_than_ms=self.settings.retention_ms
+                ),
+            )
 
     async def _drop_partitions(self, conn: psycopg.AsyncConnection[Any]) -> None:
         from . import partitions

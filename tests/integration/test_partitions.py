@@ -168,10 +168,20 @@ async def test_prune_drops_expired_partitions_and_leaves_the_later_ones_rows_to_
     cutoff = five_days_ago + dt.timedelta(days=2, hours=12)
     older_than_ms = int((now - cutoff).total_seconds() * 1000)
     env = command_env(DATABASE_URL=database_url)
-    code, out = await run_command("prune", "--older-than", f"{older_than_ms}ms", "--json", env=env)
+    days = [partitions.partition_name(five_days_ago + dt.timedelta(days=i)) for i in range(5)]
+    args = ("prune", "--older-than", f"{older_than_ms}ms", "--json")
+    code, out = await run_command(*args, "--dry-run", env=env)
+    assert code == 0, out
+    dry = json.loads(out.strip().splitlines()[-1])
+    assert dry["dry_run"] is True and dry["outbox_rows"] == 30  # the rows it would delete
+    assert [(d["name"], d["rows"]) for d in dry["partitions_dropped"]] == [
+        (days[0], 100),
+        (days[1], 100),
+    ]
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_outbox") == 530
+    code, out = await run_command(*args, env=env)
     assert code == 0, out
     result = json.loads(out.strip().splitlines()[-1])  # after the log lines (stderr)
-    days = [partitions.partition_name(five_days_ago + dt.timedelta(days=i)) for i in range(5)]
     assert sorted(d["name"] for d in result["partitions_dropped"]) == days[:2]
     assert all(d["rows"] == 100 for d in result["partitions_dropped"])
     assert result["outbox_rows"] == 30  # the old table's, and no row of day 2

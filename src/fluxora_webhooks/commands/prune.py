@@ -9,7 +9,9 @@ then go too (dead letters still waiting stay). See :mod:`fluxora_webhooks.retent
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import psycopg
 
     from ..partitions import drop_expired_exclusive, whole_partitions
-    from ..retention import prune
+    from ..retention import exclusive_run, prune
     from ..settings import parse_duration_ms
 
     opts = args
@@ -77,23 +79,30 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             database_url, autocommit=True, connect_timeout=10
         ) as conn:
             await check_schema(conn)
-            # A partitioned outbox: its expired partitions are dropped whole first (as the
-            # service's retention does), and rows are deleted only outside the partitions
-            # that will be dropped whole (partitions.whole_partitions).
-            dropped = (
-                []
-                if opts.dry_run
-                else await drop_expired_exclusive(conn, older_than_ms=older_than_ms) or []
-            )
-            result = await prune(
-                conn,
-                older_than_ms=older_than_ms,
-                dead_letters=opts.dead_letters,
-                batch_size=opts.batch_size,
-                dry_run=opts.dry_run,
-                spare=await whole_partitions(conn, older_than_ms=older_than_ms),
-            )
-        report(result, opts, dropped)
+            async with exclusive_run(conn) as free:
+                pass
+            if not free:
+                print("waiting for a retention run of a dispatcher to end", file=sys.stderr)
+            # The service's retention lock for the whole run (see exclusive_run). A
+            # partitioned outbox: its expired partitions are dropped whole first, and rows
+            # are deleted only outside the partitions that will be dropped whole.
+            async with exclusive_run(conn, wait=True):
+                dropped = await drop_expired_exclusive(
+                    conn, older_than_ms=older_than_ms, dry_run=opts.dry_run
+                )
+                result = await prune(
+                    conn,
+                    older_than_ms=older_than_ms,
+                    dead_letters=opts.dead_letters,
+                    batch_size=opts.batch_size,
+                    dry_run=opts.dry_run,
+                    spare=await whole_partitions(conn, older_than_ms=older_than_ms),
+                )
+        if opts.dry_run and dropped:
+            # Counted as rows by the dry run's count; they would go with their partitions.
+            rows = result.outbox_rows - sum(d.rows for d in dropped)
+            result = dataclasses.replace(result, outbox_rows=max(rows, 0))
+        report(result, opts, dropped or [])
         return 0
 
     return run_async(main())
@@ -107,8 +116,9 @@ def report(result: PruneResult, opts: argparse.Namespace, dropped: Sequence[Drop
         return
     verb = "would delete" if result.dry_run else "deleted"
     cutoff = result.cutoff.isoformat(timespec="seconds") if result.cutoff else "?"
+    dropping = "would drop" if result.dry_run else "dropped"
     for one in dropped:
-        print(f"dropped outbox partition {one.name} ({one.rows} processed row(s))")
+        print(f"{dropping} outbox partition {one.name} ({one.rows} processed row(s))")
     print(f"{verb} {result.outbox_rows} processed outbox row(s) older than {cutoff}")
     if opts.dead_letters:
         print(f"{verb} {result.dead_letters} replayed or purged dead letter(s)")
