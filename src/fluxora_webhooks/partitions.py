@@ -27,6 +27,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from .queries import query, session_lock
+
 log = logging.getLogger(__name__)
 
 PARENT = "webhook_outbox"
@@ -331,10 +333,7 @@ async def drop_expired(
     current = await layout(conn)
     if not current.partitioned:
         return [], []
-    cur = await conn.execute("SELECT now() - %s * interval '1 millisecond'", (older_than_ms,))
-    row = await cur.fetchone()
-    assert row is not None
-    cutoff: dt.datetime = row[0]
+    cutoff = await _cutoff(conn, older_than_ms)
     dropped: list[Dropped] = []
     kept: list[str] = []
     for name, _, upper in await _partition_ranges(conn):
@@ -348,19 +347,24 @@ async def drop_expired(
     return dropped, kept
 
 
+async def _cutoff(conn: psycopg.AsyncConnection[Any], older_than_ms: int) -> dt.datetime:
+    """Now - ``older_than_ms`` on the database's clock, as retention's row pruning takes it."""
+    cur = await conn.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
+    row = await cur.fetchone()
+    assert row is not None
+    cutoff: dt.datetime = row[0]
+    return cutoff
+
+
 async def drop_expired_exclusive(
     conn: psycopg.AsyncConnection[Any], *, older_than_ms: int, dry_run: bool = False
 ) -> list[Dropped] | None:
     """:func:`drop_expired` under the partitions' session lock (instances and the
     ``prune`` command take turns); None when another holds it now."""
-    cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (PARTITION_LOCK_KEY,))
-    row = await cur.fetchone()
-    if not row or not row[0]:
-        return None
-    try:
+    async with session_lock(conn, PARTITION_LOCK_KEY) as held:
+        if not held:
+            return None
         dropped, _ = await drop_expired(conn, older_than_ms=older_than_ms, dry_run=dry_run)
-    finally:
-        await conn.execute("SELECT pg_advisory_unlock(%s)", (PARTITION_LOCK_KEY,))
     return dropped
 
 
@@ -437,10 +441,7 @@ async def whole_partitions(
     (the default partition's) are for :func:`fluxora_webhooks.retention.prune`."""
     if not (await layout(conn)).partitioned:
         return None
-    cur = await conn.execute("SELECT now() - %s * interval '1 millisecond'", (older_than_ms,))
-    row = await cur.fetchone()
-    assert row is not None
-    cutoff: dt.datetime = row[0]
+    cutoff = await _cutoff(conn, older_than_ms)
     ranged = [
         (lower, upper)
         for name, lower, upper in await _partition_ranges(conn)

@@ -1,14 +1,20 @@
 """The named SQL blocks of ``sql/queries.sql`` (the outbox), ``sql/endpoints.sql`` (the
 endpoint registry), ``sql/inbox.sql`` (the consumer's inbox), ``sql/tokens.sql`` (the API's
 tokens and sessions), ``sql/deliveries.sql`` (events, deliveries and statistics for the
-API) and ``sql/tools.sql`` (``send``, ``tail`` and the per-endpoint health), loaded once."""
+API) and ``sql/tools.sql`` (``send``, ``tail`` and the per-endpoint health), loaded once;
+and :func:`session_lock`, the advisory lock by which instances take turns at a task."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import cache
 from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psycopg
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
@@ -112,3 +118,32 @@ def native(name: str, *swaps: tuple[str, str]) -> tuple[str, tuple[str, ...]]:
         return f"${order.setdefault(match.group(1), len(order) + 1)}"
 
     return _PARAM.sub(number, text), tuple(order)
+
+
+@contextlib.asynccontextmanager
+async def session_lock(
+    conn: psycopg.AsyncConnection[Any],
+    key: int,
+    *,
+    wait: bool = False,
+    on_wait: Callable[[], None] | None = None,
+) -> AsyncIterator[bool]:
+    """A session advisory lock on ``key`` for the block: yields whether it is held. Taken
+    at once or not at all; with ``wait``, waited for (``on_wait`` is called first when
+    another holds it). Released at the end (a broken connection releases it anyway)."""
+    import psycopg
+
+    cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+    row = await cur.fetchone()
+    held = bool(row and row[0])
+    if not held and wait:
+        if on_wait is not None:
+            on_wait()
+        await conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+        held = True
+    try:
+        yield held
+    finally:
+        if held and not conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))

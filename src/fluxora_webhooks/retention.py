@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 
-from .queries import query
+from .queries import query, session_lock
 
 DEFAULT_BATCH_SIZE = 5000
 MAX_BATCH_SIZE = 100_000
@@ -67,27 +67,16 @@ class PruneResult:
         }
 
 
-@contextlib.asynccontextmanager
-async def exclusive_run(
-    conn: psycopg.AsyncConnection[Any], *, wait: bool = False
-) -> AsyncIterator[bool]:
+def exclusive_run(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    wait: bool = False,
+    on_wait: Callable[[], None] | None = None,
+) -> contextlib.AbstractAsyncContextManager[bool]:
     """The retention lock for a whole run (partition drops and row pruning together, so
-    that no instance deletes the rows of a partition another is detaching): yields
-    whether it is held; ``wait`` waits for it instead of giving up at once."""
-    if wait:
-        await conn.execute("SELECT pg_advisory_lock(%s)", (RETENTION_LOCK_KEY,))
-        held = True
-    else:
-        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (RETENTION_LOCK_KEY,))
-        row = await cur.fetchone()
-        held = bool(row and row[0])
-    try:
-        yield held
-    finally:
-        # Best effort: a broken connection releases its lock anyway.
-        if held and not conn.closed:
-            with contextlib.suppress(psycopg.Error):
-                await conn.execute("SELECT pg_advisory_unlock(%s)", (RETENTION_LOCK_KEY,))
+    that no instance deletes the rows of a partition another is detaching): see
+    :func:`fluxora_webhooks.queries.session_lock`."""
+    return session_lock(conn, RETENTION_LOCK_KEY, wait=wait, on_wait=on_wait)
 
 
 async def prune(
@@ -119,59 +108,48 @@ async def prune(
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}")
     if not conn.autocommit:
         raise ValueError("prune needs a connection in autocommit mode (one transaction a batch)")
-    if exclusive:
-        async with exclusive_run(conn) as held:
-            if not held:
-                return PruneResult(cutoff=None, skipped=True, dry_run=dry_run)
-            return await prune(
-                conn,
-                older_than_ms=older_than_ms,
-                dead_letters=dead_letters,
-                batch_size=batch_size,
-                pause_s=pause_s,
-                dry_run=dry_run,
-                on_batch=on_batch,
-                spare=spare,
+    async with contextlib.AsyncExitStack() as stack:
+        if exclusive and not await stack.enter_async_context(exclusive_run(conn)):
+            return PruneResult(cutoff=None, skipped=True, dry_run=dry_run)
+        try:
+            await conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+            cur = await conn.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
+            row = await cur.fetchone()
+            assert row is not None
+            cutoff: dt.datetime = row[0]
+            outbox_query = "prune_outbox" if spare is None else "prune_outbox_sparing"
+            params: dict[str, Any] = {"cutoff": cutoff}
+            if spare is not None:
+                params["spare_from"], params["spare_until"] = spare
+            if dry_run:
+                outbox = await _scalar(conn, outbox_query + "_count", params)
+                dead = (
+                    await _scalar(conn, "prune_dead_letters_count", {"cutoff": cutoff})
+                    if dead_letters
+                    else 0
+                )
+                return PruneResult(cutoff, outbox, dead, 0, dry_run=True)
+            outbox, batches = await _drain(
+                conn, outbox_query, "outbox", params, batch_size, pause_s, on_batch
             )
-    try:
-        await conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
-        cur = await conn.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
-        row = await cur.fetchone()
-        assert row is not None
-        cutoff: dt.datetime = row[0]
-        outbox_query = "prune_outbox" if spare is None else "prune_outbox_sparing"
-        params: dict[str, Any] = {"cutoff": cutoff}
-        if spare is not None:
-            params["spare_from"], params["spare_until"] = spare
-        if dry_run:
-            outbox = await _scalar(conn, outbox_query + "_count", params)
-            dead = (
-                await _scalar(conn, "prune_dead_letters_count", {"cutoff": cutoff})
-                if dead_letters
-                else 0
-            )
-            return PruneResult(cutoff, outbox, dead, 0, dry_run=True)
-        outbox, batches = await _drain(
-            conn, outbox_query, "outbox", params, batch_size, pause_s, on_batch
-        )
-        dead = 0
-        if dead_letters:
-            dead, more = await _drain(
-                conn,
-                "prune_dead_letters",
-                "dead_letter",
-                {"cutoff": cutoff},
-                batch_size,
-                pause_s,
-                on_batch,
-            )
-            batches += more
-        return PruneResult(cutoff, outbox, dead, batches)
-    finally:
-        # Best effort: a broken connection releases its session settings anyway.
-        with contextlib.suppress(psycopg.Error):
-            if not conn.closed:
-                await conn.execute("RESET lock_timeout")
+            dead = 0
+            if dead_letters:
+                dead, more = await _drain(
+                    conn,
+                    "prune_dead_letters",
+                    "dead_letter",
+                    {"cutoff": cutoff},
+                    batch_size,
+                    pause_s,
+                    on_batch,
+                )
+                batches += more
+            return PruneResult(cutoff, outbox, dead, batches)
+        finally:
+            # Best effort: a broken connection releases its session settings anyway.
+            with contextlib.suppress(psycopg.Error):
+                if not conn.closed:
+                    await conn.execute("RESET lock_timeout")
 
 
 async def _drain(

@@ -37,6 +37,7 @@ from .ops import (
     set_backlog_gauges,
     set_endpoint_gauges,
 )
+from .queries import session_lock
 from .redis_gate import gate_for
 from .settings import Settings, cannot_listen, register_engine_secrets
 from .telemetry import AttemptTracer
@@ -503,15 +504,10 @@ class Service:
                 async with await psycopg.AsyncConnection.connect(
                     self.database_url, autocommit=True, connect_timeout=10
                 ) as conn:
-                    if (await partitions.layout(conn)).partitioned and await _try_lock(
-                        conn, partitions.PARTITION_LOCK_KEY
-                    ):
-                        try:
-                            await partitions.ensure_ahead(conn)
-                        finally:
-                            await conn.execute(
-                                "SELECT pg_advisory_unlock(%s)", (partitions.PARTITION_LOCK_KEY,)
-                            )
+                    if (await partitions.layout(conn)).partitioned:
+                        async with session_lock(conn, partitions.PARTITION_LOCK_KEY) as held:
+                            if held:
+                                await partitions.ensure_ahead(conn)
             except Exception as exc:  # the partitions ahead last intervals: try again later
                 log.warning("outbox partitions not checked (%s)", type(exc).__name__)
             await asyncio.sleep(self.partitions_interval_s)
@@ -531,12 +527,6 @@ async def _refresh_endpoint_gauges(conn: psycopg.AsyncConnection[Any]) -> None:
         log.exception("endpoint health not read")
         return
     set_endpoint_gauges(health)
-
-
-async def _try_lock(conn: psycopg.AsyncConnection[Any], key: int) -> bool:
-    cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-    row = await cur.fetchone()
-    return bool(row and row[0])
 
 
 async def start_api(settings: Settings, database_url: str, redis_url: str | None) -> Any:

@@ -79,14 +79,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             database_url, autocommit=True, connect_timeout=10
         ) as conn:
             await check_schema(conn)
-            async with exclusive_run(conn) as free:
-                pass
-            if not free:
-                print("waiting for a retention run of a dispatcher to end", file=sys.stderr)
             # The service's retention lock for the whole run (see exclusive_run). A
             # partitioned outbox: its expired partitions are dropped whole first, and rows
             # are deleted only outside the partitions that will be dropped whole.
-            async with exclusive_run(conn, wait=True):
+            async with exclusive_run(conn, wait=True, on_wait=_say_waiting):
                 dropped = await drop_expired_exclusive(
                     conn, older_than_ms=older_than_ms, dry_run=opts.dry_run
                 )
@@ -106,6 +102,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 0
 
     return run_async(main())
+
+
+def _say_waiting() -> None:
+    print("waiting for a retention run of a dispatcher to end", file=sys.stderr)
 
 
 def report(result: PruneResult, opts: argparse.Namespace, dropped: Sequence[Dropped] = ()) -> None:
