@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+import psycopg.errors
 from psycopg_pool import PoolTimeout
 
 from . import metrics
@@ -63,6 +64,12 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 # database unreachable, or the statement cancelled, timed out or deadlocked), a broken
 # connection, no connection to be had. Any other psycopg.Error is a statement refused.
 DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+# Errors among DB_ERRORS that undo only the statement's savepoint, not the connection.
+SAVEPOINT_ONLY_ERRORS = (
+    psycopg.errors.DeadlockDetected,
+    psycopg.errors.SerializationFailure,
+    psycopg.errors.LockNotAvailable,
+)
 
 # A batch waits this long for its requests; one still running then is detached.
 PATIENCE_S = 0.25
@@ -686,6 +693,13 @@ async def _disable(
     try:
         async with conn.transaction():
             _, changed = await endpoints.disable_once(conn, endpoint_id, reason=reason)
+    except SAVEPOINT_ONLY_ERRORS as exc:
+        # A deadlock with, or a lock timeout behind, another transaction that holds the
+        # endpoint's row (an operator's enable, an API edit): only the savepoint is undone,
+        # the batch's recordings stand. Re-raising would roll the batch back and send its
+        # deliveries again, as often as the other transaction keeps the row.
+        log.error("endpoint %s: disabling it failed (%s)", endpoint_id, type(exc).__name__)
+        return
     except DB_ERRORS:
         raise
     except (psycopg.Error, NotFoundError) as exc:

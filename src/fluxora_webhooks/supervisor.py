@@ -179,7 +179,8 @@ class Supervisor:
                 await self._check_database(conn)
             if self._stopping.is_set():
                 return
-            self.metrics_dir = tempfile.mkdtemp(prefix="fluxora-metrics-")
+            _remove_orphaned_metrics_dirs(tempfile.gettempdir())
+            self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
             _merge_worker_files(self._registry, self.metrics_dir)
             metrics.WORKERS.labels(state="wanted").set(self.settings.workers)
             metrics.WORKERS.labels(state="dispatching").set(0)
@@ -435,6 +436,43 @@ class Supervisor:
 
 
 # prometheus-client's multiprocess helpers are untyped; these name their types.
+METRICS_DIR_PREFIX = "fluxora-metrics-"
+
+
+def _remove_orphaned_metrics_dirs(parent: str) -> list[str]:
+    """Remove the metrics directories of supervisors that are gone (killed, so their own
+    clean-up never ran): a directory is named after its supervisor's pid, and one is removed
+    only when it is ours (same user) and no process has that pid. Returns what it removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(METRICS_DIR_PREFIX) or not pid_text.isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _merge_worker_files(registry: CollectorRegistry, path: str) -> None:
     collector: Callable[..., object] = multiprocess.MultiProcessCollector
     collector(registry, path=path)

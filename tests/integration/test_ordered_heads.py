@@ -247,15 +247,25 @@ async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
     return bool(found)
 
 
+@pytest.mark.parametrize(
+    "sqlstate",
+    [
+        pytest.param("P0001", id="refused"),
+        pytest.param("40P01", id="deadlock"),
+        pytest.param("55P03", id="lock-timeout"),
+    ],
+)
 async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_chosen(
-    database_url: str, caplog: pytest.LogCaptureFixture
+    database_url: str, caplog: pytest.LogCaptureFixture, sqlstate: str
 ) -> None:
     """One batch sends an ordered stream's head (delivered) and another endpoint's delivery
     (410 Gone: that endpoint is disabled at once). The database refuses the disable (a
-    trigger): the stream's next head is still chosen by the batch, not left for the
-    periodic sweep (30 s, beyond this test's wait), the endpoint stays enabled, and the
-    410's delivery is attempted again on the retry schedule rather than left parked, until
-    it is a dead letter one attempt past WEBHOOK_MAX_ATTEMPTS."""
+    trigger raising an error, a deadlock or a lock timeout; the last two once rolled the
+    whole batch back and claimed it again, without end): the stream's next head is still
+    chosen by the batch, not left for the periodic sweep (30 s, beyond this test's wait),
+    the endpoint stays enabled, and the 410's delivery is attempted again on the retry
+    schedule rather than left parked, until it is a dead letter one attempt past
+    WEBHOOK_MAX_ATTEMPTS."""
     receiver = Receiver()
     await receiver.start()
     receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
@@ -273,7 +283,8 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
             )
             await conn.execute(
                 "CREATE FUNCTION refuse_disable() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-                " IF NEW.state <> 'enabled' THEN RAISE EXCEPTION 'refused'; END IF;"
+                f" IF NEW.state <> 'enabled' THEN RAISE EXCEPTION USING ERRCODE = '{sqlstate}';"
+                " END IF;"
                 " RETURN NEW; END $$"
             )
             await conn.execute(

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from fluxora_webhooks import host
 from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.settings import Settings
-from fluxora_webhooks.supervisor import ConnectionBudget, check_budget, connections_needed
+from fluxora_webhooks.supervisor import (
+    METRICS_DIR_PREFIX,
+    ConnectionBudget,
+    _remove_orphaned_metrics_dirs,
+    check_budget,
+    connections_needed,
+)
 
 GOOD = {
     "WEBHOOK_URL": "https://hooks.example.com/in",
@@ -104,3 +113,31 @@ def test_a_multi_host_url_is_scrubbed_like_any_other() -> None:
         logs.clear_sensitive()
     assert "pw-not-shown-7" not in text
     assert "postgresql://db1:5432,db2:5433" in text
+
+
+def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A supervisor killed with SIGKILL never removes its metrics directory; the next
+    supervisor removes those whose supervisor is gone, and nothing else."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(gone.stdout)
+    parent = str(tmp_path)
+    orphan = os.path.join(parent, f"{METRICS_DIR_PREFIX}{dead_pid}-abc123")
+    running = os.path.join(parent, f"{METRICS_DIR_PREFIX}{os.getpid()}-def456")
+    unnamed = os.path.join(parent, f"{METRICS_DIR_PREFIX}xyz789")
+    other = os.path.join(parent, "something-else-1")
+    for path in (orphan, running, unnamed, other):
+        os.mkdir(path)
+    with open(os.path.join(orphan, "counter_1.db"), "wb") as f:
+        f.write(b"x")
+
+    assert _remove_orphaned_metrics_dirs(parent) == [orphan]
+    assert sorted(os.listdir(parent)) == sorted(
+        os.path.basename(p) for p in (running, unnamed, other)
+    )
