@@ -97,6 +97,23 @@ _CURABLE_REFUSALS = (
 )
 
 
+async def warn_if_wake_up_off(conn: psycopg.AsyncConnection[Any], poll_interval_ms: int) -> bool:
+    """The producers' wake-up may be off for this database or role (``fluxora.notify``,
+    migration 0012): idle claim loops then find new events only at their poll, which had
+    better be short. Returns whether it warned."""
+    cur = await conn.execute("SELECT current_setting('fluxora.notify', true)")
+    row = await cur.fetchone()
+    setting = str(row[0] or "").lower() if row else ""
+    if setting not in ("off", "false", "0") or poll_interval_ms <= 1000:
+        return False
+    log.warning(
+        "fluxora.notify is off for this database: idle claim loops find new events only at"
+        " their poll, every %d ms (WEBHOOK_POLL_INTERVAL_MS); set it to 100-1000",
+        poll_interval_ms,
+    )
+    return True
+
+
 async def wait_for_database(
     url: str, wait_ms: int, stopping: asyncio.Event
 ) -> psycopg.AsyncConnection[Any] | None:
@@ -213,6 +230,8 @@ class Service:
                 return
             async with conn:
                 await check_schema(conn)  # refuse a missing, older or newer schema
+                if self.run_background:  # one worker of a supervisor says it for all
+                    await warn_if_wake_up_off(conn, self.settings.poll_interval_ms)
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)
             self.dispatcher = Dispatcher(

@@ -1,0 +1,93 @@
+"""The producers' wake-up NOTIFY can be left out (`fluxora.notify = off`, migration 0012):
+for a transaction, a session, a role or a database, so that high-rate producers can share
+their commits' flushes; idle dispatchers then find the events at their poll."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from fluxora_webhooks.outbox import enqueue
+from fluxora_webhooks.service import warn_if_wake_up_off
+from tests.support.dispatch import make_settings, running_dispatcher
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+
+async def _first_notification(listener: psycopg.AsyncConnection[Any]) -> str:
+    async with asyncio.timeout(5):
+        async for note in listener.notifies():
+            return note.payload
+    raise AssertionError("the notification stream ended")
+
+
+async def _insert(url: str, setting: str | None) -> None:
+    async with await psycopg.AsyncConnection.connect(url) as conn, conn.transaction():
+        if setting is not None:
+            await conn.execute("SELECT set_config('fluxora.notify', %s, true)", (setting,))
+        await enqueue(conn, stream_id="s", event_type="stream.updated", payload={})
+
+
+async def _sentinel(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("SELECT pg_notify('webhook_outbox', 'sentinel')")
+
+
+@pytest.mark.parametrize("setting", ["off", "OFF", "false", "0"])
+async def test_a_transaction_with_the_wake_up_off_notifies_nobody(
+    database_url: str, setting: str
+) -> None:
+    """Notifications arrive in commit order: the first one the listener gets after the
+    switched-off commit is the sentinel committed after it."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as listener:
+        await listener.execute("LISTEN webhook_outbox")
+        await _insert(database_url, setting)
+        await _sentinel(database_url)
+        assert await _first_notification(listener) == "sentinel"
+
+
+@pytest.mark.parametrize("setting", [None, "on", ""])
+async def test_unset_or_on_the_wake_up_is_sent(database_url: str, setting: str | None) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as listener:
+        await listener.execute("LISTEN webhook_outbox")
+        await _insert(database_url, setting)
+        await _sentinel(database_url)
+        assert await _first_notification(listener) == ""
+
+
+async def test_idle_dispatchers_find_unannounced_events_at_their_poll(
+    database_url: str, receiver: Receiver
+) -> None:
+    settings = make_settings(receiver.url, poll_interval_ms=200)
+    async with running_dispatcher(settings, database_url):
+        await asyncio.sleep(0.3)  # the claim loops are idle, waiting for a wake-up
+        for _ in range(3):
+            await _insert(database_url, "off")
+        await receiver.wait_for(3)
+    assert len(receiver.received) == 3
+
+
+@pytest.mark.parametrize(
+    ("setting", "poll_ms", "warned"),
+    [("off", 10_000, True), ("off", 1_000, False), ("on", 10_000, False), (None, 10_000, False)],
+)
+async def test_run_warns_when_the_database_has_the_wake_up_off_and_the_poll_is_long(
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+    setting: str | None,
+    poll_ms: int,
+    warned: bool,
+) -> None:
+    """`ALTER DATABASE ... SET fluxora.notify = off` (here: the connection's own options,
+    which the server applies the same way) is seen by `run` at its start."""
+    url = database_url
+    if setting is not None:
+        url = make_conninfo(database_url, options=f"-c fluxora.notify={setting}")
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        assert await warn_if_wake_up_off(conn, poll_ms) is warned
+    assert ("WEBHOOK_POLL_INTERVAL_MS" in caplog.text) is warned
