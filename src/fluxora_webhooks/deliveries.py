@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .endpoints import OPERATOR_TENANT
+from .endpoints import OPERATOR_TENANT, check_event_type
 from .errors import ConfigError, ConflictError, NotFoundError
 from .outbox import enqueue_with_context, promote_heads
 from .queries import query
@@ -99,6 +99,7 @@ async def enqueue_event(
     with its id and ``delivery_id`` (the built-in default endpoint's, as enqueue returns).
     ``traceparent``/``tracestate``: the request's trace context (W3C headers), kept with
     the event so that its attempts join the producer's trace."""
+    check_event_type(event_type)
     try:
         async with conn.transaction():
             delivery_id = await enqueue_with_context(

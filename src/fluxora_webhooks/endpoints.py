@@ -190,13 +190,39 @@ def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str
     return url
 
 
+_EVENT_TYPE = re.compile(r"[!-)+-~]{1,200}", re.ASCII)
+
+
+def check_event_type(value: str, name: str = "event_type") -> str:
+    """An event's own type, as the API and ``send`` take it: what an endpoint's filter can
+    name exactly (printable ASCII without spaces, at most 200 characters) and no ``*``,
+    which in a filter means a prefix."""
+    if not _EVENT_TYPE.fullmatch(value):
+        raise ConfigError(
+            name,
+            f"{value[:40]!r} is not an event type: 1 to 200 printable ASCII characters,"
+            " without spaces or *",
+        )
+    return value
+
+
 def check_event_types(patterns: Sequence[str], name: str = "event_types") -> tuple[str, ...]:
     """``*``, exact event types, or prefixes ending in ``*`` (``stream.*``)."""
     if isinstance(patterns, str) or not isinstance(patterns, Sequence):
         raise ConfigError(name, "must be a list of event types")
-    found = tuple(dict.fromkeys(p.strip() for p in patterns if isinstance(p, str)))
-    if not found or len(found) != len([p for p in patterns if isinstance(p, str) and p.strip()]):
+    texts: list[str] = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ConfigError(name, f"holds {type(pattern).__name__} where an event type goes")
+        if not pattern.strip():
+            raise ConfigError(name, "holds an empty event type")
+        texts.append(pattern.strip())
+    if not texts:
         raise ConfigError(name, "must list at least one event type (or *)")
+    found = tuple(dict.fromkeys(texts))
+    if len(found) != len(texts):
+        twice = next(t for i, t in enumerate(texts) if t in texts[:i])
+        raise ConfigError(name, f"lists {twice[:40]!r} more than once")
     if len(found) > 100:
         raise ConfigError(name, "may list at most 100 event types")
     for pattern in found:
@@ -413,9 +439,12 @@ async def rotate_secret(
     ``keep_previous_ms``. Returns the endpoint and the new secret, shown this once."""
     current = await get(conn, endpoint_id, tenant=tenant)
     if current.builtin:
+        if endpoint_id == DEFAULT_ID:
+            how = "set the new one in WEBHOOK_SECRET and the old one in WEBHOOK_SECRET_PREVIOUS"
+        else:
+            how = "set the new one in WEBHOOK_OPERATOR_SECRET (it keeps no previous secret)"
         raise ConflictError(
-            f"{endpoint_id} signs with a secret from the environment; rotate it there"
-            " (WEBHOOK_SECRET_PREVIOUS)"
+            f"{endpoint_id} signs with a secret from the environment; rotate it there: {how}"
         )
     if not 0 <= keep_previous_ms <= MAX_KEEP_PREVIOUS_MS:
         raise ConfigError("keep_previous", "must be from 0 to 30 days")
@@ -519,7 +548,7 @@ RECOVER_BATCH = 1000
 async def moment(conn: psycopg.AsyncConnection[Any], text: str, name: str) -> datetime:
     """A point in time given as ISO 8601 (UTC unless it says otherwise) or as a duration
     ago (``2h``, on the database's clock)."""
-    from .settings import parse_duration_ms
+    from .settings import looks_like_duration, parse_duration_ms
 
     value = (text or "").strip()
     if not value:
@@ -527,12 +556,11 @@ async def moment(conn: psycopg.AsyncConnection[Any], text: str, name: str) -> da
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        try:
-            ago_ms = parse_duration_ms(value, name)
-        except ConfigError:
+        if not looks_like_duration(value):
             raise ConfigError(
                 name, f"{value[:40]!r} is neither an ISO 8601 time nor a duration such as 2h"
             ) from None
+        ago_ms = parse_duration_ms(value, name)  # a duration too long says so
         cur = await conn.execute("SELECT now() - %s * interval '1 millisecond'", (ago_ms,))
         row = await cur.fetchone()
         assert row is not None

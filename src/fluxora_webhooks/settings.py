@@ -88,6 +88,11 @@ def parse_int(text: str, variable: str, *, low: int, high: int) -> int:
     return value
 
 
+def looks_like_duration(text: str) -> bool:
+    """Whether ``text`` is written as a duration (``2h``), whatever its size."""
+    return _DURATION.match(text) is not None
+
+
 def _read_duration_ms(text: str, variable: str) -> int | None:
     """A duration in ms; None when its number has more digits than any bound allows."""
     match = _DURATION.match(text)

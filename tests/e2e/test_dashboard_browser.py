@@ -350,3 +350,28 @@ async def test_read_only_and_forged_forms_change_nothing(browser: Browser, site:
         await tab.page.wait_for_url("**/login")
         await tab.open("/endpoints")
         assert tab.page.url.endswith("/login")
+
+
+async def test_a_removed_endpoints_deliveries_neither_link_to_it_nor_offer_a_replay(
+    admin: Tab, site: Site
+) -> None:
+    """A delivery outlives its endpoint's removal: its pages say the endpoint was removed,
+    with no link to a page that is gone and no Replay button the API would refuse."""
+    page = admin.page
+    assert (await site.api.call("DELETE", f"/api/v1/endpoints/{site.bolt}")).status == 204
+    await admin.open(f"/deliveries/{site.bolt_delivery}")
+    assert await page.locator("#replay").count() == 0
+    assert await page.locator(f"a[href='/endpoints/{site.bolt}']").count() == 0
+    assert "(removed" in await page.inner_text("main")
+    event_link = page.locator("a[href^='/events/']")
+    await event_link.click()
+    await page.wait_for_url("**/events/*")
+    assert await page.locator(f"a[href='/endpoints/{site.bolt}']").count() == 0
+    await admin.open("/deliveries?tenant=bolt")
+    assert await page.locator("table.deliveries tbody tr").count() == 1
+    assert await page.locator(f"a[href='/endpoints/{site.bolt}']").count() == 0
+    # An endpoint that still exists keeps its links and its button.
+    await admin.open(f"/deliveries/{site.xss_delivery}")
+    assert await page.locator("#replay").count() == 1
+    assert await page.locator(f"a[href='/endpoints/{site.acme}']").count() == 1
+    assert admin.console_errors == []

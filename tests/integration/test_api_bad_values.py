@@ -82,6 +82,10 @@ async def test_values_the_database_cannot_store_are_refused_with_422(
         cursor = encode(kind, 2**63)
         reply = await api.get(f"/api/v1/{kind}", params={"cursor": cursor})
         refused(reply, 400, "invalid_cursor")
+    # An event type no endpoint's filter could name exactly (a space, a wildcard).
+    for event_type in ("has space", "*", "stream.*", "caf\u00e9"):
+        reply = await api.post(EVENTS, json=event({}, event_type=event_type))
+        refused(reply, 422, "validation_error", "event_type", "is not an event type")
     assert await stored(database_url, "webhook_outbox") == 0
     assert await stored(database_url, "webhook_endpoints WHERE tenant = 'acme'") == 0
     # The same requests without the bad value are taken.
@@ -133,3 +137,40 @@ async def test_an_unexpected_error_is_answered_500_in_the_error_shape(
     assert "webhook_endpoints" not in reply.text  # the database's message stays in the log
     assert any("GET /api/v1/endpoints: unexpected error" in r.getMessage() for r in caplog.records)
     assert (await api.get("/api/v1/endpoints")).status == 200  # and the server goes on
+
+
+async def test_a_body_sent_as_another_media_type_is_refused_saying_so(
+    api: Api, database_url: str
+) -> None:
+    """Valid JSON under another Content-Type (text/plain, a form's): FastAPI reads no JSON
+    from it; the answer says what to send, not that the body is not an object."""
+    text = json.dumps(event({"k": 1}))
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        reply = await api.post(EVENTS, data=text, headers={"Content-Type": content_type})
+        refused(reply, 415, "unsupported_media_type", "Content-Type: application/json")
+        assert content_type in reply.body["error"]["message"]
+    # A JSON body that is not an object is still a validation error, and JSON with a
+    # charset is JSON.
+    reply = await api.post(EVENTS, data="[1, 2]", headers={"Content-Type": "application/json"})
+    refused(reply, 422, "validation_error")
+    reply = await api.post(
+        EVENTS, data=text, headers={"Content-Type": "application/json; charset=utf-8"}
+    )
+    assert reply.status == 202
+    assert await stored(database_url, "webhook_outbox") == 1
+
+
+async def test_a_duration_past_its_bound_names_the_bound(api: Api) -> None:
+    created = await api.post(
+        "/api/v1/endpoints", json={"url": "https://a.example.com/hook", "tenant": "acme"}
+    )
+    endpoint_id = created.body["id"]
+    for keep in ("31d", "99999d", "999999999999999999999d"):
+        reply = await api.post(
+            f"/api/v1/endpoints/{endpoint_id}/rotate-secret", json={"keep_previous": keep}
+        )
+        refused(reply, 422, "validation_error", "keep_previous", "at most 30d")
+    reply = await api.post(f"/api/v1/endpoints/{endpoint_id}/recover", json={"since": "36501d"})
+    refused(reply, 422, "validation_error", "since", "too long", "36500d")
+    reply = await api.post(f"/api/v1/endpoints/{endpoint_id}/recover", json={"since": "soon"})
+    refused(reply, 422, "validation_error", "since", "neither an ISO 8601 time nor a duration")

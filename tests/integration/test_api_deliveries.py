@@ -226,6 +226,16 @@ async def test_deliveries_and_events_page_and_filter(api: Api, database_url: str
         assert (await api.get("/api/v1/deliveries", params={"status": status})).body["data"] == []
     bad = await api.get("/api/v1/deliveries", params={"status": "lost"})
     assert bad.status == 422 and bad.error_code == "validation_error"
+    # Every filter sent empty (as docs/api.md writes the route, as a search form sends its
+    # unfilled fields) is no filter; an empty tenant still means the default tenant.
+    blank = {"endpoint_id": "", "status": "", "stream_id": "", "event_type": "", "cursor": ""}
+    everything = await api.get("/api/v1/deliveries", params=blank)
+    assert everything.status == 200 and len(everything.body["data"]) == 1
+    assert (await api.get("/api/v1/deliveries", params={**blank, "tenant": ""})).body["data"] == []
+    all_events = await api.get(
+        "/api/v1/events", params={"stream_id": "", "event_type": "", "cursor": ""}
+    )
+    assert len(all_events.body["data"]) == 24
 
 
 async def test_an_events_trace_context_over_http_reaches_its_consumer(

@@ -435,6 +435,14 @@ async def test_bad_registrations_are_refused_naming_the_field(database_url: str)
             await endpoints.update(conn, "default", endpoints.Changes(description="x"))
         with pytest.raises(ConflictError):
             await endpoints.remove(conn, "default")
+        # The built-in endpoints' secrets come from the environment: the refusal says
+        # which variables rotate each.
+        await endpoints.sync_builtin(conn, endpoints.OPERATOR_ID, "https://ops.example.com/")
+        with pytest.raises(ConflictError, match="WEBHOOK_SECRET_PREVIOUS"):
+            await endpoints.rotate_secret(conn, "default")
+        with pytest.raises(ConflictError, match="WEBHOOK_OPERATOR_SECRET") as refused:
+            await endpoints.rotate_secret(conn, "operator")
+        assert "PREVIOUS" not in str(refused.value)
 
 
 async def test_tenant_scoping_hides_other_tenants_endpoints(database_url: str) -> None:

@@ -53,10 +53,25 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
     )
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
+def _validation_message(
+    exc: RequestValidationError, content_type: str = "application/json"
+) -> tuple[int, str, str]:
     errors: list[Any] = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "bad_request", "the request body is not valid JSON"
+    media = content_type.split(";", 1)[0].strip().lower()
+    foreign = media and media != "application/json" and not media.endswith("+json")
+    if foreign and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+        # FastAPI reads a body of another media type as no JSON at all.
+        shown = media[:60]
+        return (
+            415,
+            "unsupported_media_type",
+            (
+                f"the request body must be JSON, sent with Content-Type: application/json"
+                f" (got {shown})"
+            ),
+        )
     parts = []
     for e in errors[:5]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
@@ -142,7 +157,8 @@ def install(app: FastAPI, html_error: Any) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return answer(request, *_validation_message(exc))
+        content_type = request.headers.get("content-type", "")
+        return answer(request, *_validation_message(exc, content_type))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

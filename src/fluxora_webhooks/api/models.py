@@ -4,12 +4,22 @@ admin layer returns is dropped, so nothing unlisted (a secret above all) can lea
 
 from __future__ import annotations
 
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, model_validator
 
 T = TypeVar("T")
 Status = Literal["pending", "retrying", "parked", "delivered", "dead_letter"]
+
+
+def _blank_is_absent(value: Any) -> Any:
+    return None if value == "" else value
+
+
+# A list's filter in the query string: empty (``?stream_id=``, as a search form sends an
+# unfilled field) is no filter. Not ``tenant``, whose empty value is the default tenant.
+Filter = Annotated[str | None, BeforeValidator(_blank_is_absent)]
+StatusFilter = Annotated[Status | None, BeforeValidator(_blank_is_absent)]
 
 
 class _In(BaseModel):

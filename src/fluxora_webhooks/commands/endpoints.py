@@ -111,7 +111,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     keep_ms = 0
     if action == "rotate-secret":
         keep = args.keep_previous.strip()
-        keep_ms = 0 if keep == "0" else parse_duration_ms(keep, "--keep-previous")
+        keep_ms = (
+            0
+            if keep == "0"
+            else parse_duration_ms(keep, "--keep-previous", high_ms=endpoints.MAX_KEEP_PREVIOUS_MS)
+        )
     if action == "remove" and not args.yes and not _confirm(args.id):
         print("not removed", file=sys.stderr)
         return 1 if sys.stdin.isatty() else 2

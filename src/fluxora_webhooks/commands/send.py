@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..endpoints import check_event_type
 from ..errors import ConfigError
 from .common import EXIT_FAILED, EXIT_OK, engines, run_async
 
@@ -94,8 +95,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     tenant = check_tenant(args.tenant, "--tenant")
     if not args.stream:
         raise ConfigError("--stream", "must not be empty")
-    if not (args.event and args.event.isascii() and args.event.isprintable()):
-        raise ConfigError("--event", "must be printable ASCII, not empty (it is sent as a header)")
+    check_event_type(args.event, "--event")
     payload = parse_payload(args.payload)
     database_url, _ = engines(env, redis=False)
 

@@ -3,7 +3,8 @@ paging, one delivery with every attempt and a replay button, and one event."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Iterable
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, Request
@@ -16,6 +17,18 @@ from ..pagination import decode_int, encode
 from .render import Viewer, posted, render, viewer
 
 router = APIRouter(include_in_schema=False)
+
+
+async def existing_endpoints(conn: Any, ids: Iterable[str]) -> frozenset[str]:
+    """Which of these endpoints still exist: a delivery outlives its removed endpoint, and
+    its page neither links to that endpoint nor offers a replay that would be refused."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return frozenset()
+    cur = await conn.execute("SELECT id FROM webhook_endpoints WHERE id = ANY(%s)", (wanted,))
+    return frozenset(str(row[0]) for row in await cur.fetchall())
+
+
 PAGE = 50
 FILTERS = ("stream_id", "event_type", "tenant", "status", "endpoint_id")
 
@@ -48,6 +61,7 @@ async def search(
             limit=PAGE,
             before=decode_int("deliveries", cursor or None),
         )
+        existing = await existing_endpoints(conn, (d["endpoint_id"] for d in found))
     kept = {k: v for k, v in query.items() if k != "cursor" and v}
     older = None
     if after is not None:
@@ -57,6 +71,7 @@ async def search(
         "deliveries.html",
         who,
         deliveries=found,
+        existing=existing,
         wanted=wanted,
         default_tenant=tenant_filter == "",
         statuses=deliveries.STATUSES,
@@ -74,8 +89,9 @@ async def delivery_page(
 ) -> HTMLResponse:
     async with api_state(request).pool.connection() as conn:
         found = await deliveries.get_delivery(conn, delivery_id, tenant=who.tenant)
+        existing = await existing_endpoints(conn, [found["endpoint_id"]])
     message = "Replay queued under the same delivery id." if done == "replayed" else None
-    return render(request, "delivery.html", who, delivery=found, message=message)
+    return render(request, "delivery.html", who, delivery=found, existing=existing, message=message)
 
 
 @router.post("/deliveries/{delivery_id}/replay")
@@ -94,4 +110,5 @@ async def event_page(
         raise NotFoundError(f"no event {event_id[:40]!r}")
     async with api_state(request).pool.connection() as conn:
         found = await deliveries.get_event(conn, int(event_id), tenant=who.tenant)
-    return render(request, "event.html", who, event=found)
+        existing = await existing_endpoints(conn, (d["endpoint_id"] for d in found["deliveries"]))
+    return render(request, "event.html", who, event=found, existing=existing)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from ... import deliveries
 from ..deps import Conn, Reader, Writer, scoped
-from ..models import Delivery, DeliveryDetail, ErrorBody, Page, Status
+from ..models import Delivery, DeliveryDetail, ErrorBody, Filter, Page, StatusFilter
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, page
 
 router = APIRouter(
@@ -25,11 +25,11 @@ router = APIRouter(
 async def list_deliveries(
     who: Reader,
     conn: Conn,
-    endpoint_id: str | None = None,
-    status: Status | None = None,
-    stream_id: str | None = None,
+    endpoint_id: Filter = None,
+    status: StatusFilter = None,
+    stream_id: Filter = None,
     tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
-    event_type: str | None = None,
+    event_type: Filter = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     cursor: str | None = None,
 ) -> dict[str, Any]:

@@ -150,7 +150,11 @@ async def rotate_secret(
     """A new secret, shown this once; the old one keeps signing for `keep_previous`."""
     wanted = body or RotateIn.model_validate({})
     keep = wanted.keep_previous.strip()
-    keep_ms = 0 if keep == "0" else parse_duration_ms(keep, "keep_previous")
+    keep_ms = (
+        0
+        if keep == "0"
+        else parse_duration_ms(keep, "keep_previous", high_ms=endpoints.MAX_KEEP_PREVIOUS_MS)
+    )
     endpoint, secret = await endpoints.rotate_secret(
         conn, endpoint_id, secret=wanted.secret, keep_previous_ms=keep_ms, tenant=who.tenant
     )

@@ -10,7 +10,7 @@ from ... import deliveries
 from ...endpoints import check_tenant
 from ...errors import NotFoundError
 from ..deps import Conn, Reader, Writer, scoped
-from ..models import ErrorBody, Event, EventAccepted, EventDetail, EventIn, Page
+from ..models import ErrorBody, Event, EventAccepted, EventDetail, EventIn, Filter, Page
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, page
 
 router = APIRouter(
@@ -58,8 +58,8 @@ async def list_events(
     who: Reader,
     conn: Conn,
     tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
-    stream_id: str | None = None,
-    event_type: str | None = None,
+    stream_id: Filter = None,
+    event_type: Filter = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     cursor: str | None = None,
 ) -> dict[str, Any]:
