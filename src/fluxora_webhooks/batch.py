@@ -406,15 +406,30 @@ class Batch:
 
     async def _target(self, conn: psycopg.AsyncConnection[Any], row: Claimed) -> Target | None:
         """The row's endpoint. Unknown here: reloaded from the registry; an endpoint gone
-        from it was removed (its delivery becomes a dead letter, as removal promises); a
-        built-in endpoint this dispatcher is not configured for waits."""
+        from it was removed (its delivery becomes a dead letter, as removal promises), and
+        so is one whose row cannot be used (its reason named); a built-in endpoint this
+        dispatcher is not configured for waits."""
         assert row.endpoint_id is not None
         target = self.d.targets.get(row.endpoint_id)
         if target is not None:
             return target
-        target = await self.d.targets.reload(conn, row.endpoint_id)
-        if target is not None:
-            return target
+        # An unusable row is not read again for each of its deliveries: fixing it
+        # notifies, and reloads it.
+        if self.d.targets.unusable(row.endpoint_id) is None:
+            target = await self.d.targets.reload(conn, row.endpoint_id)
+            if target is not None:
+                return target
+        problem = self.d.targets.unusable(row.endpoint_id)
+        if problem is not None:
+            self.completions.append(
+                Completion(
+                    row.id,
+                    Outcome.DEAD_LETTER,
+                    error=f"endpoint {row.endpoint_id} cannot be used: {problem}",
+                    reason="invalid_request",
+                )
+            )
+            return None
         if row.endpoint_id in (DEFAULT_ID, "operator"):
             self.d.warn_unconfigured(row.endpoint_id)
             self.completions.append(

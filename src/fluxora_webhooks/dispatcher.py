@@ -44,6 +44,7 @@ from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
+from .pgtypes import read_far_timestamps
 from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
@@ -244,7 +245,9 @@ class Dispatcher:
         """Session limits of a claim connection. Its transaction idles while the batch's
         requests are in flight, so a server-wide idle_in_transaction_session_timeout shorter
         than the request timeout would kill every slow batch; and a lock that never comes
-        (an operator's ALTER TABLE, say) must not hang a claim loop (or a drain) forever."""
+        (an operator's ALTER TABLE, say) must not hang a claim loop (or a drain) forever.
+        A due time out of Python's range is read, not refused (pgtypes)."""
+        read_far_timestamps(conn)
         idle_ms = self.settings.timeout_ms + 60_000
         await conn.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"

@@ -435,7 +435,6 @@ class Supervisor:
         return web.json_response({"status": "ready", "workers": counts})
 
 
-# prometheus-client's multiprocess helpers are untyped; these name their types.
 METRICS_DIR_PREFIX = "fluxora-metrics-"
 
 
@@ -473,6 +472,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# prometheus-client's multiprocess helpers are untyped; these name their types.
 def _merge_worker_files(registry: CollectorRegistry, path: str) -> None:
     collector: Callable[..., object] = multiprocess.MultiProcessCollector
     collector(registry, path=path)

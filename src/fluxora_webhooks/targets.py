@@ -26,8 +26,10 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .delivery import header_texts, secret_texts
-from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint
+from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint, check_headers
+from .errors import ConfigError, EndpointError
 from .signing import Signer
+from .urlpolicy import validate_url
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,23 @@ class Target:
     secret_texts: tuple[str, ...] = ()
 
 
+def _problem(endpoint: Endpoint) -> str | None:
+    """What makes a registered endpoint's row unusable (None: nothing). The built-in ones
+    are configured from the environment, checked at start-up."""
+    if endpoint.builtin:
+        return None
+    if not endpoint.secret:
+        return "it has no secret"
+    try:
+        validate_url(endpoint.url)
+        check_headers(endpoint.headers)
+    except EndpointError as exc:
+        return f"url: {exc}"
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _signer_for(endpoint: Endpoint) -> Signer:
     assert endpoint.secret is not None
     previous = None
@@ -166,6 +185,9 @@ class Targets:
         # endpoints.
         self._tenants: frozenset[str] | None = None
         self._ordered: dict[str, tuple[Target, ...]] = {}
+        # Endpoints whose row cannot be used as it is (written by SQL past the checks of
+        # the CLI and the API): why, by id.
+        self._unusable: dict[str, str] = {}
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -222,7 +244,7 @@ class Targets:
         rows = await cur.fetchall()
         seen = {str(r["id"]) for r in rows}
         for row in rows:
-            self._apply(Endpoint.from_row(row))
+            self._apply_row(row)
         for endpoint_id in list(self._by_id):
             if endpoint_id not in seen and endpoint_id not in self._env:
                 del self._by_id[endpoint_id]
@@ -240,9 +262,42 @@ class Targets:
                 builtin.enabled, builtin.failing_since = True, None
                 return builtin
             self._by_id.pop(endpoint_id, None)
+            self._unusable.pop(endpoint_id, None)
             self._tenants = None
             return None
-        return self._apply(Endpoint.from_row(row))
+        return self._apply_row(row)
+
+    def unusable(self, endpoint_id: str) -> str | None:
+        """Why the registry's row of ``endpoint_id`` cannot be sent to (None: it can, or
+        it is not known here)."""
+        return self._unusable.get(endpoint_id)
+
+    def _apply_row(self, row: Mapping[str, Any]) -> Target | None:
+        """One registry row, checked as the CLI and the API check what they write: a row
+        that fails (a header value that is no text, no secret, a URL the policy refuses)
+        is not sent to; its deliveries become dead letters naming why (the batch asks
+        :meth:`unusable`), and one bad row never stops the loading of the others."""
+        endpoint_id = str(row.get("id"))
+        try:
+            endpoint = Endpoint.from_row(row)
+            problem = _problem(endpoint)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            problem = f"its row cannot be read ({type(exc).__name__})"
+        if problem is None:
+            self._unusable.pop(endpoint_id, None)
+            return self._apply(endpoint)
+        if self._unusable.get(endpoint_id) != problem:
+            log.error(
+                "endpoint %s cannot be used: %s; its deliveries become dead letters until its"
+                " row is fixed (then: fluxora-webhooks recover)",
+                endpoint_id,
+                problem,
+            )
+        self._unusable[endpoint_id] = problem
+        if endpoint_id not in self._env:
+            self._by_id.pop(endpoint_id, None)
+            self._tenants = None
+        return None
 
     def _apply(self, endpoint: Endpoint) -> Target | None:
         failing = None if endpoint.failing_since is None else endpoint.failing_since.timestamp()

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "tracing",
         "waker",
         "terminal",
+        "pgtypes",
     ),
     ("urlpolicy", "signing", "migrations", "outbox", "metrics", "redis_connect"),
     ("settings", "connector", "retry", "deadletters", "retention", "partitions"),

@@ -1,0 +1,104 @@
+"""Rows written by SQL past the checks of the CLI and the API: one bad row never stops the
+others. An outbox row due at a time Python cannot hold is sent like any other; an
+endpoint whose row cannot be used has its deliveries dead-lettered naming why, while every
+other endpoint keeps receiving, and is sent to again once its row is fixed."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from tests.support.api import LOOPBACK
+from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+SECRET = "whsec_" + "A" * 43 + "="
+
+
+async def test_due_times_out_of_pythons_range_are_sent_and_stop_nothing(
+    database_url: str, receiver: Receiver
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for n, due in enumerate(("-infinity", "0044-03-15 BC", "1900-01-01")):
+            await conn.execute(
+                "INSERT INTO webhook_outbox (stream_id, event_type, payload, created_at)"
+                " VALUES ('odd', 'odd.due', jsonb_build_object('n', %s::int), %s)",
+                (n, due),
+            )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " SELECT 'fine', 'fine.due', jsonb_build_object('n', g) FROM generate_series(3, 7) g"
+        )
+    async with running_dispatcher(make_settings(receiver.url), database_url):
+        await receiver.wait_for(8)
+    assert sorted(json.loads(hit.body)["n"] for hit in receiver.received) == list(range(8))
+
+
+async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
+    database_url: str, receiver: Receiver
+) -> None:
+    bad = {
+        "ep_int_header": ("h1", receiver.url, SECRET, '{"X-Api-Key": 12345}'),
+        "ep_list_headers": ("h2", receiver.url, SECRET, "[1, 2]"),
+        "ep_no_secret": ("h3", receiver.url, None, "{}"),
+        "ep_ftp": ("h4", "ftp://127.0.0.1/t", SECRET, "{}"),
+        "ep_credentials": ("h5", receiver.url.replace("//", "//user:pw@"), SECRET, "{}"),
+    }
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for endpoint_id, (tenant, url, secret, headers) in bad.items():
+            await conn.execute(
+                "INSERT INTO webhook_endpoints (id, tenant, url, secret, headers)"
+                " VALUES (%s, %s, %s, %s, %s::jsonb)",
+                (endpoint_id, tenant, url, secret, headers),
+            )
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret)"
+            " VALUES ('ep_ok', 'ok', %s, %s)",
+            (receiver.url, SECRET),
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " SELECT t, 's', 'e', jsonb_build_object('t', t)"
+            " FROM unnest(ARRAY['h1', 'h2', 'h3', 'h4', 'h5', 'ok', 'ok', 'ok']) t"
+        )
+    settings = make_settings("", allowed_networks=LOOPBACK)
+
+    async def all_done() -> bool:
+        left = await rows(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")
+        return left == [(0,)]
+
+    async with running_dispatcher(settings, database_url):
+        await wait_until(all_done, what="every delivery done")
+        assert [json.loads(hit.body)["t"] for hit in receiver.received] == ["ok"] * 3
+        dead = dict(
+            await rows(
+                database_url,
+                "SELECT o.endpoint_id, d.reason || ': ' || d.last_error"
+                " FROM webhook_dead_letter d JOIN webhook_outbox o USING (delivery_id)"
+                " WHERE o.outcome = 'dead_letter'",
+            )
+        )
+        assert set(dead) == set(bad)
+        assert all(text.startswith("invalid_request: endpoint ") for text in dead.values())
+        assert "X-Api-Key must be text" in dead["ep_int_header"]
+        assert "headers" in dead["ep_list_headers"]
+        assert "no secret" in dead["ep_no_secret"]
+        assert "scheme 'ftp' is not allowed" in dead["ep_ftp"]
+        assert "credentials" in dead["ep_credentials"] and "pw" not in dead["ep_credentials"]
+        # Fixed, the endpoint is sent to again (its row's change reloads it).
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute(
+                """UPDATE webhook_endpoints SET headers = '{"X-Api-Key": "12345"}'"""
+                " WHERE id = 'ep_int_header'"
+            )
+            await conn.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                """ VALUES ('h1', 's', 'e', '{"t": "h1 fixed"}')"""
+            )
+        await receiver.wait_for(4)
+    assert json.loads(receiver.received[3].body) == {"t": "h1 fixed"}
+    assert receiver.received[3].headers["x-api-key"] == "12345"
