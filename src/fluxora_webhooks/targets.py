@@ -281,7 +281,9 @@ class Targets:
         try:
             endpoint = Endpoint.from_row(row)
             problem = _problem(endpoint)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:
+            # A value of the wrong type. Not a missing column (KeyError): the schema is
+            # not what this code expects, which no dead letter mends; the batch fails.
             problem = f"its row cannot be read ({type(exc).__name__})"
         if problem is None:
             self._unusable.pop(endpoint_id, None)
