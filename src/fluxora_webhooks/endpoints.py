@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -129,7 +130,7 @@ class Endpoint:
             url=row["url"],
             event_types=tuple(row["event_types"]),
             description=row["description"],
-            headers=dict(row["headers"] or {}),
+            headers=_readable_headers(row["headers"]),
             rate_limit=row["rate_limit"],
             ordered=row["ordered"],
             state=row["state"],
@@ -142,6 +143,19 @@ class Endpoint:
             secret_previous=row["secret_previous"],
             previous_until=row["previous_until"],
         )
+
+
+def _readable_headers(stored: Any) -> dict[str, str]:
+    """A row's headers as text, whatever SQL wrote there (the CLI and the API write only
+    text): a value of another JSON type as its JSON, anything but an object as none, so a
+    list of endpoints is never broken by one row. The dispatcher checks the stored value
+    itself and sends nothing to such an endpoint (targets)."""
+    if not isinstance(stored, Mapping):
+        return {}
+    return {
+        str(name): value if isinstance(value, str) else json.dumps(value)
+        for name, value in stored.items()
+    }
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ class Target:
     secret_texts: tuple[str, ...] = ()
 
 
-def _problem(endpoint: Endpoint) -> str | None:
+def _problem(endpoint: Endpoint, stored_headers: Any) -> str | None:
     """What makes a registered endpoint's row unusable (None: nothing). The built-in ones
     are configured from the environment, checked at start-up."""
     if endpoint.builtin:
@@ -154,7 +154,7 @@ def _problem(endpoint: Endpoint) -> str | None:
         return "it has no secret"
     try:
         validate_url(endpoint.url)
-        check_headers(endpoint.headers)
+        check_headers(stored_headers or {})
     except EndpointError as exc:
         return f"url: {exc}"
     except ConfigError as exc:
@@ -279,8 +279,8 @@ class Targets:
         :meth:`unusable`), and one bad row never stops the loading of the others."""
         endpoint_id = str(row.get("id"))
         try:
-            endpoint = Endpoint.from_row(row)
-            problem = _problem(endpoint)
+            endpoint = Endpoint.from_row(row)  # its headers made readable: checked as stored
+            problem = _problem(endpoint, row["headers"])
         except (TypeError, ValueError, AttributeError) as exc:
             # A value of the wrong type. Not a missing column (KeyError): the schema is
             # not what this code expects, which no dead letter mends; the batch fails.

@@ -10,7 +10,7 @@ import json
 import psycopg
 import pytest
 
-from tests.support.api import LOOPBACK
+from tests.support.api import LOOPBACK, serving
 from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
 
@@ -102,3 +102,22 @@ async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
         await receiver.wait_for(4)
     assert json.loads(receiver.received[3].body) == {"t": "h1 fixed"}
     assert receiver.received[3].headers["x-api-key"] == "12345"
+
+
+async def test_the_api_lists_an_endpoint_whose_headers_sql_wrote_badly(database_url: str) -> None:
+    """One such row broke its tenant's whole list (a 500): its headers read as text."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for endpoint_id, headers in (("ep_list", "[1, 2]"), ("ep_number", '{"X-Key": 5}')):
+            await conn.execute(
+                "INSERT INTO webhook_endpoints (id, tenant, url, secret, headers)"
+                " VALUES (%s, 't', 'https://a.example.com/', %s, %s::jsonb)",
+                (endpoint_id, SECRET, headers),
+            )
+    async with serving(database_url) as api:
+        listed = await api.get("/api/v1/endpoints", params={"tenant": "t"})
+        assert listed.status == 200
+        assert {e["id"]: e["headers"] for e in listed.body["data"]} == {
+            "ep_list": {},
+            "ep_number": {"X-Key": "5"},
+        }
+        assert (await api.get("/api/v1/endpoints/ep_number")).status == 200
