@@ -63,7 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser(modules).parse_args(argv)
         return int(args.run(args, env))
     except ConfigError as exc:
-        _fatal(f"configuration error: {exc}", env)
+        # A command-line option is no configuration: "error: --yes: ...".
+        kind = "error" if exc.variable.startswith("-") else "configuration error"
+        _fatal(f"{kind}: {exc}", env)
         return EXIT_CONFIG
     except SchemaError as exc:
         _fatal(str(exc), env)

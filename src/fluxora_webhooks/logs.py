@@ -259,7 +259,11 @@ def _level(level: int | str | None) -> int:
     value = logging.getLevelName(name)
     if isinstance(value, int):
         return value
-    logging.getLogger(__name__).warning("LOG_LEVEL %r is not a level; using INFO", name[:20])
+    # Said as the logs are set up, before any configuration is read: a command that reads
+    # the configuration stops on it (run); one that does not logs at INFO.
+    logging.getLogger(__name__).warning(
+        "LOG_LEVEL %r is not a level (DEBUG, INFO, WARNING or ERROR)", name[:20]
+    )
     return logging.INFO
 
 

@@ -36,7 +36,13 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from ._version import __version__
@@ -211,7 +217,8 @@ BACKLOG_REFRESH_ERRORS = Counter(
 BREAKER_STATE = Gauge(
     "fluxora_webhook_circuit_breaker_state",
     "The consumer's shared circuit breaker state as last read from Redis: 1 for the "
-    "current state, 0 for the others (all 0 when the breaker is off or never read).",
+    "current state, 0 for the others (all 0 when Redis cannot be read; no samples while "
+    "the breaker is off or before its first reading).",
     ["state"],
     multiprocess_mode="mostrecent",
     registry=REGISTRY,
@@ -348,6 +355,14 @@ WORKER_RESTARTS = Counter(
 )
 WORKER_STATES = ("wanted", "dispatching")
 RESTART_CAUSES = ("exit", "signal")
+
+
+def without_created_series() -> None:
+    """No ``*_created`` series beside the counters in this process's /metrics (the text
+    format shows each as a gauge family of its own, a timestamp nobody asked for). Called
+    by ``run`` for its own process: an application that embeds the library keeps its
+    own choice."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def set_breaker_state(state: str | None) -> None:

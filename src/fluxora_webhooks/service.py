@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logs, metrics
 from .dispatcher import Dispatcher, unless_stopping
+from .endpoints import DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
@@ -110,6 +111,28 @@ async def warn_if_wake_up_off(conn: psycopg.AsyncConnection[Any], poll_interval_
         "fluxora.notify is off for this database: idle claim loops find new events only at"
         " their poll, every %d ms (WEBHOOK_POLL_INTERVAL_MS); set it to 100-1000",
         poll_interval_ms,
+    )
+    return True
+
+
+async def warn_if_nowhere_to_deliver(
+    conn: psycopg.AsyncConnection[Any], settings: Settings
+) -> bool:
+    """SPEC 10: with neither ``WEBHOOK_URL`` nor a registered endpoint, ``run`` starts (an
+    endpoint may be registered at any time) and says so. Returns whether it warned."""
+    if settings.webhook_url:
+        return False
+    cur = await conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM webhook_endpoints WHERE id NOT IN (%s, %s))",
+        (DEFAULT_ID, OPERATOR_ID),
+    )
+    row = await cur.fetchone()
+    if row is not None and row[0]:
+        return False
+    log.warning(
+        "no endpoint to deliver to: WEBHOOK_URL is unset and no endpoint is registered"
+        " (fluxora-webhooks endpoints add, or the API); events are recorded as unrouted"
+        " until one is"
     )
     return True
 
@@ -211,6 +234,7 @@ class Service:
         (or the bound) abandons it (its rows are rolled back and delivered later)."""
         self._register_sensitive()
         raise_open_files_limit()
+        metrics.without_created_series()
         self._stop_requested = asyncio.Event()
         self._forced = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -232,6 +256,7 @@ class Service:
                 await check_schema(conn)  # refuse a missing, older or newer schema
                 if self.run_background:  # one worker of a supervisor says it for all
                     await warn_if_wake_up_off(conn, self.settings.poll_interval_ms)
+                    await warn_if_nowhere_to_deliver(conn, self.settings)
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)
             self.dispatcher = Dispatcher(

@@ -167,6 +167,7 @@ class Supervisor:
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
         logs.add_sensitive_url(self.settings.webhook_url)
         register_engine_secrets(self.database_url, self.redis_url)
+        metrics.without_created_series()
         slots: list[asyncio.Task[None]] = []
         try:
             check_telemetry_env(self.env)

@@ -261,7 +261,14 @@ def check_url_address(
         allowed_networks=allowed_networks,
     )
     if reason is not None:
-        raise EndpointError(f"the URL's host {address} is refused: {reason}")
+        hint = (
+            "; a registered endpoint reaches a private or loopback address only when"
+            " WEBHOOK_ALLOWED_NETWORKS allows it (127.0.0.0/8 for a consumer on this host)"
+            if registered
+            and (address.is_loopback or (address.is_private and not address.is_link_local))
+            else ""
+        )
+        raise EndpointError(f"the URL's host {address} is refused: {reason}{hint}")
 
 
 def _is_ip(text: str) -> bool:

@@ -150,7 +150,7 @@ async def test_purge_all_asks_on_a_terminal_and_needs_yes_otherwise(database_url
     env = command_env(DATABASE_URL=database_url)
 
     code, out = await _run("dlq", "purge", "--all", env=env)
-    assert code == 2 and "configuration error: --yes:" in out, out
+    assert code == 2 and "error: --yes: is needed to go ahead without a terminal" in out, out
     assert await _waiting(database_url) == 4
 
     code, out, shown = await asyncio.to_thread(_on_a_terminal, ("dlq", "purge", "--all"), env, b"n")

@@ -123,6 +123,7 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
         assert total(samples, "fluxora_webhook_deliveries_total", outcome="delivered") == 300
         assert total(samples, "fluxora_webhook_worker_restarts_total", cause="signal") == 1
         assert total(samples, "fluxora_webhook_worker_restarts_total") == 1
+        assert not [name for name, _ in samples if name.endswith("_created")]
         assert total(samples, "fluxora_webhook_in_flight_requests") == 0
         # One worker reads the backlog for all: the gauge is that reading, not a sum.
         assert total(samples, "fluxora_webhook_outbox_pending") == 0

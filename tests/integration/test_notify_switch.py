@@ -1,4 +1,5 @@
-"""The producers' wake-up NOTIFY can be left out (`fluxora.notify = off`, migration 0012):
+"""What `run` says at its start about its database (no endpoint to deliver to; the wake-up
+off), and the producers' wake-up NOTIFY left out (`fluxora.notify = off`, migration 0012)
 for a transaction, a session, a role or a database, so that high-rate producers can share
 their commits' flushes; idle dispatchers then find the events at their poll."""
 
@@ -11,8 +12,10 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from fluxora_webhooks import endpoints
 from fluxora_webhooks.outbox import enqueue
-from fluxora_webhooks.service import warn_if_wake_up_off
+from fluxora_webhooks.service import warn_if_nowhere_to_deliver, warn_if_wake_up_off
+from tests.support.api import LOOPBACK
 from tests.support.dispatch import make_settings, running_dispatcher
 from tests.support.receiver import Receiver
 
@@ -91,3 +94,17 @@ async def test_run_warns_when_the_database_has_the_wake_up_off_and_the_poll_is_l
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         assert await warn_if_wake_up_off(conn, poll_ms) is warned
     assert ("WEBHOOK_POLL_INTERVAL_MS" in caplog.text) is warned
+
+
+async def test_run_warns_when_it_has_no_endpoint_to_deliver_to(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC 10: with neither WEBHOOK_URL nor a registered endpoint, run starts and warns."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is True
+        assert "no endpoint to deliver to" in caplog.text
+        assert await warn_if_nowhere_to_deliver(conn, make_settings("http://127.0.0.1:9/")) is False
+        await endpoints.create(
+            conn, url="http://127.0.0.1:9/hook", tenant="acme", allowed_networks=LOOPBACK
+        )
+        assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is False

@@ -77,7 +77,10 @@ def confirm(question: str, *, yes: bool, option: str = "--yes") -> bool:
     if yes:
         return True
     if not (sys.stdin.isatty() and sys.stderr.isatty()):
-        raise ConfigError(option, f"is required when not on a terminal ({question})")
+        action = question.removesuffix("; go ahead?")
+        raise ConfigError(
+            option, f"is needed to go ahead without a terminal, where nobody can confirm: {action}"
+        )
     sys.stderr.write(f"{question} [y/N] ")
     sys.stderr.flush()
     answer = sys.stdin.readline()
