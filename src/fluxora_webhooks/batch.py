@@ -67,8 +67,8 @@ DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 # Errors among DB_ERRORS that undo only the statement's savepoint, not the connection.
 SAVEPOINT_ONLY_ERRORS = (
     psycopg.errors.DeadlockDetected,
-    psycopg.errors.SerializationFailure,
     psycopg.errors.LockNotAvailable,
+    psycopg.errors.QueryCanceled,  # the statement_timeout of the dispatcher's sessions
 )
 
 # A batch waits this long for its requests; one still running then is detached.
@@ -213,6 +213,8 @@ class Batch:
     def __init__(self, dispatcher: Dispatcher, resume: Resume | None = None) -> None:
         self.d = dispatcher
         self.resume = resume if resume is not None else Resume()
+        # Endpoints whose registry row this batch read again (see _target).
+        self.reread: set[str] = set()
         self.completions: list[Completion] = []
         self.sends: list[Send] = []
         self.claimed = 0
@@ -413,9 +415,11 @@ class Batch:
         target = self.d.targets.get(row.endpoint_id)
         if target is not None:
             return target
-        # An unusable row is not read again for each of its deliveries: fixing it
-        # notifies, and reloads it.
-        if self.d.targets.unusable(row.endpoint_id) is None:
+        # Read again once per batch (a row found unusable may have been fixed a moment
+        # ago, its notification not yet heard): a dead letter is never made on a stale
+        # reading, nor the row read again for each of its deliveries.
+        if row.endpoint_id not in self.reread:
+            self.reread.add(row.endpoint_id)
             target = await self.d.targets.reload(conn, row.endpoint_id)
             if target is not None:
                 return target
@@ -709,10 +713,11 @@ async def _disable(
         async with conn.transaction():
             _, changed = await endpoints.disable_once(conn, endpoint_id, reason=reason)
     except SAVEPOINT_ONLY_ERRORS as exc:
-        # A deadlock with, or a lock timeout behind, another transaction that holds the
-        # endpoint's row (an operator's enable, an API edit): only the savepoint is undone,
-        # the batch's recordings stand. Re-raising would roll the batch back and send its
-        # deliveries again, as often as the other transaction keeps the row.
+        # A deadlock with, or a lock or statement timeout behind, another transaction
+        # that holds the endpoint's row (an operator's enable, an API edit): only the
+        # savepoint is undone, the batch's recordings stand. Re-raising would roll the
+        # batch back and send its deliveries again, as often as the other transaction
+        # keeps the row.
         log.error("endpoint %s: disabling it failed (%s)", endpoint_id, type(exc).__name__)
         return
     except DB_ERRORS:

@@ -246,13 +246,18 @@ class Dispatcher:
         requests are in flight, so a server-wide idle_in_transaction_session_timeout shorter
         than the request timeout would kill every slow batch; and a lock that never comes
         (an operator's ALTER TABLE, say) must not hang a claim loop (or a drain) forever.
-        A due time out of Python's range is read, not refused (pgtypes)."""
+        A due time out of Python's range is read, not refused (pgtypes), in the one
+        DateStyle psycopg reads. The dispatcher's own inserts (the deliveries a routing
+        batch leaves to other processes, operator events) keep their wake-up where the
+        producers' is switched off for the database or a role (``fluxora.notify``)."""
         read_far_timestamps(conn)
         idle_ms = self.settings.timeout_ms + 60_000
         await conn.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
             " set_config('lock_timeout', %s, false),"
-            " set_config('statement_timeout', %s, false)",
+            " set_config('statement_timeout', %s, false),"
+            " set_config('DateStyle', 'ISO', false),"
+            " set_config('fluxora.notify', 'on', false)",
             (str(idle_ms), str(_LOCK_TIMEOUT_MS), str(_STATEMENT_TIMEOUT_MS)),
         )
 

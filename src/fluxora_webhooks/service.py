@@ -99,20 +99,36 @@ _CURABLE_REFUSALS = (
 
 
 async def warn_if_wake_up_off(conn: psycopg.AsyncConnection[Any], poll_interval_ms: int) -> bool:
-    """The producers' wake-up may be off for this database or role (``fluxora.notify``,
-    migration 0012): idle claim loops then find new events only at their poll, which had
-    better be short. Returns whether it warned."""
-    cur = await conn.execute("SELECT current_setting('fluxora.notify', true)")
+    """The producers' wake-up may be off for this database, or for a role, or this session
+    (``fluxora.notify``, migration 0012): idle claim loops then find the events those
+    producers write only at their poll, which had better be short. Returns whether it
+    warned."""
+    if poll_interval_ms <= 1000:
+        return False
+    cur = await conn.execute(_WAKE_UP_OFF)
     row = await cur.fetchone()
-    setting = str(row[0] or "").lower() if row else ""
-    if setting not in ("off", "false", "0") or poll_interval_ms <= 1000:
+    if not (row and row[0]):
         return False
     log.warning(
-        "fluxora.notify is off for this database: idle claim loops find new events only at"
-        " their poll, every %d ms (WEBHOOK_POLL_INTERVAL_MS); set it to 100-1000",
+        "fluxora.notify is off for this database or one of its roles: idle claim loops find"
+        " the events those producers write only at their poll, every %d ms"
+        " (WEBHOOK_POLL_INTERVAL_MS); set it to 100-1000",
         poll_interval_ms,
     )
     return True
+
+
+# The session's own setting, or one that ALTER DATABASE or ALTER ROLE (any role: the
+# producers') gave this database or every database.
+_WAKE_UP_OFF = """
+SELECT lower(coalesce(current_setting('fluxora.notify', true), '')) IN ('off', 'false', '0')
+    OR EXISTS (
+        SELECT 1 FROM pg_db_role_setting s, unnest(s.setconfig) c
+        WHERE s.setdatabase IN (
+                0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+          AND lower(replace(c, ' ', ''))
+              IN ('fluxora.notify=off', 'fluxora.notify=false', 'fluxora.notify=0'))
+"""
 
 
 async def warn_if_nowhere_to_deliver(

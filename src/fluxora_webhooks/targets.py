@@ -248,6 +248,9 @@ class Targets:
         for endpoint_id in list(self._by_id):
             if endpoint_id not in seen and endpoint_id not in self._env:
                 del self._by_id[endpoint_id]
+        for endpoint_id in list(self._unusable):
+            if endpoint_id not in seen:  # removed: its deliveries say so (endpoint_removed)
+                del self._unusable[endpoint_id]
         self.loaded = True
         self._tenants = None
 
@@ -281,13 +284,19 @@ class Targets:
         try:
             endpoint = Endpoint.from_row(row)  # its headers made readable: checked as stored
             problem = _problem(endpoint, row["headers"])
+            if problem is None:
+                target = self._apply(endpoint)  # its Signer refuses a secret empty once decoded
+                self._unusable.pop(endpoint_id, None)
+                return target
         except (TypeError, ValueError, AttributeError) as exc:
-            # A value of the wrong type. Not a missing column (KeyError): the schema is
-            # not what this code expects, which no dead letter mends; the batch fails.
-            problem = f"its row cannot be read ({type(exc).__name__})"
-        if problem is None:
-            self._unusable.pop(endpoint_id, None)
-            return self._apply(endpoint)
+            # A value of the wrong type, or a secret no key can be made of. Not a missing
+            # column (KeyError): the schema is not what this code expects, which no dead
+            # letter mends; the batch fails.
+            problem = (
+                str(exc)
+                if isinstance(exc, ValueError) and "signing secret" in str(exc)
+                else f"its row cannot be read ({type(exc).__name__})"
+            )
         if self._unusable.get(endpoint_id) != problem:
             log.error(
                 "endpoint %s cannot be used: %s; its deliveries become dead letters until its"

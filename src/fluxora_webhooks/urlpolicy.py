@@ -261,13 +261,13 @@ def check_url_address(
         allowed_networks=allowed_networks,
     )
     if reason is not None:
-        hint = (
-            "; a registered endpoint reaches a private or loopback address only when"
-            " WEBHOOK_ALLOWED_NETWORKS allows it (127.0.0.0/8 for a consumer on this host)"
-            if registered
-            and (address.is_loopback or (address.is_private and not address.is_link_local))
-            else ""
-        )
+        hint = ""
+        if registered and never_allowed_reason(address) is None:
+            example = "::1/128" if address.version == 6 else "127.0.0.0/8"
+            hint = (
+                "; a registered endpoint reaches a private or loopback address only when"
+                f" WEBHOOK_ALLOWED_NETWORKS allows it ({example} for a consumer on this host)"
+            )
         raise EndpointError(f"the URL's host {address} is refused: {reason}{hint}")
 
 

@@ -36,6 +36,11 @@ async def test_due_times_out_of_pythons_range_are_sent_and_stop_nothing(
     async with running_dispatcher(make_settings(receiver.url), database_url):
         await receiver.wait_for(8)
     assert sorted(json.loads(hit.body)["n"] for hit in receiver.received) == list(range(8))
+    # The API reads them too (each list was a 500).
+    async with serving(database_url) as api:
+        for path in ("/api/v1/deliveries", "/api/v1/events"):
+            listed = await api.get(path, params={"stream_id": "odd"})
+            assert listed.status == 200 and len(listed.body["data"]) == 3, path
 
 
 async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
@@ -47,6 +52,7 @@ async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
         "ep_no_secret": ("h3", receiver.url, None, "{}"),
         "ep_ftp": ("h4", "ftp://127.0.0.1/t", SECRET, "{}"),
         "ep_credentials": ("h5", receiver.url.replace("//", "//user:pw@"), SECRET, "{}"),
+        "ep_empty_key": ("h6", receiver.url, "whsec_", "{}"),  # no key once decoded
     }
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         for endpoint_id, (tenant, url, secret, headers) in bad.items():
@@ -63,7 +69,7 @@ async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
         await conn.execute(
             "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
             " SELECT t, 's', 'e', jsonb_build_object('t', t)"
-            " FROM unnest(ARRAY['h1', 'h2', 'h3', 'h4', 'h5', 'ok', 'ok', 'ok']) t"
+            " FROM unnest(ARRAY['h1', 'h2', 'h3', 'h4', 'h5', 'h6', 'ok', 'ok', 'ok']) t"
         )
     settings = make_settings("", allowed_networks=LOOPBACK)
 
@@ -89,6 +95,7 @@ async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
         assert "no secret" in dead["ep_no_secret"]
         assert "scheme 'ftp' is not allowed" in dead["ep_ftp"]
         assert "credentials" in dead["ep_credentials"] and "pw" not in dead["ep_credentials"]
+        assert "signing secret is empty" in dead["ep_empty_key"]
         # Fixed, the endpoint is sent to again (its row's change reloads it).
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             await conn.execute(

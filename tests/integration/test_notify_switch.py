@@ -66,12 +66,20 @@ async def test_unset_or_on_the_wake_up_is_sent(database_url: str, setting: str |
 async def test_idle_dispatchers_find_unannounced_events_at_their_poll(
     database_url: str, receiver: Receiver
 ) -> None:
+    """The events were announced to nobody (the listener's first notification after them
+    is the sentinel), and the idle dispatcher delivered them all the same."""
     settings = make_settings(receiver.url, poll_interval_ms=200)
-    async with running_dispatcher(settings, database_url):
+    async with (
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as listener,
+        running_dispatcher(settings, database_url),
+    ):
+        await listener.execute("LISTEN webhook_outbox")
         await asyncio.sleep(0.3)  # the claim loops are idle, waiting for a wake-up
         for _ in range(3):
             await _insert(database_url, "off")
         await receiver.wait_for(3)
+        await _sentinel(database_url)
+        assert await _first_notification(listener) == "sentinel"
     assert len(receiver.received) == 3
 
 
@@ -94,6 +102,38 @@ async def test_run_warns_when_the_database_has_the_wake_up_off_and_the_poll_is_l
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         assert await warn_if_wake_up_off(conn, poll_ms) is warned
     assert ("WEBHOOK_POLL_INTERVAL_MS" in caplog.text) is warned
+
+
+@pytest.mark.parametrize("target", ["DATABASE", "ROLE"])
+async def test_run_sees_the_wake_up_off_for_the_database_or_any_role(
+    database_url: str, caplog: pytest.LogCaptureFixture, target: str
+) -> None:
+    """ALTER DATABASE, or ALTER ROLE of the producers' role (not run's own): run's session
+    does not show the latter, the catalog does."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT current_database()")
+        row = await cur.fetchone()
+        assert row is not None
+        database = row[0]
+        scope = (
+            f'DATABASE "{database}"'
+            if target == "DATABASE"
+            else f'ROLE fluxora_test_producer IN DATABASE "{database}"'
+        )
+        if target == "ROLE":
+            await conn.execute(
+                "DO $$ BEGIN CREATE ROLE fluxora_test_producer;"
+                " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+            )
+        try:
+            assert await warn_if_wake_up_off(conn, 10_000) is False
+            await conn.execute(f"ALTER {scope} SET fluxora.notify = off")
+            assert await warn_if_wake_up_off(conn, 10_000) is True
+            assert "off for this database or one of its roles" in caplog.text
+        finally:
+            await conn.execute(f"ALTER {scope} RESET fluxora.notify")
+            if target == "ROLE":
+                await conn.execute("DROP ROLE fluxora_test_producer")
 
 
 async def test_run_warns_when_it_has_no_endpoint_to_deliver_to(

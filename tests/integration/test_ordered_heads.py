@@ -253,6 +253,7 @@ async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
         pytest.param("P0001", id="refused"),
         pytest.param("40P01", id="deadlock"),
         pytest.param("55P03", id="lock-timeout"),
+        pytest.param("57014", id="statement-timeout"),
     ],
 )
 async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_chosen(
@@ -260,11 +261,11 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
 ) -> None:
     """One batch sends an ordered stream's head (delivered) and another endpoint's delivery
     (410 Gone: that endpoint is disabled at once). The database refuses the disable (a
-    trigger raising an error, a deadlock or a lock timeout; the last two once rolled the
-    whole batch back and claimed it again, without end): the stream's next head is still
-    chosen by the batch, not left for the periodic sweep (30 s, beyond this test's wait),
-    the endpoint stays enabled, and the 410's delivery is attempted again on the retry
-    schedule rather than left parked, until it is a dead letter one attempt past
+    trigger raising an error, a deadlock, a lock or a statement timeout; the last three
+    once rolled the whole batch back and claimed it again, without end): the stream's next
+    head is still chosen by the batch, not left for the periodic sweep (30 s, beyond this
+    test's wait), the endpoint stays enabled, and the 410's delivery is attempted again on
+    the retry schedule rather than left parked, until it is a dead letter one attempt past
     WEBHOOK_MAX_ATTEMPTS."""
     receiver = Receiver()
     await receiver.start()

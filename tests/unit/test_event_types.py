@@ -35,13 +35,14 @@ def test_accepted_lists_are_trimmed_in_order() -> None:
     )
 
 
-@pytest.mark.parametrize("value", ["", "has space", "*", "stream.*", "caf\u00e9", "x" * 201])
-def test_an_event_type_no_filter_can_name_exactly_is_refused(value: str) -> None:
+@pytest.mark.parametrize("value", ["", "caf\u00e9", "a\tb", "a\nb", "x" * 201])
+def test_an_event_type_no_header_can_carry_as_it_is_is_refused(value: str) -> None:
     with pytest.raises(ConfigError, match="is not an event type") as caught:
         check_event_type(value)
     assert caught.value.variable == "event_type"
 
 
-def test_an_event_type_a_filter_can_name_is_taken() -> None:
-    assert check_event_type("invoice.paid") == "invoice.paid"
-    assert check_event_type("x" * 200) == "x" * 200
+@pytest.mark.parametrize("value", ["invoice.paid", "order.paid now", "*", "x" * 200])
+def test_an_event_type_a_header_carries_is_taken(value: str) -> None:
+    """Spaces and * included: `*` and prefix filters (order.*) receive such types."""
+    assert check_event_type(value) == value

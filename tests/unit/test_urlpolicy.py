@@ -411,3 +411,25 @@ async def test_each_client_checks_addresses_with_the_configured_policy() -> None
     finally:
         await strict.close()
         await loopback.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "hint"),
+    [
+        ("http://127.0.0.1:9/x", "127.0.0.0/8"),
+        ("https://10.0.0.1/x", "127.0.0.0/8"),
+        ("http://[::1]:9/x", "::1/128"),
+        ("https://169.254.169.254/x", None),  # never allowed: no hint
+        ("https://0.0.0.0/x", None),
+    ],
+)
+def test_a_refused_registered_address_says_how_to_allow_it_only_where_it_can_be(
+    url: str, hint: str | None
+) -> None:
+    with pytest.raises(EndpointError) as caught:
+        check_url_address(url, registered=True)
+    message = str(caught.value)
+    if hint is None:
+        assert "WEBHOOK_ALLOWED_NETWORKS" not in message
+    else:
+        assert f"WEBHOOK_ALLOWED_NETWORKS allows it ({hint}" in message

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 
 from .._version import __version__
+from ..pgtypes import read_far_timestamps
 from ..settings import Settings
 from . import errors
 from .deps import ApiState
@@ -71,6 +72,13 @@ ASGIApp = Callable[
     [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
     Awaitable[None],
 ]
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A time a producer wrote that Python cannot hold (``-infinity``) is read, not a 500
+    (pgtypes); in the one DateStyle psycopg reads."""
+    read_far_timestamps(conn)
+    await conn.execute("SELECT set_config('DateStyle', 'ISO', false)")
 
 
 def _too_large() -> HTTPException:
@@ -164,6 +172,7 @@ def create_app(config: ApiConfig) -> FastAPI:
             kwargs={"autocommit": True, "prepare_threshold": None},
             open=False,
             name="fluxora-api",
+            configure=_configure,
         )
         await pool.open(wait=True, timeout=30)
         app.state.fluxora = ApiState(pool=pool, config=config)

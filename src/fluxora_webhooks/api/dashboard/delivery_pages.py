@@ -19,13 +19,17 @@ from .render import Viewer, posted, render, viewer
 router = APIRouter(include_in_schema=False)
 
 
-async def existing_endpoints(conn: Any, ids: Iterable[str]) -> frozenset[str]:
-    """Which of these endpoints still exist: a delivery outlives its removed endpoint, and
-    its page neither links to that endpoint nor offers a replay that would be refused."""
+async def existing_endpoints(conn: Any, ids: Iterable[str], tenant: str | None) -> frozenset[str]:
+    """Which of these endpoints exist (of ``tenant``'s, for a tenant's portal): a delivery
+    outlives its removed endpoint, and its page neither links to that endpoint nor offers
+    a replay that would be refused."""
     wanted = sorted(set(ids))
     if not wanted:
         return frozenset()
-    cur = await conn.execute("SELECT id FROM webhook_endpoints WHERE id = ANY(%s)", (wanted,))
+    cur = await conn.execute(
+        "SELECT id FROM webhook_endpoints WHERE id = ANY(%s) AND (%s::text IS NULL OR tenant = %s)",
+        (wanted, tenant, tenant),
+    )
     return frozenset(str(row[0]) for row in await cur.fetchall())
 
 
@@ -61,7 +65,7 @@ async def search(
             limit=PAGE,
             before=decode_int("deliveries", cursor or None),
         )
-        existing = await existing_endpoints(conn, (d["endpoint_id"] for d in found))
+        existing = await existing_endpoints(conn, (d["endpoint_id"] for d in found), who.tenant)
     kept = {k: v for k, v in query.items() if k != "cursor" and v}
     older = None
     if after is not None:
@@ -89,7 +93,7 @@ async def delivery_page(
 ) -> HTMLResponse:
     async with api_state(request).pool.connection() as conn:
         found = await deliveries.get_delivery(conn, delivery_id, tenant=who.tenant)
-        existing = await existing_endpoints(conn, [found["endpoint_id"]])
+        existing = await existing_endpoints(conn, [found["endpoint_id"]], who.tenant)
     message = "Replay queued under the same delivery id." if done == "replayed" else None
     return render(request, "delivery.html", who, delivery=found, existing=existing, message=message)
 
@@ -110,5 +114,7 @@ async def event_page(
         raise NotFoundError(f"no event {event_id[:40]!r}")
     async with api_state(request).pool.connection() as conn:
         found = await deliveries.get_event(conn, int(event_id), tenant=who.tenant)
-        existing = await existing_endpoints(conn, (d["endpoint_id"] for d in found["deliveries"]))
+        existing = await existing_endpoints(
+            conn, (d["endpoint_id"] for d in found["deliveries"]), who.tenant
+        )
     return render(request, "event.html", who, event=found, existing=existing)
