@@ -243,6 +243,12 @@ class Batch:
     async def run(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
         """Returns (rows claimed, ms until the next future due row: asked only when the
         claim found nothing, else 0)."""
+        try:
+            return await self._run(conn)
+        finally:
+            self.d.commit_ended(self)
+
+    async def _run(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int | None]:
         settings = self.d.settings
         async with conn.transaction():
             since = self.d.claim_since
@@ -261,6 +267,8 @@ class Batch:
             # came back empty looked only after its position, so the next claim, from the
             # start, goes at once (0) rather than after a poll.
             next_due = await next_due_in_ms(conn, since=since) if not rows and after is None else 0
+            if rows:
+                self.d.commit_started(self)  # the block's end: COMMIT follows
         # Only once committed: a batch rolled back leaves its rows before the position.
         self.resume.claimed(rows, settings.batch_size)
         self.d.after_commit(self)

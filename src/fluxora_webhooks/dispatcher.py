@@ -165,6 +165,8 @@ class Dispatcher:
         self._given_client = client
         self._clients: dict[tuple[bool, bool, bool], HttpClient] = {}
         self._policy_keys: dict[tuple[bool, str], tuple[bool, bool, bool]] = {}
+        # Batches whose COMMIT is under way: when each began (monotonic).
+        self._committing: dict[int, float] = {}
         self._in_flight = 0
         self._stopping = asyncio.Event()
         self._waker = Waker(cap=settings.claim_loops)
@@ -663,6 +665,20 @@ class Dispatcher:
                 log.exception("delivery gate report failed; ignored")
 
         await asyncio.gather(*(one(url, results) for url, results in reports.items()))
+
+    def commit_started(self, batch: Batch) -> None:
+        self._committing[id(batch)] = time.monotonic()
+
+    def commit_ended(self, batch: Batch) -> None:
+        self._committing.pop(id(batch), None)
+
+    def commit_wait_s(self) -> float:
+        """How long the oldest COMMIT of a batch with rows has been waiting (0: none is).
+        A commit that does not come back (a synchronous standby that does not answer, a
+        full disk) stops every claim loop that reaches one, with nothing failing."""
+        if not self._committing:
+            return 0.0
+        return time.monotonic() - min(self._committing.values())
 
     def after_commit(self, batch: Batch) -> None:
         """The batch's transaction committed (or its rows were recorded one by one)."""

@@ -98,6 +98,21 @@ _CURABLE_REFUSALS = (
 )
 
 
+# A batch's COMMIT waiting this long makes the process not ready: a commit takes
+# milliseconds, tens of them to a synchronous standby in another zone.
+COMMIT_STUCK_S = 10.0
+
+
+def commits_stuck(wait_s: float) -> str | None:
+    """/readyz's reason when a COMMIT has waited past COMMIT_STUCK_S (None: it has not)."""
+    if wait_s < COMMIT_STUCK_S:
+        return None
+    return (
+        f"a commit has waited {wait_s:.0f} s (the database does not complete commits:"
+        " a synchronous standby that does not answer, a full disk?)"
+    )
+
+
 async def warn_if_wake_up_off(conn: psycopg.AsyncConnection[Any], poll_interval_ms: int) -> bool:
     """The producers' wake-up may be off for this database, or for a role, or this session
     (``fluxora.notify``, migration 0012): idle claim loops then find the events those
@@ -403,6 +418,9 @@ class Service:
             )
         if self.dispatcher is None or self.dispatcher.stopping:
             return web.json_response({"status": "not ready", "reason": "stopping"}, status=503)
+        stuck = commits_stuck(self.dispatcher.commit_wait_s())
+        if stuck is not None:
+            return web.json_response({"status": "not ready", "reason": stuck}, status=503)
         return web.json_response({"status": "ready"})
 
     # -- background work: gauges and retention ----------------------------------------

@@ -119,6 +119,7 @@ class _Worker:
     proc: asyncio.subprocess.Process
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
+    stuck: str | None = None  # why its commits do not complete, as it last said
 
 
 class Supervisor:
@@ -325,7 +326,8 @@ class Supervisor:
         return env
 
     async def _await_ready(self, worker: _Worker, read_fd: int) -> None:
-        """The worker writes one line when it dispatches; end of file when it exits."""
+        """The worker writes one line when it dispatches, then whether its commits complete
+        as that changes (``stuck <reason>``, ``flowing``); end of file when it exits."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
@@ -333,11 +335,16 @@ class Supervisor:
             lambda: asyncio.StreamReaderProtocol(reader), pipe
         )
         try:
-            if (await reader.readline()).strip() == b"ready":
-                self._ever_ready = True  # it dispatched, even if it has exited since
-                if worker.proc.returncode is None:
-                    worker.ready = True
-                    self._count_ready()
+            if (await reader.readline()).strip() != b"ready":
+                return
+            self._ever_ready = True  # it dispatched, even if it has exited since
+            if worker.proc.returncode is None:
+                worker.ready = True
+                self._count_ready()
+            while line := (await reader.readline()).decode(errors="replace").strip():
+                worker.stuck = line[len("stuck ") :] if line.startswith("stuck ") else None
+                if worker.stuck is not None:
+                    log.error("worker %d: %s", worker.index, worker.stuck)
         finally:
             transport.close()
 
@@ -433,6 +440,9 @@ class Supervisor:
         if counts["dispatching"] < counts["wanted"]:
             reason = f"{counts['dispatching']} of {counts['wanted']} workers dispatching"
             return _not_ready(reason, counts)
+        stuck = [w for w in self.workers.values() if w.stuck is not None]
+        if stuck:
+            return _not_ready(f"worker {stuck[0].index}: {stuck[0].stuck}", counts)
         return web.json_response({"status": "ready", "workers": counts})
 
 

@@ -22,10 +22,12 @@ from collections.abc import Sequence
 from . import logs
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, FluxoraError, SchemaError
 from .host import run_async
-from .service import Service
+from .service import Service, commits_stuck
 from .settings import Settings
 
 PARENT_CHECK_S = 1.0
+# How often a worker looks whether its commits complete (for the supervisor's /readyz).
+COMMIT_CHECK_S = 1.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,13 +81,24 @@ async def _serve(service: Service, ready_fd: int, supervisor: int) -> int:
 
 
 async def _report_ready(service: Service, fd: int) -> None:
-    """One line on the supervisor's pipe once the claim loops run."""
+    """One line on the supervisor's pipe once the claim loops run (``ready``); then, as it
+    changes, whether this process's commits complete: ``stuck <reason>`` when a COMMIT has
+    waited too long (the supervisor's /readyz is then 503), ``flowing`` once none has."""
     try:
         while service.dispatcher is None:  # noqa: ASYNC110 - created inside Service.run
             await asyncio.sleep(0.02)
-        await service.dispatcher.ready.wait()
-        with contextlib.suppress(OSError):  # the supervisor is gone: the watcher handles it
-            os.write(fd, b"ready\n")
+        dispatcher = service.dispatcher
+        await dispatcher.ready.wait()
+        os.write(fd, b"ready\n")
+        said: str | None = None
+        while True:
+            await asyncio.sleep(COMMIT_CHECK_S)
+            stuck = commits_stuck(dispatcher.commit_wait_s())
+            if stuck != said:
+                os.write(fd, b"flowing\n" if stuck is None else f"stuck {stuck}\n".encode())
+                said = stuck
+    except OSError:
+        pass  # the supervisor is gone: the watcher handles it
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)

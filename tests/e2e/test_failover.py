@@ -11,12 +11,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import psycopg
 import pytest
 from aiohttp import web
 
 from fluxora_webhooks.migrations import migrate
-from tests.support.chaos import stop_processes, tracebacks, wait_ready
+from tests.support.chaos import free_port, stop_processes, tracebacks, wait_ready
 from tests.support.dispatch import wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
 from tests.support.receiver import Received, Receiver
@@ -179,3 +180,73 @@ async def _started(env: dict[str, str], log: Path) -> DispatcherProcess:
     proc = await start_dispatcher(env, log)
     await wait_ready(proc, timeout=60)
     return proc
+
+
+async def _readyz(port: int) -> tuple[int, dict[str, object]]:
+    """/readyz's status and body; (0, {}) while nothing listens yet."""
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"http://127.0.0.1:{port}/readyz", timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp,
+        ):
+            return resp.status, await resp.json()
+    except aiohttp.ClientConnectorError:
+        return 0, {}
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
+    pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
+    redis_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+    workers: str,
+) -> None:
+    """The synchronous standby stops answering: every commit on the primary waits, nothing
+    fails, and the dispatchers deliver the claimed events but cannot record them. /readyz
+    (one process's; the supervisor's of two workers) turns 503 naming the waiting commit
+    once one has waited 10 s, and 200 again once the standby is back and the commits
+    complete."""
+    primary, standby = pair
+    url = primary.url("fluxora")
+    port = free_port()
+    env = dispatcher_env(
+        url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_WORKERS=workers, WEBHOOK_METRICS_PORT=str(port), WEBHOOK_POLL_INTERVAL_MS="500",
+    )  # fmt: skip
+    proc = await start_dispatcher(env, tmp_path / "supervisor.log")
+    try:
+
+        async def ready() -> bool:
+            return (await _readyz(port))[0] == 200
+
+        await wait_until(ready, timeout=30, what="dispatching")
+        standby.stop("fast")
+        # The producer does not wait for the standby (its own choice); the dispatchers do.
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await conn.execute("SET synchronous_commit = local")
+            await conn.execute(
+                "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+                " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
+                " FROM generate_series(1, 20) g"
+            )
+        await receiver.wait_for(20, timeout=30)
+
+        async def stuck() -> bool:
+            status, body = await _readyz(port)
+            return status == 503 and "a commit has waited" in str(body.get("reason"))
+
+        await wait_until(stuck, timeout=40, what="/readyz naming the waiting commit")
+        standby.start()
+        await wait_until(ready, timeout=40, what="/readyz ready again")
+        await wait_until(lambda: _drained(url), timeout=30, what="every delivery recorded")
+        codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+    assert codes == [0], proc.log()
+    if workers == "2":
+        assert "a commit has waited" in proc.log()  # logged by the supervisor
+    assert tracebacks(proc.log()) == 0, proc.log()
