@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import psycopg
 import pytest
 from aiohttp import web
@@ -22,6 +21,7 @@ from tests.support.dispatch import wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
 from tests.support.receiver import Received, Receiver
 from tests.support.replication import ReplicatedPostgres, make_synchronous
+from tests.support.scrape import get_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -182,20 +182,6 @@ async def _started(env: dict[str, str], log: Path) -> DispatcherProcess:
     return proc
 
 
-async def _readyz(port: int) -> tuple[int, dict[str, object]]:
-    """/readyz's status and body; (0, {}) while nothing listens yet."""
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(
-                f"http://127.0.0.1:{port}/readyz", timeout=aiohttp.ClientTimeout(total=10)
-            ) as resp,
-        ):
-            return resp.status, await resp.json()
-    except aiohttp.ClientConnectorError:
-        return 0, {}
-
-
 @pytest.mark.parametrize("workers", ["1", "2"])
 async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
     pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
@@ -221,7 +207,7 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
     try:
 
         async def ready() -> bool:
-            return (await _readyz(port))[0] == 200
+            return (await get_json(port, "/readyz"))[0] == 200
 
         await wait_until(ready, timeout=30, what="dispatching")
         standby.stop("fast")
@@ -236,8 +222,8 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
         await receiver.wait_for(20, timeout=30)
 
         async def stuck() -> bool:
-            status, body = await _readyz(port)
-            return status == 503 and "a commit has waited" in str(body.get("reason"))
+            status, body = await get_json(port, "/readyz")
+            return status == 503 and "a commit has waited" in str(body["reason"])
 
         await wait_until(stuck, timeout=40, what="/readyz naming the waiting commit")
         standby.start()

@@ -8,9 +8,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import psutil
 import pytest
 from aiohttp import web
@@ -20,22 +18,9 @@ from tests.support.dispatch import delivered, enqueue_many, pending, wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, run_command, start_dispatcher
 from tests.support.receiver import Received, Receiver
 from tests.support.redis_server import free_port
-from tests.support.scrape import scrape, total
+from tests.support.scrape import get_json, scrape, total
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-async def _get_json(port: int, path: str) -> tuple[int, Any]:
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(
-                f"http://127.0.0.1:{port}{path}", timeout=aiohttp.ClientTimeout(total=5)
-            ) as resp,
-        ):
-            return resp.status, await resp.json()
-    except aiohttp.ClientError:
-        return 0, None
 
 
 def _workers(supervisor: DispatcherProcess) -> set[int]:
@@ -78,7 +63,7 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
     try:
 
         async def ready() -> bool:
-            return (await _get_json(port, "/readyz"))[0] == 200
+            return (await get_json(port, "/readyz"))[0] == 200
 
         await wait_until(ready, timeout=30, what="both workers dispatching")
         first = _workers(supervisor)
@@ -97,7 +82,7 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
         os.kill(victim, signal.SIGKILL)
 
         async def unready() -> bool:  # while it is replaced: 503, with the workers' counts
-            return await _get_json(port, "/readyz") == (
+            return await get_json(port, "/readyz") == (
                 503,
                 {
                     "status": "not ready",

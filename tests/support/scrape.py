@@ -1,6 +1,9 @@
-"""Reading a service's ``/metrics`` from outside, as Prometheus does."""
+"""Reading a service's ``/metrics`` from outside, as Prometheus does, and its health
+endpoints as an orchestrator does."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,3 +31,17 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of every sample of ``name`` whose labels include ``labels``."""
     wanted = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+async def get_json(port: int, path: str) -> tuple[int, Any]:
+    """A health endpoint's status and JSON body; (0, None) while nothing answers."""
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"http://127.0.0.1:{port}{path}", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp,
+        ):
+            return resp.status, await resp.json()
+    except aiohttp.ClientError:
+        return 0, None
