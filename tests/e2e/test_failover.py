@@ -21,7 +21,7 @@ from tests.support.dispatch import wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
 from tests.support.receiver import Received, Receiver
 from tests.support.replication import ReplicatedPostgres, make_synchronous
-from tests.support.scrape import get_json
+from tests.support.scrape import get_json, is_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -205,11 +205,7 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
     )  # fmt: skip
     proc = await start_dispatcher(env, tmp_path / "supervisor.log")
     try:
-
-        async def ready() -> bool:
-            return (await get_json(port, "/readyz"))[0] == 200
-
-        await wait_until(ready, timeout=30, what="dispatching")
+        await wait_until(lambda: is_ready(port), timeout=30, what="dispatching")
         standby.stop("fast")
         # The producer does not wait for the standby (its own choice); the dispatchers do.
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -227,7 +223,7 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
 
         await wait_until(stuck, timeout=40, what="/readyz naming the waiting commit")
         standby.start()
-        await wait_until(ready, timeout=40, what="/readyz ready again")
+        await wait_until(lambda: is_ready(port), timeout=40, what="/readyz ready again")
         await wait_until(lambda: _drained(url), timeout=30, what="every delivery recorded")
         codes = await stop_processes([proc])
     finally:

@@ -18,7 +18,7 @@ from tests.support.dispatch import delivered, enqueue_many, pending, wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, run_command, start_dispatcher
 from tests.support.receiver import Received, Receiver
 from tests.support.redis_server import free_port
-from tests.support.scrape import get_json, scrape, total
+from tests.support.scrape import get_json, is_ready, scrape, total
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -61,11 +61,7 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
     )  # fmt: skip
     supervisor = await start_dispatcher(env, tmp_path / "supervisor.log")
     try:
-
-        async def ready() -> bool:
-            return (await get_json(port, "/readyz"))[0] == 200
-
-        await wait_until(ready, timeout=30, what="both workers dispatching")
+        await wait_until(lambda: is_ready(port), timeout=30, what="both workers dispatching")
         first = _workers(supervisor)
         assert len(first) == 2, supervisor.log()
 
@@ -95,7 +91,7 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
 
         async def replaced() -> bool:
             now = _workers(supervisor)
-            return len(now) == 2 and victim not in now and await ready()
+            return len(now) == 2 and victim not in now and await is_ready(port)
 
         await wait_until(replaced, timeout=30, what="a replacement worker")
         second = _workers(supervisor)

@@ -45,3 +45,8 @@ async def get_json(port: int, path: str) -> tuple[int, Any]:
             return resp.status, await resp.json()
     except aiohttp.ClientError:
         return 0, None
+
+
+async def is_ready(port: int) -> bool:
+    """Whether ``/readyz`` answers 200 (for ``wait_until``)."""
+    return (await get_json(port, "/readyz"))[0] == 200
