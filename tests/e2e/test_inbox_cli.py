@@ -40,6 +40,19 @@ async def test_install_then_prune(empty_database_url: str) -> None:
     assert code == 0 and "deleted 3 delivery id(s)" in out, out
 
 
+async def test_install_refuses_a_table_without_a_key_on_delivery_id(
+    empty_database_url: str,
+) -> None:
+    """A hand-made webhook_inbox that every delivery would fail on is not "already
+    installed": exit 3, naming what to add."""
+    async with await psycopg.AsyncConnection.connect(empty_database_url, autocommit=True) as c:
+        await c.execute("CREATE TABLE webhook_inbox (delivery_id text, attempt integer)")
+    env = command_env(DATABASE_URL=empty_database_url)
+    code, out = await run_command("inbox", "install", env=env)
+    assert code == 3 and "ADD PRIMARY KEY (delivery_id)" in out, out
+    assert "already installed" not in out and "Traceback" not in out
+
+
 async def test_prune_before_install_says_what_to_run(empty_database_url: str) -> None:
     env = command_env(DATABASE_URL=empty_database_url)
     code, out = await run_command("inbox", "prune", "--older-than", "30d", env=env)

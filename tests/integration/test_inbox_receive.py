@@ -138,6 +138,38 @@ def test_a_table_made_by_hand_is_named_by_receive_and_completed_by_install(
         take(c, delivery())
 
 
+@pytest.mark.parametrize(
+    ("table", "named"),
+    [
+        ("delivery_id text, event_type text, attempt integer", "no primary key or unique index"),
+        ("delivery_id text UNIQUE DEFERRABLE, attempt integer", "no primary key or unique index"),
+        ("id bigint PRIMARY KEY, event_type text", "no delivery_id column"),
+    ],
+)
+def test_install_names_a_table_made_by_hand_that_receive_cannot_use(
+    empty_database_url: str, table: str, named: str
+) -> None:
+    """Not "already installed" for a table every receive would refuse: install raises what
+    receive would (sync and async), and changes nothing."""
+    with psycopg.connect(empty_database_url, autocommit=True) as c:
+        c.execute(f"CREATE TABLE webhook_inbox ({table})")
+    with psycopg.connect(empty_database_url) as c, pytest.raises(SchemaError, match=named):
+        install(c)
+
+    async def on_async() -> None:
+        async with await psycopg.AsyncConnection.connect(empty_database_url) as c:
+            await install(c)
+
+    with pytest.raises(SchemaError, match=named):
+        asyncio.run(on_async())
+    with psycopg.connect(empty_database_url, autocommit=True) as c:
+        columns = c.execute(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = 'webhook_inbox'::regclass"
+            " AND attnum > 0 AND NOT attisdropped"
+        ).fetchone()
+    assert columns == (len(table.split(",")),)  # nothing added
+
+
 # -- receive ------------------------------------------------------------------------------
 
 
@@ -465,3 +497,13 @@ async def test_prune_finds_old_ids_through_the_received_at_index(
         row = await cur.fetchone()
     assert row is not None
     assert "webhook_inbox_received_at_idx" in str(row[0])
+
+
+def test_prune_on_a_sync_connection_is_refused_at_the_call(inbox_database_url: str) -> None:
+    """install and receive take either connection; prune is async only, and says so rather
+    than returning a coroutine that would silently do nothing."""
+    with psycopg.connect(inbox_database_url, autocommit=True) as c:
+        c.execute("INSERT INTO webhook_inbox (delivery_id, received_at) VALUES ('x', 'epoch')")
+        with pytest.raises(TypeError, match="AsyncConnection"):
+            prune(c, older_than_ms=1)  # type: ignore[arg-type, unused-coroutine]
+        assert c.execute("SELECT count(*) FROM webhook_inbox").fetchone() == (1,)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
 
@@ -61,6 +61,15 @@ _ATTEMPT = re.compile(r"[0-9]{1,9}", re.ASCII)
 MISSING_TABLE = (
     "the webhook_inbox table does not exist in this database: run "
     "`fluxora-webhooks inbox install` (or fluxora_webhooks.inbox.install(conn)) first"
+)
+NO_ID = (
+    "webhook_inbox has no delivery_id column, so it is not the inbox's table: rename or "
+    "drop it, then install again"
+)
+NO_KEY = (
+    "webhook_inbox has no primary key or unique index on delivery_id, which the inbox "
+    "needs to tell a repeat from a new event: add one (ALTER TABLE webhook_inbox ADD "
+    "PRIMARY KEY (delivery_id))"
 )
 
 
@@ -122,6 +131,7 @@ def install(
     with conn.transaction():
         conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
         row = conn.execute(query("inbox_exists")).fetchone()
+        _check_shape(conn.execute(query("inbox_shape")).fetchone())
         conn.execute(query("inbox_install"))
     return not (row and row[0])
 
@@ -130,8 +140,21 @@ async def _install_async(conn: psycopg.AsyncConnection[Any]) -> bool:
     async with conn.transaction():
         await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
         row = await (await conn.execute(query("inbox_exists"))).fetchone()
+        _check_shape(await (await conn.execute(query("inbox_shape"))).fetchone())
         await conn.execute(query("inbox_install"))
     return not (row and row[0])
+
+
+def _check_shape(shape: tuple[Any, ...] | None) -> None:
+    """A table of that name made by hand that receive could never use is named, not
+    reported as installed: install completes columns, not a missing id or key."""
+    if shape is None:  # no such table yet: install creates it whole
+        return
+    has_id, has_key = shape
+    if not has_id:
+        raise SchemaError(NO_ID)
+    if not has_key:
+        raise SchemaError(NO_KEY)
 
 
 # -- receive ------------------------------------------------------------------------------
@@ -253,11 +276,7 @@ def _schema_error(exc: psycopg.Error) -> SchemaError:
             "install` (or fluxora_webhooks.inbox.install(conn)) adds event_type, attempt "
             "and received_at to it; a table without delivery_id is not one it can complete"
         )
-    return SchemaError(
-        "webhook_inbox has no primary key or unique index on delivery_id, which the inbox "
-        "needs to tell a repeat from a new event: add one (ALTER TABLE webhook_inbox ADD "
-        "PRIMARY KEY (delivery_id))"
-    )
+    return SchemaError(NO_KEY)
 
 
 def _require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -343,20 +362,37 @@ def _attempt(verified: Verified) -> int | None:
 # -- prune --------------------------------------------------------------------------------
 
 
-async def prune(
+def prune(
     conn: psycopg.AsyncConnection[Any],
     *,
     older_than_ms: int,
     batch_size: int = DEFAULT_PRUNE_BATCH,
     dry_run: bool = False,
-) -> InboxPruneResult:
+) -> Coroutine[Any, Any, InboxPruneResult]:
     """Delete the delivery ids received more than ``older_than_ms`` ago, ``batch_size``
-    rows per transaction (``conn`` must be in autocommit mode), oldest first.
+    rows per transaction (``conn`` must be an ``AsyncConnection`` in autocommit mode),
+    oldest first. Await it.
 
     An id pruned while its event can still arrive again is an id the inbox forgets: keep
     them longer than the sender's whole retry window (about a day and a half with the
     default schedule) plus any time in which dead letters may be replayed.
     """
+    if not isinstance(conn, psycopg.AsyncConnection):
+        # Said at the call: a coroutine made for a sync connection would do nothing.
+        raise TypeError(
+            "inbox.prune needs a psycopg AsyncConnection (await it); "
+            "`fluxora-webhooks inbox prune` runs it from a shell or a cron job"
+        )
+    return _prune(conn, older_than_ms=older_than_ms, batch_size=batch_size, dry_run=dry_run)
+
+
+async def _prune(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    older_than_ms: int,
+    batch_size: int,
+    dry_run: bool,
+) -> InboxPruneResult:
     if not 0 <= older_than_ms <= MAX_OLDER_THAN_MS:
         raise ValueError("older_than_ms must be from 0 to 100 years")
     if not 1 <= batch_size <= MAX_PRUNE_BATCH:

@@ -8,6 +8,25 @@ SELECT pg_advisory_xact_lock(%(key)s);
 -- name: inbox_exists
 SELECT to_regclass('webhook_inbox') IS NOT NULL;
 
+-- name: inbox_shape
+-- An existing webhook_inbox (no row when there is none): whether it has delivery_id, and
+-- a key on it that ON CONFLICT (delivery_id) can use (unique, immediate, valid, on that
+-- column alone, not partial, not an expression).
+SELECT
+    EXISTS (
+        SELECT 1 FROM pg_attribute
+        WHERE attrelid = t.oid AND attname = 'delivery_id' AND NOT attisdropped
+    ),
+    EXISTS (
+        SELECT 1 FROM pg_index i
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+        WHERE i.indrelid = t.oid AND i.indisunique AND i.indimmediate AND i.indisvalid
+          AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL
+          AND a.attname = 'delivery_id'
+    )
+FROM (SELECT to_regclass('webhook_inbox') AS oid) t
+WHERE t.oid IS NOT NULL;
+
 -- name: inbox_install
 -- Idempotent, and safe to run again after an upgrade or on a table made by hand: a
 -- column that receive writes or prune reads and the table lacks is added (a missing
