@@ -284,6 +284,8 @@ class Dispatcher:
                 if not synced:
                     await self.with_connection(self._sync_builtins)
                     synced = True
+                else:
+                    await self.with_connection(self._restore_builtins)
                 await self.with_connection(self.targets.load_all)
                 self.claim_since = await self.with_connection(partitions.pending_since)
                 if time.monotonic() - last_sweep >= SWEEP_S:
@@ -303,6 +305,23 @@ class Dispatcher:
         await endpoints.sync_builtin(
             conn, endpoints.OPERATOR_ID, self.settings.operator_url or None
         )
+
+    async def _restore_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """The built-in endpoints this dispatcher configures, put back if another one
+        started without their variables and removed them (a host missing a variable, a
+        `run` from a shell): otherwise deliveries to them would wait and operator events
+        would stop until this dispatcher restarts."""
+        for endpoint_id, url in (
+            (endpoints.DEFAULT_ID, self.settings.webhook_url),
+            (endpoints.OPERATOR_ID, self.settings.operator_url),
+        ):
+            if url and await endpoints.restore_builtin(conn, endpoint_id, url):
+                log.warning(
+                    "the built-in endpoint %s was removed by a dispatcher without %s; "
+                    "put back as this dispatcher configures it",
+                    endpoint_id,
+                    _builtin_variable(endpoint_id),
+                )
 
     async def _reload(self, endpoint_id: str) -> None:
         try:
@@ -804,8 +823,13 @@ class Dispatcher:
             log.warning(
                 "deliveries to the built-in endpoint %s wait: this dispatcher has no %s",
                 endpoint_id,
-                "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL",
+                _builtin_variable(endpoint_id),
             )
+
+
+def _builtin_variable(endpoint_id: str) -> str:
+    """The variable that configures a built-in endpoint's URL."""
+    return "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL"
 
 
 async def _sweep_streams(conn: psycopg.AsyncConnection[Any]) -> int:

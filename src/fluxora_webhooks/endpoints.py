@@ -651,13 +651,28 @@ async def sync_builtin(
     conn: psycopg.AsyncConnection[Any], endpoint_id: str, url: str | None
 ) -> None:
     """Record a built-in endpoint as this service configures it: present with its URL, or
-    absent when its variable is unset (its disabled state survives a restart)."""
-    if endpoint_id not in BUILTIN_IDS:
-        raise ValueError(f"{endpoint_id} is not a built-in endpoint")
-    tenant = OPERATOR_TENANT if endpoint_id == OPERATOR_ID else ""
+    absent when its variable is unset. Its disabled state survives a restart: a disabled
+    built-in endpoint is not removed (its deliveries stay parked until it is enabled)."""
+    tenant = _builtin_tenant(endpoint_id)
     if url:
         await conn.execute(
             query("builtin_upsert"), {"id": endpoint_id, "tenant": tenant, "url": url}
         )
     else:
         await conn.execute(query("builtin_delete"), {"id": endpoint_id})
+
+
+async def restore_builtin(conn: psycopg.AsyncConnection[Any], endpoint_id: str, url: str) -> bool:
+    """Put a configured built-in endpoint back if it is missing (a dispatcher started
+    without its variable removed it); True if it was. A present one is left as it is."""
+    cur = await conn.execute(
+        query("builtin_restore"),
+        {"id": endpoint_id, "tenant": _builtin_tenant(endpoint_id), "url": url},
+    )
+    return await cur.fetchone() is not None
+
+
+def _builtin_tenant(endpoint_id: str) -> str:
+    if endpoint_id not in BUILTIN_IDS:
+        raise ValueError(f"{endpoint_id} is not a built-in endpoint")
+    return OPERATOR_TENANT if endpoint_id == OPERATOR_ID else ""

@@ -19,12 +19,20 @@ import pytest_asyncio
 from aiohttp import web
 from standardwebhooks import Webhook
 
+from fluxora_webhooks import dispatcher as dispatcher_module
 from fluxora_webhooks import endpoints, enqueue, verify
 from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.errors import ConfigError, ConflictError, NotFoundError, VerificationError
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.settings import Settings
-from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
+from tests.support.dispatch import (
+    SECRET,
+    make_settings,
+    rows,
+    running_dispatcher,
+    scalar,
+    wait_until,
+)
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -300,6 +308,44 @@ async def test_an_endpoint_disabled_right_after_start_up_is_told_to_the_operator
             await endpoints.disable(conn, ep.id)
         await operator.wait_for(1, timeout=30)
     assert [r.headers["x-fluxora-event"] for r in operator.received] == ["endpoint.disabled"]
+
+
+async def test_a_start_without_the_variables_costs_the_running_dispatchers_nothing(
+    database_url: str, consumer: Receiver, operator: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another dispatcher started without WEBHOOK_URL and WEBHOOK_OPERATOR_URL (a host
+    missing them, a `run` from a shell) removes the built-in endpoints it does not
+    configure; the running ones put them back, so events still reach them and the operator.
+    A disabled built-in endpoint is not removed: its parked deliveries wait for enable."""
+    monkeypatch.setattr(dispatcher_module, "HOUSEKEEPING_S", 0.2)
+    configured = dataclasses.replace(settings(operator), webhook_url=consumer.url, secret=SECRET)
+    async with running_dispatcher(configured, database_url):
+        conn = await connect(database_url)
+        async with conn:
+            for builtin in (endpoints.DEFAULT_ID, endpoints.OPERATOR_ID):
+                await endpoints.sync_builtin(conn, builtin, None)  # the other one's start
+            assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
+            await wait_until(
+                lambda: _eq(scalar(database_url, "SELECT count(*) FROM webhook_endpoints"), 2),
+                what="both built-in endpoints put back",
+            )
+            await send(database_url, 1)
+            await consumer.wait_for(1)
+            await endpoints.disable(conn, endpoints.DEFAULT_ID)
+            await operator.wait_for(1)  # endpoint.disabled: the operator endpoint is there
+            await send(database_url, 2)
+            await wait_until(lambda: _eq(held(database_url, "default"), 2), what="2 parked")
+            await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, None)  # another start
+            assert not (await endpoints.get(conn, endpoints.DEFAULT_ID)).enabled
+            assert await held(database_url, "default") == 2
+            await endpoints.enable(conn, endpoints.DEFAULT_ID)
+            await consumer.wait_for(3)
+            await operator.wait_for(2)
+    assert [r.headers["x-fluxora-event"] for r in operator.received] == [
+        "endpoint.disabled",
+        "endpoint.enabled",
+    ]
+    assert len({r.delivery_id for r in consumer.received}) == 3
 
 
 async def test_removal_dead_letters_pending_deliveries_and_tells_the_operator(

@@ -153,8 +153,17 @@ ON CONFLICT (id) DO UPDATE SET url = EXCLUDED.url, updated_at = now()
 WHERE webhook_endpoints.url IS DISTINCT FROM EXCLUDED.url
 RETURNING id;
 
+-- name: builtin_restore
+-- A built-in endpoint this dispatcher configures, put back if a dispatcher started without
+-- its variable removed it meanwhile (only then: no URL tug-of-war between dispatchers).
+INSERT INTO webhook_endpoints (id, tenant, url)
+VALUES (%(id)s, %(tenant)s, %(url)s)
+ON CONFLICT (id) DO NOTHING
+RETURNING id;
+
 -- name: builtin_delete
-DELETE FROM webhook_endpoints WHERE id = %(id)s;
+-- A disabled one stays: its state and its parked deliveries outlive a start without it.
+DELETE FROM webhook_endpoints WHERE id = %(id)s AND state = 'enabled';
 
 -- name: recover_dead_letters
 -- One bounded batch of an endpoint's dead letters from the window, back into the outbox:
