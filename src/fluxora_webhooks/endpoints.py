@@ -188,6 +188,14 @@ def check_tenant(tenant: str, name: str = "tenant") -> str:
     return tenant
 
 
+def check_tenant_filter(tenant: str | None, name: str = "--tenant") -> str | None:
+    """A tenant to list by: as :func:`check_tenant`, or the operator's own (its dead
+    letters); None lists every tenant. A typo is named rather than listing nothing."""
+    if tenant is None or tenant == OPERATOR_TENANT:
+        return tenant
+    return check_tenant(tenant, name)
+
+
 def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str = "url") -> str:
     """The URL policy of SPEC section 7 for a registered endpoint: https (http to loopback
     only), no credentials, and no loopback or private address unless ``allowed_networks``

@@ -69,15 +69,7 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
     assert made["secret"] not in text and rotated["secret"] not in text
 
     # Dead letters of the endpoint, listed by endpoint and tenant, then recovered.
-    await scalar(
-        database_url,
-        "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
-        " attempts, reason, enqueued_at, dead_at, endpoint_id, tenant)"
-        " SELECT gen_random_uuid(), 's' || g, 'stream.updated', '{}', 8,"
-        " 'attempts_exhausted', now(), now() - interval '1 hour', %s, 'acme'"
-        " FROM generate_series(1, 12) g RETURNING 1",
-        (endpoint_id,),
-    )
+    await _dead_letters(database_url, endpoint_id, 12)
     code, dead = await cli(env, "dlq", "list", "--endpoint", endpoint_id, "--json")
     assert code == 0 and len(dead) == 12
     code, none = await cli(env, "dlq", "list", "--tenant", "bolt", "--json")
@@ -85,20 +77,26 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
     code, recovered = await cli(
         env, "recover", "--endpoint", endpoint_id, "--since", "2h", "--json"
     )
-    assert code == 0 and recovered == {"requeued": 12}
+    assert code == 0 and recovered == {"requeued": 12, "parked": 0}
     code, again = await cli(
         env, "recover", "--endpoint", endpoint_id, "--since", "2026-01-01T00:00:00Z", "--json"
     )
-    assert again == {"requeued": 0}
+    assert again == {"requeued": 0, "parked": 0}
     code, out = await run_command(
         "recover", "--endpoint", endpoint_id, "--since", "2099-01-01T00:00:00Z", env=env
     )
     assert code == 2 and "since: is in the future" in out, out  # no --until was given
+    # Recovered into a disabled endpoint: parked, and the command says so.
+    await cli(env, "endpoints", "disable", endpoint_id, "--json")
+    await _dead_letters(database_url, endpoint_id, 3)
+    code, out = await run_command("recover", "--endpoint", endpoint_id, "--since", "2h", env=env)
+    assert code == 0 and "requeued 3 dead letter(s)" in out and "parked" in out, out
+    assert f"endpoints enable {endpoint_id}" in out
 
     code, out = await run_command("endpoints", "remove", endpoint_id, env=env)
     assert code == 2 and "--yes" in out  # not on a terminal: asks for --yes
     code, gone = await cli(env, "endpoints", "remove", endpoint_id, "--yes", "--json")
-    assert code == 0 and gone["dead_lettered"] == 12  # the recovered, pending again
+    assert code == 0 and gone["dead_lettered"] == 15  # the recovered, pending or parked
     code, out = await run_command("endpoints", "show", endpoint_id, env=env)
     assert code == 1 and "no endpoint" in out
 
@@ -129,6 +127,9 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
         (["endpoints", "add", "--url", "https://a.example/", "--events", ""], "event type"),
         (["endpoints", "rotate-secret", "ep_x", "--keep-previous", "forever"], "--keep-previous"),
         (["recover", "--endpoint", "ep_x", "--since", "yesterday"], "--since"),
+        # A mistyped tenant to list by is named, not answered with an empty list.
+        (["endpoints", "list", "--tenant", "a b"], "--tenant"),
+        (["dlq", "list", "--tenant", "a b"], "--tenant"),
     ],
 )
 async def test_bad_input_is_refused_naming_what_is_wrong(
@@ -139,3 +140,16 @@ async def test_bad_input_is_refused_naming_what_is_wrong(
     assert named in out and "Traceback" not in out
     assert "k-9" not in out
     assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
+
+
+async def _dead_letters(database_url: str, endpoint_id: str, n: int) -> None:
+    """``n`` dead letters of the endpoint (tenant acme), dead an hour ago."""
+    await scalar(
+        database_url,
+        "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+        " attempts, reason, enqueued_at, dead_at, endpoint_id, tenant)"
+        " SELECT gen_random_uuid(), 's' || g, 'stream.updated', '{}', 8,"
+        " 'attempts_exhausted', now(), now() - interval '1 hour', %s, 'acme'"
+        " FROM generate_series(1, %s) g RETURNING 1",
+        (endpoint_id, n),
+    )

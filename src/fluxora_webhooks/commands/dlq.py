@@ -67,6 +67,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .. import deadletters
+    from ..endpoints import check_tenant_filter
+
+    if args.dlq_command == "list":
+        check_tenant_filter(args.tenant)
 
     if args.dlq_command in ("replay", "purge"):
         if not args.all and not args.ids:

@@ -107,6 +107,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ..settings import Settings, parse_duration_ms
 
     action = args.endpoints_action
+    if action == "list":
+        endpoints.check_tenant_filter(args.tenant)
     allowed = Settings.from_env(env).allowed_networks if action in ("add", "update") else ()
     keep_ms = 0
     if action == "rotate-secret":

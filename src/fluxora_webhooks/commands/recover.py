@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", required=True, metavar="ID")
     parser.add_argument("--since", required=True, metavar="TIME")
     parser.add_argument("--until", metavar="TIME", help="the end of the window (default: now)")
-    parser.add_argument("--json", action="store_true", help='print {"requeued": N}')
+    parser.add_argument("--json", action="store_true", help='print {"requeued": N, "parked": N}')
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -38,8 +38,15 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             since = await endpoints.moment(conn, args.since, "--since")
             until = await endpoints.moment(conn, args.until, "--until") if args.until else None
             count = await endpoints.recover(conn, args.endpoint, since=since, until=until)
+            # Re-queued into a disabled endpoint, they are parked: said, not left to guess.
+            parked = count if not (await endpoints.get(conn, args.endpoint)).enabled else 0
         if args.json:
-            print(json.dumps({"requeued": count}))
+            print(json.dumps({"requeued": count, "parked": parked}))
+        elif parked:
+            print(
+                f"requeued {count} dead letter(s) of {args.endpoint}, parked: the endpoint "
+                f"is disabled (`fluxora-webhooks endpoints enable {args.endpoint}` sends them)"
+            )
         else:
             print(f"requeued {count} dead letter(s) of {args.endpoint}")
         return 0
