@@ -266,7 +266,24 @@ def check_database_url(url: str, variable: str = "DATABASE_URL") -> dict[str, st
         number = _whole(port) if _DIGITS.fullmatch(port) else None
         if port and (number is None or not 1 <= number <= 65535):
             raise ConfigError(variable, "has a port that is not a number from 1 to 65535")
+    # Options libpq reads only when it connects: a bad one would make every connection of
+    # the pools fail later while start-up (which sets its own timeout) had succeeded.
+    timeout = options.get("connect_timeout", "").strip()
+    if "connect_timeout" in options and not _SIGNED_DIGITS.fullmatch(timeout):
+        raise ConfigError(variable, "connect_timeout must be whole seconds, e.g. connect_timeout=5")
+    for option, allowed in _LIBPQ_CHOICES.items():
+        if option in options and options[option] not in allowed:
+            raise ConfigError(variable, f"{option} must be one of {', '.join(allowed)}")
     return options
+
+
+_SIGNED_DIGITS = re.compile(r"-?[0-9]{1,9}")
+_LIBPQ_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "target_session_attrs": (
+        "any", "read-write", "read-only", "primary", "standby", "prefer-standby",
+    ),
+}  # fmt: skip
 
 
 def database_url_secrets(url: str | None) -> tuple[str, ...]:

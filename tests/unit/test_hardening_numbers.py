@@ -186,6 +186,11 @@ def test_rate_and_threshold_have_upper_bounds(variable: str, limit: int) -> None
         "host=x port=abc",
         "postgresql://h:99999/db",
         "host=x password secret-token",
+        # Read by libpq only when it connects: refused before, not by every pool connection.
+        "postgresql://h/db?target_session_attrs=read-write&connect_timeout=5s",
+        "postgresql://h/db?connect_timeout=abc",
+        "postgresql://h/db?sslmode=bogus",
+        "host=x target_session_attrs=readwrite",
     ],
 )
 def test_a_garbage_database_url_is_a_config_error_for_every_command(url: str) -> None:
@@ -200,6 +205,8 @@ def test_good_database_urls_pass() -> None:
         "postgresql://u:p@h1:5432,h2:5433/db?target_session_attrs=read-write&sslmode=require",
         "host=/tmp dbname=app",
         "postgresql:///app?host=/var/run/postgresql",
+        "postgresql://h/db?connect_timeout=10&target_session_attrs=prefer-standby",
+        "host=x connect_timeout=0 sslmode=verify-full",
     ):
         assert EngineSettings.from_env({"DATABASE_URL": url}).database_url == url
 
