@@ -201,8 +201,13 @@ async def test_a_new_installation_can_be_partitioned_from_the_start(
     assert "partitioned (converted now)" in out
     code, out = await run_command("migrate", "--partitioned", env=env)
     assert code == 0 and "(converted now)" not in out, out
-    # The default 1d asked of an outbox partitioned by the hour: said, not done.
-    assert "its partitions stay 1h each" in out and "1d is not applied" in out
+    assert "its partitions are 1h each" in out and "not applied" not in out
+    # A 1d asked of an outbox partitioned by the hour: said, not done.
+    code, out = await run_command("migrate", "--partitioned", "--partition-interval", "1d", env=env)
+    assert code == 0 and "its partitions stay 1h each" in out and "1d is not applied" in out
+    # Without --partitioned the interval would be ignored: refused instead.
+    code, out = await run_command("migrate", "--partition-interval", "2h", env=env)
+    assert code == 2 and "--partition-interval: applies only with --partitioned" in out, out
     code, out = await run_command(
         "migrate", "--partition-interval", "10m", "--partitioned", env=env
     )

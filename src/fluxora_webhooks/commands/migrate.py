@@ -10,6 +10,8 @@ from collections.abc import Mapping
 
 from .common import engines, run_async
 
+DEFAULT_INTERVAL = "1d"
+
 NAME = "migrate"
 HELP = "apply pending schema migrations (idempotent)"
 DESCRIPTION = (
@@ -28,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--partition-interval",
-        default="1d",
+        default=None,
         metavar="PERIOD",
         help="the time range of one partition, from 1h to 31d (default 1d)",
     )
@@ -42,7 +44,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ..migrations import MIGRATION_LOCK_KEY, latest_version, migrate
     from ..settings import format_ms, parse_duration_ms
 
-    interval_ms = parse_duration_ms(args.partition_interval, "--partition-interval")
+    if args.partition_interval is not None and not args.partitioned:
+        raise ConfigError("--partition-interval", "applies only with --partitioned")
+    asked = args.partition_interval
+    interval_ms = parse_duration_ms(asked or DEFAULT_INTERVAL, "--partition-interval")
     if not partitions.MIN_INTERVAL_MS <= interval_ms <= 31 * 86_400_000:
         raise ConfigError("--partition-interval", "must be from 1h to 31d")
     database_url, _ = engines(env, redis=False)
@@ -66,13 +71,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             print(f"schema is up to date (version {latest_version()})")
         if args.partitioned:
             print("the outbox is partitioned" + (" (converted now)" if converted else ""))
-            if current is not None and current != interval_ms:
+            if current is not None and asked is not None and current != interval_ms:
                 # Kept: the existing partitions' ranges cannot change in place.
                 print(
                     f"note: its partitions stay {format_ms(current)} each (a partitioned "
-                    f"outbox keeps its interval): --partition-interval "
-                    f"{args.partition_interval} is not applied"
+                    f"outbox keeps its interval): --partition-interval {asked} is not applied"
                 )
+            elif current is not None and not converted:
+                print(f"its partitions are {format_ms(current)} each")
         return 0
 
     return run_async(main())
