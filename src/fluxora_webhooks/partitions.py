@@ -255,12 +255,59 @@ async def create_partition(
     if await _exists(conn, name):
         return None
     upper = lower + dt.timedelta(milliseconds=interval_ms)
-    await conn.execute(
-        sql.SQL(
-            "CREATE TABLE {} PARTITION OF webhook_outbox FOR VALUES FROM ({}) TO ({}) WITH ({})"
-        ).format(sql.Identifier(name), sql.Literal(lower), sql.Literal(upper), sql.SQL(_AUTOVACUUM))
+    in_range = sql.SQL("partition_at >= {} AND partition_at < {}").format(
+        sql.Literal(lower), sql.Literal(upper)
     )
+    if not await _strays(conn, in_range):
+        await conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} PARTITION OF webhook_outbox FOR VALUES FROM ({}) TO ({}) WITH ({})"
+            ).format(
+                sql.Identifier(name), sql.Literal(lower), sql.Literal(upper), sql.SQL(_AUTOVACUUM)
+            )
+        )
+        return name
+    # Rows of this range are in the default partition (no dispatcher made partitions ahead
+    # for a while, or a producer wrote a far partition_at): a partition cannot be created
+    # over them, and every later one would wait behind it. They move into the new table,
+    # which is then attached, in one transaction (the default partition locked meanwhile).
+    async with conn.transaction():
+        await conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+            sql.Identifier(DEFAULT)
+        ))  # fmt: skip
+        await conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (LIKE webhook_outbox INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+                " WITH ({})"
+            ).format(sql.Identifier(name), sql.SQL(_AUTOVACUUM))
+        )
+        cur = await conn.execute(
+            sql.SQL(
+                "WITH moved AS (DELETE FROM {} WHERE {} RETURNING *)"
+                " INSERT INTO {} SELECT * FROM moved"
+            ).format(sql.Identifier(DEFAULT), in_range, sql.Identifier(name))
+        )
+        moved = cur.rowcount
+        await conn.execute(
+            sql.SQL("ALTER TABLE webhook_outbox ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})")
+            .format(sql.Identifier(name), sql.Literal(lower), sql.Literal(upper))
+        )  # fmt: skip
+    log.warning("moved %d outbox row(s) from %s into the new partition %s", moved, DEFAULT, name)
     return name
+
+
+async def _strays(conn: psycopg.AsyncConnection[Any], in_range: sql.Composable) -> bool:
+    """Whether the default partition holds rows of a range (it should not: see
+    :func:`create_partition`)."""
+    if not await _exists(conn, DEFAULT):
+        return False
+    cur = await conn.execute(
+        sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE {})").format(
+            sql.Identifier(DEFAULT), in_range
+        )
+    )
+    row = await cur.fetchone()
+    return bool(row and row[0])
 
 
 async def pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | None:

@@ -216,6 +216,40 @@ async def test_a_new_installation_can_be_partitioned_from_the_start(
         assert (await partitions.layout(c)).interval_ms == 3_600_000
 
 
+async def test_rows_in_the_default_partition_move_into_the_partition_made_for_them(
+    empty_database_url: str,
+) -> None:
+    """No dispatcher made partitions ahead for a while (all of them down), so producers'
+    rows went to the default partition: the partition of their range is still made (they
+    move into it), and so is every later one; nothing is lost."""
+    code, out = await run_command(
+        "migrate", "--partitioned", "--partition-interval", "1h",
+        env=command_env(DATABASE_URL=empty_database_url),
+    )  # fmt: skip
+    assert code == 0, out
+    url = empty_database_url
+    await scalar(
+        url,
+        "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at)"
+        " SELECT 's' || g, 'stream.updated', '{}', now() + interval '5 hours 30 minutes'"
+        " FROM generate_series(1, 3) g RETURNING 1",
+    )
+    assert await scalar(url, "SELECT count(*) FROM webhook_outbox_default") == 3
+    before = await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id")
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        made = await partitions.ensure_ahead(conn, ahead=8)
+        await check_schema(conn)
+        at = await (await conn.execute("SELECT now() + interval '5 hours 30 minutes'")).fetchone()
+    assert at is not None
+    home = partitions.partition_name(partitions._bounds(at[0], 3_600_000)[0])
+    assert home in made and len(made) >= 4  # it, and the ones after it
+    assert await scalar(url, "SELECT count(*) FROM webhook_outbox_default") == 0
+    placed = await rows(url, "SELECT DISTINCT tableoid::regclass::text FROM webhook_outbox")
+    assert placed == [(home,)]
+    assert await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id") == before
+    assert await scalar(url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed") == 3
+
+
 async def _produce(database_url: str, n: int) -> None:
     for _ in range(n // 20):
         await enqueue_many(database_url, 20)
