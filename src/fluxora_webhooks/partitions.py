@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 PARENT = "webhook_outbox"
 LEGACY = "webhook_outbox_legacy"
 DEFAULT = "webhook_outbox_default"
+_BOUND = "webhook_outbox_legacy_bound"  # CHECK (partition_at < cut) while converting
 CONFIG = "fluxora_outbox_partitioning"
 DEFAULT_INTERVAL_MS = 86_400_000
 MIN_INTERVAL_MS = 3_600_000
@@ -158,12 +159,15 @@ async def convert(
         raise ValueError("the partition interval must be from 1h to 31d")
     if (await layout(conn)).partitioned:
         return False
+    if first_partition_at is None and await _convert_empty(conn, interval_ms):
+        await ensure_ahead(conn)
+        return True
     now = await _db_now(conn)
     if first_partition_at is None:
         _, cut = _bounds(now + dt.timedelta(milliseconds=interval_ms), interval_ms)
     else:
         cut = _bounds(first_partition_at, interval_ms)[0]
-    bound = sql.Identifier("webhook_outbox_legacy_bound")
+    bound = sql.Identifier(_BOUND)
     await conn.execute(
         sql.SQL(
             "ALTER TABLE webhook_outbox DROP CONSTRAINT IF EXISTS {b},"
@@ -178,43 +182,72 @@ async def convert(
         "CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_id_idx ON webhook_outbox (id)"
     )
     async with conn.transaction():
-        await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
-        await conn.execute(f"ALTER TABLE {PARENT} RENAME TO {LEGACY}")
-        for name, _ in _INDEXES:
-            await conn.execute(f"ALTER INDEX IF EXISTS {name} RENAME TO {name}_legacy")
-        await conn.execute(f"DROP TRIGGER IF EXISTS webhook_outbox_notify_trg ON {LEGACY}")
-        await conn.execute(
-            f"CREATE TABLE {PARENT} (LIKE {LEGACY} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-            " PARTITION BY RANGE (partition_at)"
-        )
-        await conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
-            sql.Identifier(PARENT), bound
-        ))  # fmt: skip
-        await conn.execute(f"ALTER SEQUENCE webhook_outbox_id_seq OWNED BY {PARENT}.id")
-        for name, definition in _INDEXES:
-            await conn.execute(f"CREATE INDEX {name} ON {PARENT} {definition}")
-        await conn.execute(
-            f"ALTER TABLE {PARENT} ATTACH PARTITION {LEGACY}"
-            f" FOR VALUES FROM (MINVALUE) TO ({sql.Literal(cut).as_string(conn)})"
-        )
-        await conn.execute(f"ALTER TABLE {LEGACY} DROP CONSTRAINT webhook_outbox_legacy_bound")
-        await conn.execute(f"CREATE TABLE {DEFAULT} PARTITION OF {PARENT} DEFAULT")
-        await conn.execute(f"ALTER TABLE {DEFAULT} SET ({_AUTOVACUUM})")
-        await conn.execute(
-            "CREATE TRIGGER webhook_outbox_notify_trg AFTER INSERT ON webhook_outbox"
-            " REFERENCING NEW TABLE AS inserted"
-            " FOR EACH STATEMENT EXECUTE FUNCTION webhook_outbox_notify()"
-        )
-        await conn.execute(
-            f"CREATE TABLE {CONFIG} (interval_ms bigint NOT NULL,"
-            " converted_at timestamptz NOT NULL DEFAULT now(), legacy_until timestamptz)"
-        )
-        await conn.execute(
-            f"INSERT INTO {CONFIG} (interval_ms, legacy_until) VALUES (%s, %s)",
-            (interval_ms, cut),
-        )
+        await _swap(conn, cut, interval_ms)
     await ensure_ahead(conn)
     return True
+
+
+async def _convert_empty(conn: psycopg.AsyncConnection[Any], interval_ms: int) -> bool:
+    """An empty outbox (a new installation) converted in one transaction under the lock,
+    its first partition the current interval's: nothing before it to keep, so no legacy
+    range reaching ahead (rows would sit there until deleted one by one). False, having
+    changed nothing, when it holds rows."""
+    async with conn.transaction():
+        await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
+        cur = await conn.execute("SELECT NOT EXISTS (SELECT 1 FROM webhook_outbox)")
+        row = await cur.fetchone()
+        if not (row and row[0]):
+            return False
+        cut = _bounds(await _db_now(conn), interval_ms)[0]
+        await conn.execute(
+            sql.SQL("ALTER TABLE webhook_outbox ADD CONSTRAINT {} CHECK (partition_at < {})")
+            .format(sql.Identifier(_BOUND), sql.Literal(cut))
+        )  # fmt: skip
+        await conn.execute(
+            "CREATE INDEX IF NOT EXISTS webhook_outbox_id_idx ON webhook_outbox (id)"
+        )
+        await _swap(conn, cut, interval_ms)
+    return True
+
+
+async def _swap(conn: psycopg.AsyncConnection[Any], cut: dt.datetime, interval_ms: int) -> None:
+    """In the caller's transaction: the table (proved to hold only rows before ``cut``)
+    becomes the legacy partition of a partitioned ``webhook_outbox``."""
+    await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
+    await conn.execute(f"ALTER TABLE {PARENT} RENAME TO {LEGACY}")
+    for name, _ in _INDEXES:
+        await conn.execute(f"ALTER INDEX IF EXISTS {name} RENAME TO {name}_legacy")
+    await conn.execute(f"DROP TRIGGER IF EXISTS webhook_outbox_notify_trg ON {LEGACY}")
+    await conn.execute(
+        f"CREATE TABLE {PARENT} (LIKE {LEGACY} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+        " PARTITION BY RANGE (partition_at)"
+    )
+    await conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
+        sql.Identifier(PARENT), sql.Identifier(_BOUND)
+    ))  # fmt: skip
+    await conn.execute(f"ALTER SEQUENCE webhook_outbox_id_seq OWNED BY {PARENT}.id")
+    for name, definition in _INDEXES:
+        await conn.execute(f"CREATE INDEX {name} ON {PARENT} {definition}")
+    await conn.execute(
+        f"ALTER TABLE {PARENT} ATTACH PARTITION {LEGACY}"
+        f" FOR VALUES FROM (MINVALUE) TO ({sql.Literal(cut).as_string(conn)})"
+    )
+    await conn.execute(f"ALTER TABLE {LEGACY} DROP CONSTRAINT webhook_outbox_legacy_bound")
+    await conn.execute(f"CREATE TABLE {DEFAULT} PARTITION OF {PARENT} DEFAULT")
+    await conn.execute(f"ALTER TABLE {DEFAULT} SET ({_AUTOVACUUM})")
+    await conn.execute(
+        "CREATE TRIGGER webhook_outbox_notify_trg AFTER INSERT ON webhook_outbox"
+        " REFERENCING NEW TABLE AS inserted"
+        " FOR EACH STATEMENT EXECUTE FUNCTION webhook_outbox_notify()"
+    )
+    await conn.execute(
+        f"CREATE TABLE {CONFIG} (interval_ms bigint NOT NULL,"
+        " converted_at timestamptz NOT NULL DEFAULT now(), legacy_until timestamptz)"
+    )
+    await conn.execute(
+        f"INSERT INTO {CONFIG} (interval_ms, legacy_until) VALUES (%s, %s)",
+        (interval_ms, cut),
+    )
 
 
 async def ensure_ahead(

@@ -199,6 +199,13 @@ async def test_a_new_installation_can_be_partitioned_from_the_start(
     code, out = await run_command("migrate", "--partitioned", "--partition-interval", "1h", env=env)
     assert code == 0, out
     assert "partitioned (converted now)" in out
+    # Nothing to keep: the first partition is the current hour's, no legacy range ahead
+    # (whose rows retention could only delete one by one).
+    assert await scalar(
+        empty_database_url,
+        "SELECT legacy_until = to_timestamp(floor(extract(epoch FROM now()) / 3600) * 3600)"
+        f" FROM {partitions.CONFIG}",
+    )
     code, out = await run_command("migrate", "--partitioned", env=env)
     assert code == 0 and "(converted now)" not in out, out
     assert "its partitions are 1h each" in out and "not applied" not in out
