@@ -203,6 +203,15 @@ DEAD_LETTER_ROWS = Gauge(
     multiprocess_mode="mostrecent",
     registry=REGISTRY,
 )
+OUTBOX_DEFAULT_PARTITION_ROWS = Gauge(
+    "fluxora_webhook_outbox_default_partition_rows",
+    "Rows in a partitioned outbox's default partition: rows no partition covered when they "
+    "were written (no dispatcher made partitions ahead meanwhile). It should be 0; the "
+    "service moves them into their partition when it makes it. 0 on an ordinary outbox; "
+    "counted up to a cap.",
+    multiprocess_mode="mostrecent",
+    registry=REGISTRY,
+)
 BACKLOG_REFRESHED = Gauge(
     "fluxora_webhook_backlog_refreshed_timestamp_seconds",
     "Unix time of the last successful reading of the backlog gauges.",

@@ -52,6 +52,8 @@ class Backlog:
     dead_letters: int
     capped: bool  # a count reached the cap: ``pending`` is an estimate, ``due`` a lower bound
     cap: int
+    # A partitioned outbox's rows in its default partition (up to the cap); None otherwise.
+    default_partition_rows: int | None = None
 
 
 async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_COUNT_CAP) -> Backlog:
@@ -70,7 +72,15 @@ async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_CO
     capped = int(pending) >= cap or int(due) >= cap or int(dead) >= cap
     if int(pending) >= cap:
         pending = max(cap, int(estimate or 0))
+    strays = None
+    found = await (await conn.execute(query("backlog_partitioned"))).fetchone()
+    if found and found[0]:
+        counted = await (
+            await conn.execute(query("backlog_default_partition"), {"cap": cap})
+        ).fetchone()
+        strays = int(counted[0]) if counted else 0
     return Backlog(
+        default_partition_rows=strays,
         pending=int(pending),
         due=int(due),
         oldest_due_age_s=max(0.0, float(oldest or 0.0)),
@@ -87,6 +97,7 @@ def set_backlog_gauges(backlog: Backlog) -> None:
     metrics.OUTBOX_PENDING_ESTIMATED.set(1 if backlog.capped else 0)
     metrics.OUTBOX_OLDEST_DUE_AGE.set(backlog.oldest_due_age_s)
     metrics.DEAD_LETTER_ROWS.set(backlog.dead_letters)
+    metrics.OUTBOX_DEFAULT_PARTITION_ROWS.set(backlog.default_partition_rows or 0)
     metrics.BACKLOG_REFRESHED.set(time.time())
 
 

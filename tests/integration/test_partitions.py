@@ -14,6 +14,7 @@ import pytest
 
 from fluxora_webhooks import partitions
 from fluxora_webhooks.migrations import check_schema
+from fluxora_webhooks.ops import read_backlog
 from tests.support.dispatch import (
     delivered,
     enqueue_many,
@@ -52,8 +53,10 @@ async def test_an_existing_outbox_is_converted_in_place_with_every_row_kept(
     await enqueue_many(database_url, 30)  # pending while the outbox is converted
     before = await rows(database_url, "SELECT id, delivery_id, processed FROM webhook_outbox")
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        assert (await read_backlog(conn)).default_partition_rows is None  # not partitioned
         assert await partitions.convert(conn, interval_ms=DAY) is True
         assert await partitions.convert(conn, interval_ms=DAY) is False  # idempotent
+        assert (await read_backlog(conn)).default_partition_rows == 0
         assert (await partitions.layout(conn)).interval_ms == DAY
         await check_schema(conn)
     after = await rows(database_url, "SELECT id, delivery_id, processed FROM webhook_outbox")
@@ -244,8 +247,11 @@ async def test_rows_in_the_default_partition_move_into_the_partition_made_for_th
     assert await scalar(url, "SELECT count(*) FROM webhook_outbox_default") == 3
     before = await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id")
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        # What the gauge fluxora_webhook_outbox_default_partition_rows reads.
+        assert (await read_backlog(conn)).default_partition_rows == 3
         made = await partitions.ensure_ahead(conn, ahead=8)
         await check_schema(conn)
+        assert (await read_backlog(conn)).default_partition_rows == 0
         at = await (await conn.execute("SELECT now() + interval '5 hours 30 minutes'")).fetchone()
     assert at is not None
     home = partitions.partition_name(partitions._bounds(at[0], 3_600_000)[0])
