@@ -300,21 +300,23 @@ class Dispatcher:
                 continue
             await asyncio.sleep(HOUSEKEEPING_S if self.targets.loaded else 1.0)
 
-    async def _sync_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, self.settings.webhook_url or None)
-        await endpoints.sync_builtin(
-            conn, endpoints.OPERATOR_ID, self.settings.operator_url or None
+    def _builtins(self) -> tuple[tuple[str, str | None], ...]:
+        """The built-in endpoints and their URLs as this dispatcher configures them."""
+        return (
+            (endpoints.DEFAULT_ID, self.settings.webhook_url or None),
+            (endpoints.OPERATOR_ID, self.settings.operator_url or None),
         )
+
+    async def _sync_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        for endpoint_id, url in self._builtins():
+            await endpoints.sync_builtin(conn, endpoint_id, url)
 
     async def _restore_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """The built-in endpoints this dispatcher configures, put back if another one
         started without their variables and removed them (a host missing a variable, a
         `run` from a shell): otherwise deliveries to them would wait and operator events
         would stop until this dispatcher restarts."""
-        for endpoint_id, url in (
-            (endpoints.DEFAULT_ID, self.settings.webhook_url),
-            (endpoints.OPERATOR_ID, self.settings.operator_url),
-        ):
+        for endpoint_id, url in self._builtins():
             if url and await endpoints.restore_builtin(conn, endpoint_id, url):
                 log.warning(
                     "the built-in endpoint %s was removed by a dispatcher without %s; "

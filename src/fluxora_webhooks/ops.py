@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from . import metrics
+from . import metrics, partitions
 from .endpoints import OPERATOR_TENANT
 from .logs import scrub
 from .migrations import check_schema
@@ -72,15 +72,8 @@ async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_CO
     capped = int(pending) >= cap or int(due) >= cap or int(dead) >= cap
     if int(pending) >= cap:
         pending = max(cap, int(estimate or 0))
-    strays = None
-    found = await (await conn.execute(query("backlog_partitioned"))).fetchone()
-    if found and found[0]:
-        counted = await (
-            await conn.execute(query("backlog_default_partition"), {"cap": cap})
-        ).fetchone()
-        strays = int(counted[0]) if counted else 0
     return Backlog(
-        default_partition_rows=strays,
+        default_partition_rows=await partitions.default_rows(conn, cap),
         pending=int(pending),
         due=int(due),
         oldest_due_age_s=max(0.0, float(oldest or 0.0)),

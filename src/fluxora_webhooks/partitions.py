@@ -182,6 +182,7 @@ async def convert(
         "CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_id_idx ON webhook_outbox (id)"
     )
     async with conn.transaction():
+        await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
         await _swap(conn, cut, interval_ms)
     await ensure_ahead(conn)
     return True
@@ -212,8 +213,8 @@ async def _convert_empty(conn: psycopg.AsyncConnection[Any], interval_ms: int) -
 
 async def _swap(conn: psycopg.AsyncConnection[Any], cut: dt.datetime, interval_ms: int) -> None:
     """In the caller's transaction: the table (proved to hold only rows before ``cut``)
-    becomes the legacy partition of a partitioned ``webhook_outbox``."""
-    await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
+    becomes the legacy partition of a partitioned ``webhook_outbox``. The caller holds the
+    table's ACCESS EXCLUSIVE lock."""
     await conn.execute(f"ALTER TABLE {PARENT} RENAME TO {LEGACY}")
     for name, _ in _INDEXES:
         await conn.execute(f"ALTER INDEX IF EXISTS {name} RENAME TO {name}_legacy")
@@ -232,7 +233,9 @@ async def _swap(conn: psycopg.AsyncConnection[Any], cut: dt.datetime, interval_m
         f"ALTER TABLE {PARENT} ATTACH PARTITION {LEGACY}"
         f" FOR VALUES FROM (MINVALUE) TO ({sql.Literal(cut).as_string(conn)})"
     )
-    await conn.execute(f"ALTER TABLE {LEGACY} DROP CONSTRAINT webhook_outbox_legacy_bound")
+    await conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
+        sql.Identifier(LEGACY), sql.Identifier(_BOUND)
+    ))  # fmt: skip
     await conn.execute(f"CREATE TABLE {DEFAULT} PARTITION OF {PARENT} DEFAULT")
     await conn.execute(f"ALTER TABLE {DEFAULT} SET ({_AUTOVACUUM})")
     await conn.execute(
@@ -291,7 +294,7 @@ async def create_partition(
     in_range = sql.SQL("partition_at >= {} AND partition_at < {}").format(
         sql.Literal(lower), sql.Literal(upper)
     )
-    if not await _strays(conn, in_range):
+    if not await default_rows(conn, 1, in_range):
         await conn.execute(
             sql.SQL(
                 "CREATE TABLE {} PARTITION OF webhook_outbox FOR VALUES FROM ({}) TO ({}) WITH ({})"
@@ -329,18 +332,23 @@ async def create_partition(
     return name
 
 
-async def _strays(conn: psycopg.AsyncConnection[Any], in_range: sql.Composable) -> bool:
-    """Whether the default partition holds rows of a range (it should not: see
-    :func:`create_partition`)."""
+_EVERY_ROW = sql.SQL("true")
+
+
+async def default_rows(
+    conn: psycopg.AsyncConnection[Any], cap: int, where: sql.Composable = _EVERY_ROW
+) -> int | None:
+    """The default partition's rows (those ``where`` selects), counted up to ``cap``; None
+    when the outbox is not partitioned. It should hold none: see :func:`create_partition`."""
     if not await _exists(conn, DEFAULT):
-        return False
+        return None
     cur = await conn.execute(
-        sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE {})").format(
-            sql.Identifier(DEFAULT), in_range
+        sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} WHERE {} LIMIT {}) x").format(
+            sql.Identifier(DEFAULT), where, sql.Literal(cap)
         )
     )
     row = await cur.fetchone()
-    return bool(row and row[0])
+    return int(row[0]) if row else 0
 
 
 async def pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | None:

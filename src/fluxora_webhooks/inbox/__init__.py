@@ -130,19 +130,19 @@ def install(
         return _install_async(conn)
     with conn.transaction():
         conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
-        row = conn.execute(query("inbox_exists")).fetchone()
-        _check_shape(conn.execute(query("inbox_shape")).fetchone())
+        shape = conn.execute(query("inbox_shape")).fetchone()
+        _check_shape(shape)
         conn.execute(query("inbox_install"))
-    return not (row and row[0])
+    return shape is None
 
 
 async def _install_async(conn: psycopg.AsyncConnection[Any]) -> bool:
     async with conn.transaction():
         await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
-        row = await (await conn.execute(query("inbox_exists"))).fetchone()
-        _check_shape(await (await conn.execute(query("inbox_shape"))).fetchone())
+        shape = await (await conn.execute(query("inbox_shape"))).fetchone()
+        _check_shape(shape)
         await conn.execute(query("inbox_install"))
-    return not (row and row[0])
+    return shape is None
 
 
 def _check_shape(shape: tuple[Any, ...] | None) -> None:

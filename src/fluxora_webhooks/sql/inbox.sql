@@ -5,9 +5,6 @@
 -- Concurrent installs: CREATE ... IF NOT EXISTS alone can still collide on the catalog.
 SELECT pg_advisory_xact_lock(%(key)s);
 
--- name: inbox_exists
-SELECT to_regclass('webhook_inbox') IS NOT NULL;
-
 -- name: inbox_shape
 -- An existing webhook_inbox (no row when there is none): whether it has delivery_id, and
 -- a key on it that ON CONFLICT (delivery_id) can use (unique, immediate, valid, on that

@@ -590,14 +590,6 @@ SELECT
         SELECT 1 FROM webhook_dead_letter WHERE state = 'dead' LIMIT %(cap)s
     ) x) AS dead_letters;
 
--- name: backlog_partitioned
--- Whether the outbox is partitioned (its default partition exists).
-SELECT to_regclass('webhook_outbox_default') IS NOT NULL;
-
--- name: backlog_default_partition
--- A partitioned outbox's rows that no partition covers, up to the cap.
-SELECT count(*) FROM (SELECT 1 FROM webhook_outbox_default LIMIT %(cap)s) x;
-
 -- name: recent_outcomes
 -- Attempts completed within the window, by outcome (processed_at index).
 SELECT outcome, count(*) AS attempts,
