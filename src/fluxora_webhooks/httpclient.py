@@ -14,8 +14,11 @@ keeps is what SPEC sections 4 and 7 require:
 - redirects are never followed (a 3xx is an answer like any other);
 - one timeout bounds the whole attempt, connecting included;
 - the response body is read up to a cap, the rest never (the connection is then closed);
-- a response head is bounded (64 KiB a line, 1 MiB in all) so a hostile consumer cannot
-  make it grow without end.
+- a response head is bounded (8 KiB a line, 1 MiB in all), and so are a chunked body's
+  trailers (read past, never kept), so a hostile consumer cannot make either grow without
+  end;
+- responses are parsed as leniently as aiohttp's client parses them (a folded header line,
+  a bare LF, spaces after a chunk size), so an answer aiohttp reads as a 2xx is one here.
 """
 
 from __future__ import annotations
@@ -114,7 +117,9 @@ def request_head(origin: _Origin, headers: Mapping[str, str], length: int) -> by
         if (not value.isprintable() and _UNFIT.search(value)) or "\r" in name or "\n" in name:
             raise ValueError(f"the header {name[:40]!r} holds a control character")
         lines.append(f"{name}: {value}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    # UTF-8, as aiohttp writes a head: an event type written by plain SQL may hold any
+    # character (printable ASCII is what enqueue and the API take, and what encodes the same).
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8")
 
 
 class _Connection(asyncio.Protocol):
@@ -130,8 +135,16 @@ class _Connection(asyncio.Protocol):
 
     def _reset_message(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
+        # What aiohttp's client allows too (it is strict only in its debug mode): a 2xx
+        # it reads is delivered here, not retried as unreadable.
+        self._parser.set_dangerous_leniencies(
+            lenient_headers=True,
+            lenient_optional_cr_before_lf=True,
+            lenient_spaces_after_chunk_size=True,
+        )
         self._reset_head()
         self._head_bytes = 0
+        self._trailer_bytes = 0
         self._chunks: list[bytes] = []
         self._size = 0
         self._cap = 0
@@ -195,10 +208,24 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ----------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_done:
+            # A trailer of a chunked body: nothing here reads one. Past a line's or the
+            # head's bound the answer stands as it is (its status came with the head), and
+            # the connection goes with the rest of them unread.
+            self._trailer_bytes += len(name) + len(value)
+            if self._trailer_bytes > MAX_HEAD or len(name) + len(value) > MAX_LINE:
+                self.reusable = False
+                self._finish(
+                    body_error="response trailers too large (over 8190 bytes a"
+                    " line or 1 MiB in all)"
+                )
+                self._close()
+            return
         if len(name) + len(value) > MAX_LINE:
             raise ProtocolError("a response header line is longer than 8190 bytes")
         key = name.decode("latin-1").lower()
-        self._headers.setdefault(key, value.decode("latin-1"))
+        # llhttp strips the whitespace before a value, not after it (nor a folded line's).
+        self._headers.setdefault(key, value.rstrip(b" \t").decode("latin-1"))
 
     def on_headers_complete(self) -> None:
         self._head_done = True

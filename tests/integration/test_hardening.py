@@ -9,6 +9,7 @@ import socket
 import time
 from typing import Any
 
+import aiohttp
 import psycopg
 import pytest
 from aiohttp import web
@@ -243,6 +244,114 @@ async def test_the_timeout_holds_on_a_reused_connection_and_for_a_slow_body() ->
         server.close()
         await server.wait_closed()
         await asyncio.gather(*handlers)  # each saw the client's close and closed its end
+
+
+LENIENT_ANSWERS = {
+    "a folded header line": b"HTTP/1.1 200 OK\r\nx-fold: a\r\n  b\r\ncontent-length: 2\r\n\r\nok",
+    "bare LF line ends": b"HTTP/1.1 200 OK\ncontent-length: 2\n\nok",
+    "a space after a chunk size": (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2 \r\nok\r\n0\r\n\r\n"
+    ),
+}
+
+
+async def _answering(answer: bytes) -> asyncio.Server:
+    async def consumer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(consumer, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("case", sorted(LENIENT_ANSWERS))
+async def test_a_2xx_aiohttp_reads_is_a_2xx_here(case: str) -> None:
+    """Consumers' servers are not all strict: an answer aiohttp's client reads as a 2xx
+    (it parses leniently outside its debug mode) is delivered, not retried as unreadable
+    until it is dead-lettered."""
+    server = await _answering(LENIENT_ANSWERS[case])
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/hook"
+    client = HttpClient(SafeResolver(True))
+    try:
+        ours = await client.post(url, b"{}", {}, timeout_s=5, max_body=1024)
+        async with aiohttp.ClientSession() as session, session.post(url, data=b"{}") as theirs:
+            assert (theirs.status, await theirs.read()) == (200, b"ok")
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+    assert (ours.status, ours.body, ours.body_error) == (200, b"ok", None)
+
+
+async def test_endless_trailers_end_the_answer_not_the_process() -> None:
+    """A chunked 200 followed by trailers without end: the trailers are read past, never
+    kept, and past 1 MiB of them the answer is taken as it stands (delivered, the rest
+    unread) and the connection closed, instead of filling memory until the timeout."""
+    written = 0
+
+    async def consumer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal written
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n")
+        try:
+            for n in range(2_000):  # 2,000 x 10,000 trailers: about 170 MB if never stopped
+                block = b"".join(b"x-t%d-%d: v\r\n" % (n, i) for i in range(10_000))
+                writer.write(block)
+                written += len(block)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(consumer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/hook"
+    client = HttpClient(SafeResolver(True))
+    try:
+        answer = await client.post(url, b"{}", {}, timeout_s=120, max_body=1024)
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+    assert (answer.status, answer.body) == (200, b"ok")
+    assert answer.body_error is not None and "trailers" in answer.body_error
+    assert answer.headers == {"transfer-encoding": "chunked"}
+    assert written < 20_000_000  # the client hung up soon after the bound, not at the end
+
+
+async def test_a_non_ascii_event_type_is_sent_as_utf8() -> None:
+    """An event type written by plain SQL may hold any character; its header goes out as
+    UTF-8, as aiohttp writes it, rather than failing the request."""
+    heads: list[bytes] = []
+
+    async def consumer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(consumer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/hook"
+    client = HttpClient(SafeResolver(True))
+    try:
+        for event in ("\u6ce8\u6587.created", "caf\u00e9.cr\u00e9\u00e9"):
+            answer = await client.post(
+                url, b"{}", {"x-fluxora-event": event}, timeout_s=5, max_body=64
+            )
+            assert answer.status == 204
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+    assert b"x-fluxora-event: \xe6\xb3\xa8\xe6\x96\x87.created\r\n" in heads[0]
+    assert b"x-fluxora-event: caf\xc3\xa9.cr\xc3\xa9\xc3\xa9\r\n" in heads[1]
 
 
 # --- 3. A zero retention is off --------------------------------------------------------------

@@ -339,6 +339,11 @@ def test_signed_but_unusable_requests_are_refused_with_their_own_reasons(
         (" spaced.out ", "-1", ("spaced.out", None)),
         ("t", "1.5", ("t", None)),
         ("t", "2", ("t", 2)),
+        # The dispatcher writes a non-ASCII type in UTF-8; ASGI/WSGI servers decode header
+        # bytes as ISO-8859-1, aiohttp as UTF-8: the inbox stores the type either way.
+        ("\u6ce8\u6587.created".encode().decode("latin-1"), "1", ("\u6ce8\u6587.created", 1)),
+        ("\u6ce8\u6587.created", "1", ("\u6ce8\u6587.created", 1)),
+        ("caf\u00e9", "1", ("caf\u00e9", 1)),  # not UTF-8 bytes: kept as it came
     ],
 )
 def test_unreadable_event_type_and_attempt_are_none(

@@ -22,6 +22,7 @@ Framework glue: :mod:`fluxora_webhooks.inbox.aiohttp` and :mod:`fluxora_webhooks
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import re
@@ -348,6 +349,11 @@ def _check_delivery_id(delivery_id: str) -> None:
 
 def _event_type(verified: Verified) -> str | None:
     value = (verified.headers.get("x-fluxora-event") or "").strip()
+    if not value.isascii():
+        # The dispatcher writes the header in UTF-8; ASGI and WSGI servers hand its bytes
+        # over decoded as ISO-8859-1, aiohttp as UTF-8 (which this leaves as it is).
+        with contextlib.suppress(UnicodeError):
+            value = value.encode("latin-1").decode("utf-8")
     # Not printable includes control characters and lone surrogates (undecodable bytes).
     return value if value and value.isprintable() else None
 
