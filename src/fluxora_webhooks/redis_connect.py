@@ -58,6 +58,11 @@ class ClusterAwareRedis(Redis):
         self._detecting = asyncio.Lock()
 
     @property
+    def cluster_client(self) -> RedisCluster | None:
+        """The cluster client, once the node is known to be a cluster node."""
+        return self._cluster
+
+    @property
     def is_cluster(self) -> bool | None:
         """True for a cluster, False for a single node, None while not known."""
         if self._cluster is not None:

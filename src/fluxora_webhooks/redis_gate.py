@@ -33,7 +33,9 @@ gate fails open (``admit`` allows everything, ``report`` does nothing), counts
 ``fluxora_webhook_redis_fail_open_total{component}`` and logs one warning per outage. After
 a failure it leaves Redis alone for a short back-off, so an outage costs one timeout per
 back-off period rather than one per batch; the first call after the back-off tries again,
-and the gate protects again as soon as Redis answers.
+and the gate protects again as soon as Redis answers. On a Redis Cluster all of this is
+kept per node where the node cannot be reached, and per slot where the node answers but
+refuses the call (a slot being migrated): either leaves every other consumer protected.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import AskError, ClusterError, NoScriptError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 
 from . import metrics
+from .errors import ConfigError
 from .gate import ALLOW, ALLOW_CLEAN, Admission, AdmitCode, AdmitRequest
 from .redis_connect import ClusterAwareRedis, client_for, detect_cluster
 from .settings import Settings
@@ -213,12 +216,33 @@ class RedisGate:
         self._report_script = redis.register_script(lua_script("report"))
         self._direct = _DirectScripts(redis)
         password = redis.connection_pool.connection_kwargs.get("password")
-        self._outage = _Outage(failure_backoff_ms / 1000, clock, str(password or ""))
+        self._outages = _Outages(failure_backoff_ms / 1000, clock, str(password or ""))
+        self._config_error_logged = False
 
     @property
     def available(self) -> bool:
-        """False from a failed Redis call until the next successful one."""
-        return not self._outage.down
+        """False from a failed Redis call until the next successful one (on a cluster:
+        while any node's or slot's calls fail)."""
+        return not self._outages.down
+
+    def _places(self, key: str | None) -> tuple[str, int | None]:
+        """Where a call on ``key`` goes: its cluster node's ``host:port`` and slot, or ""
+        and None (a single node, or a cluster whose slot map is not known yet)."""
+        cluster = self._cluster_client()
+        if cluster is None or key is None:
+            return "", None
+        try:
+            slot = cluster.keyslot(key)
+            node = cluster.get_node_from_key(key)
+        except Exception:  # no slot map yet, or the slot not covered: the whole cluster
+            return "", None
+        return ("", None) if node is None else (node.name, slot)
+
+    def _cluster_client(self) -> RedisCluster | None:
+        client = self._redis
+        if isinstance(client, ClusterAwareRedis):
+            return client.cluster_client
+        return client if isinstance(client, RedisCluster) else None
 
     async def admit(
         self, url: str, attempts: Sequence[int], *, limit: int | None = None
@@ -311,9 +335,9 @@ class RedisGate:
             async with asyncio.timeout(self._timeout_s):
                 await self._redis.ping()
         except Exception as exc:
-            self._outage.failed(exc)
+            self._failed("", None, exc)
             return False
-        self._outage.recovered()
+        self._outages.answered("", None)
         return True
 
     async def close(self) -> None:
@@ -330,7 +354,8 @@ class RedisGate:
         decode: Callable[[Any], T],
     ) -> T | None:
         """Run one script (one EVALSHA); ``None`` (fail open, counted) on any failure."""
-        if not self._outage.should_try():
+        node, slot = self._places(keys[0])
+        if not self._outages.should_try(node, slot):
             metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
             return None
         try:
@@ -341,11 +366,26 @@ class RedisGate:
                     reply = await script(keys=keys, args=args)
                 result = decode(reply)
         except Exception as exc:  # any failure: deliveries must go on without the gate
-            self._outage.failed(exc)
+            self._failed(node, slot, exc)
             metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
             return None
-        self._outage.recovered()
+        self._outages.answered(node, slot)
         return result
+
+    def _failed(self, node: str, slot: int | None, exc: BaseException) -> None:
+        if isinstance(exc, ConfigError):
+            # REDIS_URL cannot be used as given, found out only now (its node did not answer
+            # at start-up, which a wrong URL does not stop): said once, as what it is.
+            if not self._config_error_logged:
+                self._config_error_logged = True
+                log.error(
+                    "%s; the delivery gate fails open (no rate limit, no circuit breaker) "
+                    "until the dispatcher is restarted with a usable REDIS_URL",
+                    self._outages.describe(exc),
+                )
+            self._outages.failed(node, None, exc, quiet=True)
+            return
+        self._outages.failed(node, slot if _slot_only(exc) else None, exc)
 
 
 async def connect_gate(
@@ -481,42 +521,105 @@ def _pack_command(parts: Sequence[str | int]) -> bytes:
     return b"".join(out)
 
 
+def _slot_only(exc: BaseException) -> bool:
+    """Whether a failed call says something of its slot only, not of its node: a slot
+    being migrated (TRYAGAIN, ASK, or redis-py's redirections running out on them).
+    Anything else is the node's: a connection error, a timeout (redis-py retries a node
+    that went away past the gate's bound), CLUSTERDOWN, an error answer."""
+    if isinstance(exc, (TryAgainError, AskError)):
+        return True
+    return isinstance(exc, ClusterError) and "TTL exhausted" in str(exc)
+
+
+@dataclass
 class _Outage:
-    """Fail-open bookkeeping: one warning per outage, and a back-off between tries."""
+    """One place that fails: when it may be tried again."""
+
+    retry_at: float
+
+
+class _Outages:
+    """Fail-open bookkeeping: the places whose calls fail, a back-off between tries of
+    each, one warning per outage. A place is a Redis node (``host:port``; "" for the one
+    Redis, or a cluster whose slot map is not known yet) or a cluster slot that its node
+    refuses; only failing places are kept, so this never grows with the keys in use.
+    Slots are said once per node: "N slots refused" when the first goes, and when the last
+    comes back."""
 
     def __init__(self, backoff_s: float, clock: Callable[[], float], secret: str) -> None:
         self._backoff_s = backoff_s
         self._clock = clock
         self._secret = secret
-        self.down = False
-        self._retry_at = 0.0
+        self._nodes: dict[str, _Outage] = {}
+        self._slots: dict[tuple[str, int], _Outage] = {}
 
-    def should_try(self) -> bool:
-        if not self.down:
-            return True
+    @property
+    def down(self) -> bool:
+        return bool(self._nodes or self._slots)
+
+    def should_try(self, node: str, slot: int | None) -> bool:
+        if not (self._nodes or self._slots):
+            return True  # the common case: nothing failing
+        # The slot's back-off first: a slot still waiting does not use up its node's try.
+        places = (
+            (self._slots.get((node, slot)) if slot is not None else None),
+            self._nodes.get(node),
+        )
         now = self._clock()
-        if now < self._retry_at:
-            return False
-        # This caller tries; concurrent callers keep failing open until it knows.
-        self._retry_at = now + self._backoff_s
+        for outage in places:
+            if outage is not None and now < outage.retry_at:
+                return False
+        for outage in places:
+            if outage is not None:
+                # This caller tries; concurrent callers keep failing open until it knows.
+                outage.retry_at = now + self._backoff_s
         return True
 
-    def failed(self, exc: BaseException) -> None:
-        self._retry_at = self._clock() + self._backoff_s
-        if not self.down:
-            self.down = True
+    def failed(
+        self, node: str, slot: int | None, exc: BaseException, *, quiet: bool = False
+    ) -> None:
+        retry_at = self._clock() + self._backoff_s
+        if slot is not None:
+            first = not any(n == node for n, _ in self._slots)
+            self._slots[(node, slot)] = _Outage(retry_at)
+            if first and not quiet:
+                log.warning(
+                    "Redis at %s refuses the gate's calls for a slot (%s; a slot being "
+                    "migrated?); the delivery gate fails open for that slot's consumers "
+                    "until it answers",
+                    node,
+                    self.describe(exc),
+                )
+            return
+        outage = self._nodes.get(node)
+        if outage is not None:
+            outage.retry_at = retry_at
+            return
+        self._nodes[node] = _Outage(retry_at)
+        if not quiet:
             log.warning(
-                "Redis unavailable (%s); the delivery gate fails open (no rate limit, no "
-                "circuit breaker) until Redis answers again",
-                self._describe(exc),
+                "Redis unavailable%s (%s); the delivery gate fails open (no rate limit, no "
+                "circuit breaker) for the consumers it serves until it answers again",
+                f" at {node}" if node else "",
+                self.describe(exc),
             )
 
-    def recovered(self) -> None:
-        if self.down:
-            self.down = False
-            log.info("Redis answers again; the delivery gate protects consumers again")
+    def answered(self, node: str, slot: int | None) -> None:
+        if not (self._nodes or self._slots):
+            return  # the common case: nothing failing
+        if self._nodes.pop(node, None) is not None:
+            log.info(
+                "Redis answers again%s; the delivery gate protects its consumers again",
+                f" at {node}" if node else "",
+            )
+        if slot is not None:
+            self._nodes.pop("", None)  # a cluster node answered: the cluster is there
+            if self._slots.pop((node, slot), None) is not None and not any(
+                n == node for n, _ in self._slots
+            ):
+                log.info("Redis at %s serves every slot again", node)
 
-    def _describe(self, exc: BaseException) -> str:
+    def describe(self, exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return text.replace(self._secret, "***") if self._secret else text
 

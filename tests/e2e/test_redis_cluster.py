@@ -222,6 +222,75 @@ async def test_run_with_workers_stops_on_a_cluster_url_with_another_database(
     assert "starting another in" not in out and "Traceback" not in out
 
 
+async def test_a_slot_in_trouble_leaves_the_other_nodes_consumers_protected(
+    cluster: RedisCluster, cluster_client: ClusterClient
+) -> None:
+    """A gate call that one node refuses (its consumer's slot is being migrated, so Redis
+    refuses the script) fails open for that slot only: a consumer whose keys live on
+    another node, or on the same node in another slot, keeps its retry limit, back-off or
+    not."""
+    prefix = f"t{secrets.token_hex(4)}:"
+    urls = consumer_urls(24)
+    troubled = urls[0]
+    key = rate_limit_key(troubled, prefix)
+    source = cluster.owner(key)
+    healthy = next(u for u in urls if cluster.owner(rate_limit_key(u, prefix)) != source)
+    neighbour = next(u for u in urls[1:] if cluster.owner(rate_limit_key(u, prefix)) == source)
+    target = next(p for p in cluster.ports if p not in (source,))
+    gate = await connect_gate(
+        cluster.url(), retry_rps=2, breaker_threshold=2, breaker_reset_ms=60_000,
+        probe_ttl_ms=5_000, prefix=prefix, window_ms=600_000, timeout_ms=5_000,
+        failure_backoff_ms=600_000,  # a failure would keep its Redis skipped all test long
+    )  # fmt: skip
+    src, dst = cluster.client(source), cluster.client(target)
+    slot = int(src.execute_command("CLUSTER KEYSLOT", key))
+    try:
+        assert (await gate.admit(troubled, [1]))[0].allowed
+        await cluster_client.hset(breaker_key(troubled, prefix), mapping={"failures": 1})
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", cluster.node_id(source))
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", cluster.node_id(target))
+        for name in src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            src.migrate("127.0.0.1", target, name, 0, 5000)
+        before = fail_opens()
+        assert (await gate.admit(troubled, [2]))[0].allowed  # refused by Redis: fails open
+        assert fail_opens() == before + 1
+        for other in (healthy, neighbour):  # the limit still holds for both
+            decided = [(await gate.admit(other, [2]))[0].allowed for _ in range(3)]
+            assert decided == [True, True, False], other
+        assert fail_opens() == before + 1
+        assert not gate.available  # one node's calls fail
+    finally:
+        for port in cluster.ports:
+            cluster.client(port).execute_command(
+                "CLUSTER SETSLOT", slot, "NODE", cluster.node_id(target)
+            )
+        await gate.close()
+
+
+async def test_a_wrong_cluster_url_found_out_late_is_logged_as_a_configuration_error(
+    cluster: RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cluster URL naming database 3 whose node did not answer at start-up (so start-up
+    could not refuse it): when the node answers, the gate says the URL is wrong, once, as
+    an error naming REDIS_URL, rather than logging an outage that never ends."""
+    client = client_for(cluster.url().replace("/0", "/3"), socket_timeout=2)
+    gate = RedisGate(
+        client, retry_rps=2, breaker_threshold=2, breaker_reset_ms=60_000, probe_ttl_ms=5_000,
+        failure_backoff_ms=0,
+    )  # fmt: skip
+    url = consumer_urls(1)[0]
+    try:
+        with caplog.at_level("INFO", logger="fluxora_webhooks.redis_gate"):
+            for _ in range(3):
+                assert (await gate.admit(url, [2]))[0].allowed  # fails open
+    finally:
+        await gate.close()
+        await client.aclose()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("flux")]
+    assert [level for level, _ in said] == ["ERROR"], said
+    assert "REDIS_URL" in said[0][1] and "only database 0" in said[0][1]
+
+
 def _other_node(cluster: RedisCluster, key: str) -> int:
     """A node that does not own ``key``: a client that ignored MOVED would fail open."""
     owner = cluster.owner(key)
