@@ -71,6 +71,13 @@ SAVEPOINT_ONLY_ERRORS = (
     psycopg.errors.QueryCanceled,  # the statement_timeout of the dispatcher's sessions
 )
 
+# How long disabling an endpoint waits for its row (an operator's or the API's transaction
+# holding it) before it is left to the endpoint's next failure.
+DISABLE_LOCK_TIMEOUT_MS = 10_000
+_BOUNDED_WAITS = (
+    "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
+)
+
 # A batch waits this long for its requests; one still running then is detached.
 PATIENCE_S = 0.25
 # A request to an endpoint that has not answered while the rest of its batch has is
@@ -719,7 +726,12 @@ async def _disable(
 
     try:
         async with conn.transaction():
+            # The recording lifted the session's lock and statement timeouts for the
+            # commit (complete_batch); the wait for the endpoint's row stays bounded, and
+            # the commit's unbounded again after it (rolling the savepoint back restores).
+            await conn.execute(_BOUNDED_WAITS, (str(DISABLE_LOCK_TIMEOUT_MS), "60000"))
             _, changed = await endpoints.disable_once(conn, endpoint_id, reason=reason)
+            await conn.execute(_BOUNDED_WAITS, ("0", "0"))
     except SAVEPOINT_ONLY_ERRORS as exc:
         # A deadlock with, or a lock or statement timeout behind, another transaction
         # that holds the endpoint's row (an operator's enable, an API edit): only the

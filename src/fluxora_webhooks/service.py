@@ -418,6 +418,10 @@ class Service:
             )
         if self.dispatcher is None or self.dispatcher.stopping:
             return web.json_response({"status": "not ready", "reason": "stopping"}, status=503)
+        if not self.dispatcher.ready.is_set():
+            # Its built-in endpoints not recorded yet: not dispatching ("dispatching" is
+            # logged when it is), as a worker tells its supervisor only then.
+            return web.json_response({"status": "not ready", "reason": "starting"}, status=503)
         stuck = commits_stuck(self.dispatcher.commit_wait_s())
         if stuck is not None:
             return web.json_response({"status": "not ready", "reason": stuck}, status=503)

@@ -11,6 +11,7 @@ import binascii
 import errno
 import ipaddress
 import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -266,6 +267,21 @@ def check_database_url(url: str, variable: str = "DATABASE_URL") -> dict[str, st
         number = _whole(port) if _DIGITS.fullmatch(port) else None
         if port and (number is None or not 1 <= number <= 65535):
             raise ConfigError(variable, "has a port that is not a number from 1 to 65535")
+    # libpq pairs a list of hosts with one port for all or one port each, and refuses any
+    # other count at every connection (which start-up would wait on as if it could pass).
+    # (What the URL leaves out, libpq takes from PGHOST, PGHOSTADDR and PGPORT.)
+    given = {k: options.get(k) or os.environ.get(f"PG{k.upper()}") for k in ("host", "hostaddr")}
+    hosts = [len(v.split(",")) for v in given.values() if v]
+    port_list = options.get("port") or os.environ.get("PGPORT")
+    ports = len(port_list.split(",")) if port_list else 1
+    if len(set(hosts)) > 1:
+        raise ConfigError(variable, "has a different number of host and hostaddr entries")
+    if ports > 1 and ports != (hosts[0] if hosts else 1):
+        raise ConfigError(
+            variable,
+            f"has {ports} ports for {hosts[0] if hosts else 1} host(s):"
+            " give one port for all hosts, or one per host",
+        )
     # Options libpq reads only when it connects: a bad one would make every connection of
     # the pools fail later while start-up (which sets its own timeout) had succeeded.
     timeout = options.get("connect_timeout", "").strip()

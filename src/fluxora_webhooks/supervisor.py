@@ -342,9 +342,14 @@ class Supervisor:
                 worker.ready = True
                 self._count_ready()
             while line := (await reader.readline()).decode(errors="replace").strip():
+                was_stuck = worker.stuck is not None
                 worker.stuck = line[len("stuck ") :] if line.startswith("stuck ") else None
-                if worker.stuck is not None:
+                # Said once each way: the reason's wait grows every second while it lasts
+                # (/readyz shows it as it is).
+                if worker.stuck is not None and not was_stuck:
                     log.error("worker %d: %s", worker.index, worker.stuck)
+                elif worker.stuck is None and was_stuck:
+                    log.info("worker %d: its commits complete again", worker.index)
         finally:
             transport.close()
 

@@ -274,8 +274,12 @@ async def test_health_in_flight_and_readiness_follows_the_schema(
     async with running_service(env, tmp_path / "service.log") as service:
         status, body = await service.get("/healthz")
         assert status == 200 and json.loads(body)["status"] == "ok"
-        status, body = await service.get("/readyz")
-        assert status == 200 and json.loads(body)["status"] == "ready"
+
+        async def ready() -> bool:  # "starting" until it dispatches
+            status, body = await service.get("/readyz")
+            return status == 200 and json.loads(body)["status"] == "ready"
+
+        await wait_until(ready, timeout=30, what="/readyz ready")
 
         await _enqueue_kinds(database_url, ["ok", "ok", "ok"])
         await receiver.wait_for(3, timeout=20)

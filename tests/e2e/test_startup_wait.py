@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import psycopg
 import pytest
 
 from tests.support.chaos import free_port, stop_processes, tracebacks, wait_ready
-from tests.support.dispatch import enqueue_many
+from tests.support.dispatch import enqueue_many, wait_until
 from tests.support.procs import dispatcher_env, start_dispatcher
 from tests.support.receiver import Receiver
+from tests.support.scrape import get_json, is_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -144,4 +146,38 @@ async def test_a_stop_during_a_connection_attempt_that_hangs_exits_cleanly(
             writer.close()
         server.close()
     assert code == 0, proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+
+
+async def test_readyz_says_starting_until_the_dispatcher_dispatches(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """/readyz is 200 only once `run` dispatches (its built-in endpoints recorded): while
+    another transaction holds the endpoints table, it answers 503 "starting" (an
+    orchestrator, or a test, that took 200 then would act on a dispatcher not yet running);
+    once the table is free it is ready and delivers."""
+    port = free_port()
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, prefix, WEBHOOK_METRICS_PORT=str(port)
+    )
+    async with await psycopg.AsyncConnection.connect(database_url) as holder:
+        await holder.execute("LOCK TABLE webhook_endpoints IN SHARE ROW EXCLUSIVE MODE")
+        proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+        try:
+            status, body = 0, None
+            while status == 0:
+                assert proc.proc.returncode is None, proc.log()
+                status, body = await get_json(port, "/readyz")
+                await asyncio.sleep(0.05)
+            assert (status, body) == (503, {"status": "not ready", "reason": "starting"})
+            assert "dispatching (" not in proc.log()
+            await holder.rollback()
+            await wait_ready(proc, timeout=30)
+            await wait_until(lambda: is_ready(port), timeout=30, what="ready")
+            await enqueue_many(database_url, 2)
+            await receiver.wait_for(2, timeout=30)
+            codes = await stop_processes([proc])
+        finally:
+            await stop_processes([proc])
+    assert codes == [0], proc.log()
     assert tracebacks(proc.log()) == 0, proc.log()

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from fluxora_webhooks import endpoints, enqueue, partitions
+from fluxora_webhooks import batch, endpoints, enqueue, partitions
 from fluxora_webhooks.outbox import claim_due, promote_heads, route_events
 from tests.integration.test_fanout import _settled, rejecting
 from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
@@ -245,6 +245,64 @@ async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
         (pid,),
     )
     return bool(found)
+
+
+async def test_a_disable_waits_for_a_held_endpoint_row_only_so_long(
+    database_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another transaction holds the endpoint row a 410 must disable (an operator's edit
+    left open). The batch's failure streak skips the held row rather than waiting for it;
+    its recording lifted the session's lock timeout so its COMMIT never gives up (that
+    would send the batch again), but the disable's own wait stays bounded
+    (DISABLE_LOCK_TIMEOUT_MS, shortened here): it gives up, the batch commits with the
+    stream's next head chosen, and nothing is sent twice."""
+    monkeypatch.setattr(batch, "DISABLE_LOCK_TIMEOUT_MS", 300)
+    receiver = Receiver()
+    await receiver.start()
+    receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
+    holder = await psycopg.AsyncConnection.connect(database_url)
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            ordered, _ = await endpoints.create(
+                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+            )
+            gone, _ = await endpoints.create(
+                conn, url=receiver.url, tenant="acme", headers={"x-which": "gone"},
+                allowed_networks=LOOPBACK,
+            )  # fmt: skip
+            await conn.execute(
+                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
+                " endpoint_id, event_id, stream_seq, hold, created_at) VALUES"
+                " ('acme', 's', 'e', '{\"n\": 1}', %(o)s, 1, 1, NULL, now()),"
+                " ('acme', 's', 'e', '{\"n\": 2}', %(o)s, 2, 2, 'waiting', 'infinity'),"
+                " ('acme', 'g', 'e', '{\"n\": 0}', %(g)s, 3, NULL, NULL, now())",
+                {"o": ordered.id, "g": gone.id},
+            )
+        await holder.execute(  # an operator's edit, not committed yet
+            "UPDATE webhook_endpoints SET description = 'editing' WHERE id = %s", (gone.id,)
+        )
+        settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1, max_attempts=5)
+
+        async def both_delivered() -> bool:
+            got = await rows(
+                database_url,
+                "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
+                (ordered.id,),
+            )
+            return got == [(2,)]
+
+        async with running_dispatcher(settings, database_url):
+            await wait_until(both_delivered, what="the stream's two deliveries")
+        sent = [(json.loads(hit.body)["n"], hit.attempt) for hit in receiver.received]
+    finally:
+        await holder.rollback()
+        await holder.close()
+        await receiver.stop()
+    # Each attempt once (the 410's again on the retry schedule, the endpoint not disabled):
+    # no batch rolled back and sent again.
+    assert sorted(set(sent)) == sorted(sent)
+    assert {n for n, _ in sent} == {0, 1, 2}
+    assert f"endpoint {gone.id}: disabling it failed (LockNotAvailable)" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,10 @@ def test_rate_and_threshold_have_upper_bounds(variable: str, limit: int) -> None
         "postgresql://h/db?connect_timeout=abc",
         "postgresql://h/db?sslmode=bogus",
         "host=x target_session_attrs=readwrite",
+        # libpq refuses these counts at every connection, which start-up would wait on.
+        "postgresql://postgres@h1:5442,h2:5443,h3:5444/fx?port=1,2",
+        "host=a,b,c port=1,2",
+        "host=a,b hostaddr=127.0.0.1",
     ],
 )
 def test_a_garbage_database_url_is_a_config_error_for_every_command(url: str) -> None:
@@ -207,6 +211,9 @@ def test_good_database_urls_pass() -> None:
         "postgresql:///app?host=/var/run/postgresql",
         "postgresql://h/db?connect_timeout=10&target_session_attrs=prefer-standby",
         "host=x connect_timeout=0 sslmode=verify-full",
+        "postgresql://h1,h2:5433/db",
+        "host=a,b port=5432",
+        "host=a,b hostaddr=127.0.0.1,127.0.0.2 port=1,2",
     ):
         assert EngineSettings.from_env({"DATABASE_URL": url}).database_url == url
 
