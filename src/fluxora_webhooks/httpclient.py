@@ -145,6 +145,7 @@ class _Connection(asyncio.Protocol):
         self._reset_head()
         self._head_bytes = 0
         self._trailer_bytes = 0
+        self._tail_bytes = 0
         self._chunks: list[bytes] = []
         self._size = 0
         self._cap = 0
@@ -172,18 +173,28 @@ class _Connection(asyncio.Protocol):
             self.reusable = False  # bytes nobody asked for: never reuse this connection
             self._close()
             return
-        if not self._head_done:
+        after_head = self._head_done
+        if not after_head:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD:
                 self._fail(ProtocolError("the response head is larger than 1 MiB"))
                 return
+        else:
+            self._tail_bytes += len(data)  # on_body takes the body's share back out
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(ProtocolError("the consumer asked to switch protocols"))
+            return
         except (httptools.HttpParserError, ValueError) as exc:
             cause = exc.__cause__ or exc.__context__
             self._fail(cause if isinstance(cause, ProtocolError) else ProtocolError(str(exc)))
+            return
+        # What came after the head that is no body: chunk sizes and trailers. A trailer
+        # line is handed over only once it ends (until then the parser keeps adding to it),
+        # so it is bounded here, with room for a body sent in the smallest chunks.
+        if after_head and self._tail_bytes > MAX_HEAD + 8 * self._cap:
+            self._too_much_after_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
@@ -214,12 +225,7 @@ class _Connection(asyncio.Protocol):
             # the connection goes with the rest of them unread.
             self._trailer_bytes += len(name) + len(value)
             if self._trailer_bytes > MAX_HEAD or len(name) + len(value) > MAX_LINE:
-                self.reusable = False
-                self._finish(
-                    body_error="response trailers too large (over 8190 bytes a"
-                    " line or 1 MiB in all)"
-                )
-                self._close()
+                self._too_much_after_body()
             return
         if len(name) + len(value) > MAX_LINE:
             raise ProtocolError("a response header line is longer than 8190 bytes")
@@ -235,7 +241,15 @@ class _Connection(asyncio.Protocol):
         bodiless = self._status in (204, 304) or 100 <= self._status < 200
         self._eof_ends_body = no_length and not chunked and not bodiless
 
+    def _too_much_after_body(self) -> None:
+        self.reusable = False
+        self._finish(
+            body_error="response trailers too large (over 8190 bytes a line or 1 MiB in all)"
+        )
+        self._close()
+
     def on_body(self, body: bytes) -> None:
+        self._tail_bytes -= len(body)
         room = self._cap - self._size
         if len(body) >= room:
             self._chunks.append(body[:room])
