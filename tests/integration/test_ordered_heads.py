@@ -247,6 +247,40 @@ async def _waits_for_a_lock(database_url: str, pid: int) -> bool:
     return bool(found)
 
 
+async def _a_stream_and_a_gone_endpoint(
+    database_url: str, receiver: Receiver
+) -> tuple[endpoints.Endpoint, endpoints.Endpoint]:
+    """Tenant acme's ordered endpoint with a stream of two (its head due, the next
+    waiting) and another endpoint (answered 410 by the receiver: its header) with one
+    delivery due."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        ordered, _ = await endpoints.create(
+            conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
+        )
+        gone, _ = await endpoints.create(
+            conn, url=receiver.url, tenant="acme", headers={"x-which": "gone"},
+            allowed_networks=LOOPBACK,
+        )  # fmt: skip
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
+            " endpoint_id, event_id, stream_seq, hold, created_at) VALUES"
+            " ('acme', 's', 'e', '{\"n\": 1}', %(o)s, 1, 1, NULL, now()),"
+            " ('acme', 's', 'e', '{\"n\": 2}', %(o)s, 2, 2, 'waiting', 'infinity'),"
+            " ('acme', 'g', 'e', '{\"n\": 0}', %(g)s, 3, NULL, NULL, now())",
+            {"o": ordered.id, "g": gone.id},
+        )
+    return ordered, gone
+
+
+async def _processed(database_url: str, endpoint_id: str, at_least: int) -> bool:
+    got = await rows(
+        database_url,
+        "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
+        (endpoint_id,),
+    )
+    return bool(got[0][0] >= at_least)
+
+
 async def test_a_disable_waits_for_a_held_endpoint_row_only_so_long(
     database_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -262,37 +296,16 @@ async def test_a_disable_waits_for_a_held_endpoint_row_only_so_long(
     receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
     holder = await psycopg.AsyncConnection.connect(database_url)
     try:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            ordered, _ = await endpoints.create(
-                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
-            )
-            gone, _ = await endpoints.create(
-                conn, url=receiver.url, tenant="acme", headers={"x-which": "gone"},
-                allowed_networks=LOOPBACK,
-            )  # fmt: skip
-            await conn.execute(
-                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
-                " endpoint_id, event_id, stream_seq, hold, created_at) VALUES"
-                " ('acme', 's', 'e', '{\"n\": 1}', %(o)s, 1, 1, NULL, now()),"
-                " ('acme', 's', 'e', '{\"n\": 2}', %(o)s, 2, 2, 'waiting', 'infinity'),"
-                " ('acme', 'g', 'e', '{\"n\": 0}', %(g)s, 3, NULL, NULL, now())",
-                {"o": ordered.id, "g": gone.id},
-            )
+        ordered, gone = await _a_stream_and_a_gone_endpoint(database_url, receiver)
         await holder.execute(  # an operator's edit, not committed yet
             "UPDATE webhook_endpoints SET description = 'editing' WHERE id = %s", (gone.id,)
         )
         settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1, max_attempts=5)
 
-        async def both_delivered() -> bool:
-            got = await rows(
-                database_url,
-                "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
-                (ordered.id,),
-            )
-            return got == [(2,)]
-
         async with running_dispatcher(settings, database_url):
-            await wait_until(both_delivered, what="the stream's two deliveries")
+            await wait_until(
+                lambda: _processed(database_url, ordered.id, 2), what="the stream's two deliveries"
+            )
         sent = [(json.loads(hit.body)["n"], hit.attempt) for hit in receiver.received]
     finally:
         await holder.rollback()
@@ -329,17 +342,8 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
     await receiver.start()
     receiver.respond = lambda r: web.Response(status=410 if r.headers.get("x-which") else 200)
     try:
+        ordered, gone = await _a_stream_and_a_gone_endpoint(database_url, receiver)
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            ordered, _ = await endpoints.create(
-                conn, url=receiver.url, tenant="acme", ordered=True, allowed_networks=LOOPBACK
-            )
-            gone, _ = await endpoints.create(
-                conn,
-                url=receiver.url,
-                tenant="acme",
-                headers={"x-which": "gone"},
-                allowed_networks=LOOPBACK,
-            )
             await conn.execute(
                 "CREATE FUNCTION refuse_disable() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
                 f" IF NEW.state <> 'enabled' THEN RAISE EXCEPTION USING ERRCODE = '{sqlstate}';"
@@ -350,35 +354,15 @@ async def test_an_endpoint_the_database_will_not_disable_leaves_the_next_heads_c
                 "CREATE TRIGGER refuse_disable BEFORE UPDATE ON webhook_endpoints"
                 " FOR EACH ROW EXECUTE FUNCTION refuse_disable()"
             )
-            await conn.execute(
-                "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload,"
-                " endpoint_id, event_id, stream_seq, hold, created_at) VALUES"
-                " ('acme', 's', 'e', '{\"n\": 1}', %(o)s, 1, 1, NULL, now()),"
-                " ('acme', 's', 'e', '{\"n\": 2}', %(o)s, 2, 2, 'waiting', 'infinity'),"
-                " ('acme', 'g', 'e', '{\"n\": 0}', %(g)s, 3, NULL, NULL, now())",
-                {"o": ordered.id, "g": gone.id},
-            )
         settings = make_settings("", allowed_networks=LOOPBACK, claim_loops=1, max_attempts=2)
 
-        async def both_delivered() -> bool:
-            got = await rows(
-                database_url,
-                "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
-                (ordered.id,),
-            )
-            return got == [(2,)]
-
-        async def gone_again() -> bool:
-            got = await rows(
-                database_url,
-                "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND processed",
-                (gone.id,),
-            )
-            return bool(got[0][0] >= 3)
-
         async with running_dispatcher(settings, database_url):
-            await wait_until(both_delivered, what="the stream's two deliveries")
-            await wait_until(gone_again, what="the 410's delivery attempted again")
+            await wait_until(
+                lambda: _processed(database_url, ordered.id, 2), what="the stream's two deliveries"
+            )
+            await wait_until(
+                lambda: _processed(database_url, gone.id, 3), what="the 410's delivery again"
+            )
         sent = [json.loads(hit.body)["n"] for hit in receiver.received]
         assert [n for n in sent if n] == [1, 2] and sent.count(0) == 3
     finally:
