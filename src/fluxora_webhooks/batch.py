@@ -71,9 +71,15 @@ SAVEPOINT_ONLY_ERRORS = (
     psycopg.errors.QueryCanceled,  # the statement_timeout of the dispatcher's sessions
 )
 
+# The limits of a claim connection's session (Dispatcher._configure_connection): a lock that
+# never comes, a statement that never ends. A batch's recording lifts both for the rest of
+# its transaction (complete_batch): its requests have gone out, and its COMMIT must not give
+# up and send them again.
+LOCK_TIMEOUT_MS = 10_000
+STATEMENT_TIMEOUT_MS = 60_000
 # How long disabling an endpoint waits for its row (an operator's or the API's transaction
 # holding it) before it is left to the endpoint's next failure.
-DISABLE_LOCK_TIMEOUT_MS = 10_000
+DISABLE_LOCK_TIMEOUT_MS = LOCK_TIMEOUT_MS
 _BOUNDED_WAITS = (
     "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
 )
@@ -729,7 +735,8 @@ async def _disable(
             # The recording lifted the session's lock and statement timeouts for the
             # commit (complete_batch); the wait for the endpoint's row stays bounded, and
             # the commit's unbounded again after it (rolling the savepoint back restores).
-            await conn.execute(_BOUNDED_WAITS, (str(DISABLE_LOCK_TIMEOUT_MS), "60000"))
+            bounds = (str(DISABLE_LOCK_TIMEOUT_MS), str(STATEMENT_TIMEOUT_MS))
+            await conn.execute(_BOUNDED_WAITS, bounds)
             _, changed = await endpoints.disable_once(conn, endpoint_id, reason=reason)
             await conn.execute(_BOUNDED_WAITS, ("0", "0"))
     except SAVEPOINT_ONLY_ERRORS as exc:

@@ -30,7 +30,9 @@ from psycopg_pool import AsyncConnectionPool
 from . import endpoints, metrics, partitions
 from .batch import (
     DB_ERRORS,
+    LOCK_TIMEOUT_MS,
     PATIENCE_S,
+    STATEMENT_TIMEOUT_MS,
     Batch,
     ClaimFront,
     Resume,
@@ -60,8 +62,6 @@ __all__ = ["Dispatcher", "Waker", "make_client"]
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
 _BACKOFF_MAX_S = 5.0
-_LOCK_TIMEOUT_MS = 10_000
-_STATEMENT_TIMEOUT_MS = 60_000
 _POOL_RECONNECT_S = 5.0
 # The whole registry is read again this often (a fallback for a missed NOTIFY, and the end
 # of a rotated secret's overlap), and on a partitioned outbox, where pending rows start
@@ -260,7 +260,7 @@ class Dispatcher:
             " set_config('statement_timeout', %s, false),"
             " set_config('DateStyle', 'ISO', false),"
             " set_config('fluxora.notify', 'on', false)",
-            (str(idle_ms), str(_LOCK_TIMEOUT_MS), str(_STATEMENT_TIMEOUT_MS)),
+            (str(idle_ms), str(LOCK_TIMEOUT_MS), str(STATEMENT_TIMEOUT_MS)),
         )
 
     async def with_connection(

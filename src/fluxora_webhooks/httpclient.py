@@ -144,7 +144,6 @@ class _Connection(asyncio.Protocol):
         )
         self._reset_head()
         self._head_bytes = 0
-        self._trailer_bytes = 0
         self._tail_bytes = 0
         self._chunks: list[bytes] = []
         self._size = 0
@@ -220,11 +219,10 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._head_done:
-            # A trailer of a chunked body: nothing here reads one. Past a line's or the
-            # head's bound the answer stands as it is (its status came with the head), and
-            # the connection goes with the rest of them unread.
-            self._trailer_bytes += len(name) + len(value)
-            if self._trailer_bytes > MAX_HEAD or len(name) + len(value) > MAX_LINE:
+            # A trailer of a chunked body: nothing here reads one. Past a line's bound (or
+            # all of them past data_received's) the answer stands as it is (its status came
+            # with the head), and the connection goes with the rest of them unread.
+            if len(name) + len(value) > MAX_LINE:
                 self._too_much_after_body()
             return
         if len(name) + len(value) > MAX_LINE:
@@ -244,7 +242,8 @@ class _Connection(asyncio.Protocol):
     def _too_much_after_body(self) -> None:
         self.reusable = False
         self._finish(
-            body_error="response trailers too large (over 8190 bytes a line or 1 MiB in all)"
+            body_error="response trailers too large (a line over 8190 bytes, or over 1 MiB"
+            " after the body)"
         )
         self._close()
 

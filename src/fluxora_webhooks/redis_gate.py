@@ -531,27 +531,20 @@ def _slot_only(exc: BaseException) -> bool:
     return isinstance(exc, ClusterError) and "TTL exhausted" in str(exc)
 
 
-@dataclass
-class _Outage:
-    """One place that fails: when it may be tried again."""
-
-    retry_at: float
-
-
 class _Outages:
-    """Fail-open bookkeeping: the places whose calls fail, a back-off between tries of
-    each, one warning per outage. A place is a Redis node (``host:port``; "" for the one
-    Redis, or a cluster whose slot map is not known yet) or a cluster slot that its node
-    refuses; only failing places are kept, so this never grows with the keys in use.
-    Slots are said once per node: "N slots refused" when the first goes, and when the last
-    comes back."""
+    """Fail-open bookkeeping: the places whose calls fail, each with the time it may be
+    tried again (a back-off between tries), one warning per outage. A place is a Redis
+    node (``host:port``; "" for the one Redis, or a cluster whose slot map is not known
+    yet) or a cluster slot that its node refuses; only failing places are kept, so this
+    never grows with the keys in use. A node's refused slots are said once: when the
+    first is refused, and when the last is served again."""
 
     def __init__(self, backoff_s: float, clock: Callable[[], float], secret: str) -> None:
         self._backoff_s = backoff_s
         self._clock = clock
         self._secret = secret
-        self._nodes: dict[str, _Outage] = {}
-        self._slots: dict[tuple[str, int], _Outage] = {}
+        self._nodes: dict[str, float] = {}
+        self._slots: dict[tuple[str, int], float] = {}
 
     @property
     def down(self) -> bool:
@@ -560,19 +553,18 @@ class _Outages:
     def should_try(self, node: str, slot: int | None) -> bool:
         if not (self._nodes or self._slots):
             return True  # the common case: nothing failing
-        # The slot's back-off first: a slot still waiting does not use up its node's try.
-        places = (
-            (self._slots.get((node, slot)) if slot is not None else None),
-            self._nodes.get(node),
-        )
         now = self._clock()
-        for outage in places:
-            if outage is not None and now < outage.retry_at:
-                return False
-        for outage in places:
-            if outage is not None:
-                # This caller tries; concurrent callers keep failing open until it knows.
-                outage.retry_at = now + self._backoff_s
+        # The slot's back-off first: a slot still waiting does not use up its node's try.
+        key = (node, slot) if slot is not None else None
+        slot_at = self._slots.get(key) if key is not None else None
+        node_at = self._nodes.get(node)
+        if (slot_at is not None and now < slot_at) or (node_at is not None and now < node_at):
+            return False
+        # This caller tries; concurrent callers keep failing open until it knows.
+        if key is not None and slot_at is not None:
+            self._slots[key] = now + self._backoff_s
+        if node_at is not None:
+            self._nodes[node] = now + self._backoff_s
         return True
 
     def failed(
@@ -580,8 +572,8 @@ class _Outages:
     ) -> None:
         retry_at = self._clock() + self._backoff_s
         if slot is not None:
-            first = not any(n == node for n, _ in self._slots)
-            self._slots[(node, slot)] = _Outage(retry_at)
+            first = not self._refuses_slots(node)
+            self._slots[(node, slot)] = retry_at
             if first and not quiet:
                 log.warning(
                     "Redis at %s refuses the gate's calls for a slot (%s; a slot being "
@@ -591,12 +583,9 @@ class _Outages:
                     self.describe(exc),
                 )
             return
-        outage = self._nodes.get(node)
-        if outage is not None:
-            outage.retry_at = retry_at
-            return
-        self._nodes[node] = _Outage(retry_at)
-        if not quiet:
+        first = node not in self._nodes
+        self._nodes[node] = retry_at
+        if first and not quiet:
             log.warning(
                 "Redis unavailable%s (%s); the delivery gate fails open (no rate limit, no "
                 "circuit breaker) for the consumers it serves until it answers again",
@@ -614,10 +603,11 @@ class _Outages:
             )
         if slot is not None:
             self._nodes.pop("", None)  # a cluster node answered: the cluster is there
-            if self._slots.pop((node, slot), None) is not None and not any(
-                n == node for n, _ in self._slots
-            ):
+            if self._slots.pop((node, slot), None) is not None and not self._refuses_slots(node):
                 log.info("Redis at %s serves every slot again", node)
+
+    def _refuses_slots(self, node: str) -> bool:
+        return any(n == node for n, _ in self._slots)
 
     def describe(self, exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

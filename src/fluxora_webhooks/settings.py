@@ -271,16 +271,16 @@ def check_database_url(url: str, variable: str = "DATABASE_URL") -> dict[str, st
     # other count at every connection (which start-up would wait on as if it could pass).
     # (What the URL leaves out, libpq takes from PGHOST, PGHOSTADDR and PGPORT.)
     given = {k: options.get(k) or os.environ.get(f"PG{k.upper()}") for k in ("host", "hostaddr")}
-    hosts = [len(v.split(",")) for v in given.values() if v]
+    counts = {len(v.split(",")) for v in given.values() if v}
+    if len(counts) > 1:
+        raise ConfigError(variable, "has a different number of host and hostaddr entries")
+    hosts = counts.pop() if counts else 1
     port_list = options.get("port") or os.environ.get("PGPORT")
     ports = len(port_list.split(",")) if port_list else 1
-    if len(set(hosts)) > 1:
-        raise ConfigError(variable, "has a different number of host and hostaddr entries")
-    if ports > 1 and ports != (hosts[0] if hosts else 1):
+    if ports not in (1, hosts):
         raise ConfigError(
             variable,
-            f"has {ports} ports for {hosts[0] if hosts else 1} host(s):"
-            " give one port for all hosts, or one per host",
+            f"has {ports} ports for {hosts} host(s): give one port for all hosts, or one per host",
         )
     # Options libpq reads only when it connects: a bad one would make every connection of
     # the pools fail later while start-up (which sets its own timeout) had succeeded.
