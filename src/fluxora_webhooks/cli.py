@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the layer below, translated in one place: no traceback
-        message = _describe_failure(exc)
+        message = _describe_failure(exc, env)
         if message is None:
             raise
         _fatal(logs.escape_controls(logs.scrub(message)), env)
@@ -105,19 +105,25 @@ def _each_host(text: str) -> str | None:
     return "every host failed: " + "; ".join(hosts) if len(hosts) > 1 else None
 
 
-def _describe_failure(exc: BaseException) -> str | None:
-    """A one-line message for the failures a user can meet (database or port unavailable)."""
+def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
+    """A one-line message for the failures a user can meet (database or port unavailable),
+    naming the variable that chose the engine when one did (the demo's embedded engines
+    have none)."""
     import psycopg
     import redis
+
+    def named(variable: str) -> str:
+        return f" ({variable})" if env.get(variable, "").strip() else ""
 
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if isinstance(exc, psycopg.OperationalError):
         hosts = _each_host(str(exc))
-        return f"cannot reach the database: {hosts or first_line or type(exc).__name__}"
+        why = hosts or first_line or type(exc).__name__
+        return f"cannot reach the database{named('DATABASE_URL')}: {why}"
     if isinstance(exc, psycopg.Error):
         return f"database error ({type(exc).__name__}): {first_line}"
     if isinstance(exc, redis.RedisError):
-        return f"Redis error ({type(exc).__name__}): {first_line}"
+        return f"Redis error ({type(exc).__name__}){named('REDIS_URL')}: {first_line}"
     if isinstance(exc, OSError):
         return f"{exc.strerror or type(exc).__name__}" + (
             f": {exc.filename}" if exc.filename else ""

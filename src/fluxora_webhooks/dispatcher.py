@@ -45,6 +45,7 @@ from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
+from .migrations import READ_ONLY_HINT, read_only_reason
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
 from .pgtypes import read_far_timestamps
 from .recording import Completer, Recorder
@@ -177,6 +178,8 @@ class Dispatcher:
         # only at the partitions from there on). None: look everywhere.
         self.claim_since: datetime | None = None
         self.ready = asyncio.Event()
+        # Why the database refused the last claim's write (a standby), until one succeeds.
+        self.read_only: str | None = None
         self.batches = 0
         self._outcome = {outcome: metrics.DELIVERIES.labels(outcome) for outcome in Outcome}
 
@@ -378,16 +381,24 @@ class Dispatcher:
                     while not self.stopping:
                         claimed, next_due = await self._run_batch(conn, resume)
                         backoff = 0.05
+                        if self.read_only is not None:
+                            log.info("the database accepts writes again; claiming")
+                            self.read_only = None
                         if claimed >= self.settings.batch_size:
                             self._waker.wake()  # more may be due: let an idle loop help
                             continue
                         if claimed:
                             continue  # a partial batch: claim once more before sleeping
                         await self._waker.wait(self._sleep_s(next_due))
+                except psycopg.errors.ReadOnlySqlTransaction:
+                    await self._found_read_only(conn)
+                    raise
                 finally:
                     await self._pool.putconn(conn)
             except asyncio.CancelledError:
                 raise
+            except psycopg.errors.ReadOnlySqlTransaction:
+                metrics.CLAIM_ERRORS.inc()  # logged once by _found_read_only
             except DB_ERRORS as exc:
                 metrics.CLAIM_ERRORS.inc()
                 if self.stopping:
@@ -407,6 +418,24 @@ class Dispatcher:
                 asyncio.sleep(min(backoff * (1 + random.random()), _BACKOFF_MAX_S))
             )
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    async def _found_read_only(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """A claim refused as a write on a read-only database: a standby (a URL naming a
+        replica, or a failover that left the pool's connections on the old primary's
+        standby) or a server switched to read-only. Logged once until a claim succeeds
+        (each loop retries with its back-off); the connection is closed, so the pool opens
+        another, which a multi-host URL with target_session_attrs leads to the primary."""
+        why = None
+        with contextlib.suppress(psycopg.Error):
+            why = await read_only_reason(conn)
+        await conn.close()
+        if self.read_only is None:
+            log.warning(
+                "the database is read-only (%s): nothing is claimed until it accepts writes; %s",
+                why or "it refused a write",
+                READ_ONLY_HINT,
+            )
+        self.read_only = why or "it refused a write"
 
     async def _unless_stopping(self, step: Awaitable[T]) -> T | None:
         """``step``'s result, or None as soon as :meth:`stop` is called (``step`` is then

@@ -132,6 +132,29 @@ def _check_known(done: dict[int, str]) -> None:
             )
 
 
+# What to do about a read-only database, in every message that reports one.
+READ_ONLY_HINT = (
+    "DATABASE_URL must reach a database that accepts writes, the primary (with several"
+    " hosts, add target_session_attrs=read-write)"
+)
+
+
+async def read_only_reason(conn: psycopg.AsyncConnection[Any]) -> str | None:
+    """Why the database refuses writes (a standby in recovery, or read-only by its
+    ``default_transaction_read_only``, as a managed server whose storage is full is
+    switched), or None when it accepts them. ``conn`` must be in autocommit: its
+    ``transaction_read_only`` is then the session's default."""
+    cur = await conn.execute(
+        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'"
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    if row[0]:
+        return "a standby in recovery"
+    return "default_transaction_read_only is on" if row[1] else None
+
+
 async def check_schema(conn: psycopg.AsyncConnection[Any]) -> None:
     """Raise :class:`SchemaError` unless the schema is exactly what this code expects."""
     await check_encoding(conn)

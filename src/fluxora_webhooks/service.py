@@ -26,10 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import logs, metrics
 from .dispatcher import Dispatcher, unless_stopping
 from .endpoints import DEFAULT_ID, OPERATOR_ID
-from .errors import ConfigError, SchemaError
+from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
-from .migrations import check_schema
+from .migrations import READ_ONLY_HINT, check_schema, read_only_reason
 from .ops import (
     BACKLOG_COUNT_CAP,
     METRIC_ENDPOINTS,
@@ -181,11 +181,14 @@ async def wait_for_database(
     pause = 0.5
     while True:
         try:
-            return await unless_stopping(
+            conn = await unless_stopping(
                 psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10),
                 stopping,
                 late=_close,
             )
+            read_only = None if conn is None else await read_only_reason(conn)
+            if read_only is None:
+                return conn
         except psycopg.OperationalError as exc:
             left = deadline - time.monotonic()
             if not _curable_by_waiting(exc) or left <= 0:
@@ -196,6 +199,21 @@ async def wait_for_database(
                 " (WEBHOOK_STARTUP_WAIT_MS)",
                 logs.scrub(reason),
                 left,
+            )
+        else:
+            # A standby (a failover not finished, or a URL naming a replica): every claim
+            # would fail. Promotion cures it, so it is waited for like an absent server.
+            assert conn is not None
+            await conn.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FluxoraError(f"the database is read-only ({read_only}): {READ_ONLY_HINT}")
+            log.warning(
+                "database is read-only (%s); trying again for up to %.0f s more"
+                " (WEBHOOK_STARTUP_WAIT_MS): %s",
+                read_only,
+                left,
+                READ_ONLY_HINT,
             )
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(pause, left)):
@@ -252,12 +270,18 @@ class Service:
         self.run_background = True
         self._breaker_redis: Any = None
 
-    async def check(self) -> None:
-        """Refuse to start on a missing, older or newer schema."""
+    async def check(self) -> str | None:
+        """/readyz's look at the database: raise :class:`SchemaError` on a missing, older or
+        newer schema; return why it refuses writes (a standby, as a fresh connection finds
+        it or as the claim loops last found it), or None."""
         async with await psycopg.AsyncConnection.connect(
             self.database_url, autocommit=True, connect_timeout=10
         ) as conn:
             await check_schema(conn)
+            why = await read_only_reason(conn)
+        if why is None and self.dispatcher is not None:
+            why = self.dispatcher.read_only
+        return None if why is None else f"the database is read-only ({why})"
 
     async def run(self, *, install_signals: bool = True) -> None:
         """Run until SIGTERM/SIGINT (or :meth:`stop`). The first signal drains: the in-flight
@@ -408,7 +432,7 @@ class Service:
     async def _readyz(self, request: web.Request) -> web.Response:
         try:
             async with asyncio.timeout(3):
-                await self.check()
+                read_only = await self.check()
         except SchemaError as exc:
             return web.json_response({"status": "not ready", "reason": str(exc)}, status=503)
         except (psycopg.Error, OSError, TimeoutError) as exc:
@@ -416,6 +440,8 @@ class Service:
                 {"status": "not ready", "reason": f"database unreachable ({type(exc).__name__})"},
                 status=503,
             )
+        if read_only is not None:
+            return web.json_response({"status": "not ready", "reason": read_only}, status=503)
         if self.dispatcher is None or self.dispatcher.stopping:
             return web.json_response({"status": "not ready", "reason": "stopping"}, status=503)
         if not self.dispatcher.ready.is_set():

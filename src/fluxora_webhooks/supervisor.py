@@ -9,8 +9,8 @@ reaches the supervisor only and each worker sees one signal), and serves the one
 - ``/metrics`` merges the workers' files (prometheus-client's multiprocess mode, in a
   fresh folder per run) and adds the supervisor's own series: workers dispatching and
   worker restarts;
-- ``/readyz`` is ready while the database answers with the expected schema and every
-  worker dispatches.
+- ``/readyz`` is ready while the database answers with the expected schema, accepts
+  writes, and every worker dispatches.
 
 A worker that dies is replaced after a back-off (1 s, doubling up to 30 s, back to 1 s once
 a worker has lived a minute), logged and counted. SIGTERM/SIGINT go to every worker, which
@@ -45,7 +45,7 @@ from prometheus_client import (
 
 from . import logs, metrics
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
-from .migrations import check_schema
+from .migrations import check_schema, read_only_reason
 from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
 from .queries import query
 from .service import (
@@ -434,12 +434,15 @@ class Supervisor:
                     self.database_url, autocommit=True, connect_timeout=3
                 ) as conn:
                     await check_schema(conn)
+                    read_only = await read_only_reason(conn)
         except SchemaError as exc:
             return _not_ready(str(exc), self._worker_counts())
         except (psycopg.Error, OSError, TimeoutError) as exc:
             reason = f"database unreachable ({type(exc).__name__})"
             return _not_ready(reason, self._worker_counts())
         counts = self._worker_counts()
+        if read_only is not None:
+            return _not_ready(f"the database is read-only ({read_only})", counts)
         if self._stopping.is_set():
             return _not_ready("stopping", counts)
         if counts["dispatching"] < counts["wanted"]:

@@ -175,7 +175,7 @@ async def test_database_unreachable_is_a_clear_message(tmp_path: Path) -> None:
     for args in (("migrate",), ("dlq", "list"), ("status",), ("prune", "--older-than", "7d")):
         code, out = await run_command(*args, env=env)
         assert code == 1, (args, out)
-        assert "cannot reach the database" in out, (args, out)
+        assert "cannot reach the database (DATABASE_URL): " in out, (args, out)
         assert "Traceback" not in out and "pw-not-shown" not in out, (args, out)
 
 
@@ -184,8 +184,8 @@ async def test_a_multi_host_url_that_reaches_no_host_names_each_one() -> None:
     code, out = await run_command("status", env=env)
     assert code == 1, out
     assert (
-        "cannot reach the database: every host failed: 127.0.0.1:1 (Connection refused);"
-        " 127.0.0.1:2 (Connection refused)"
+        "cannot reach the database (DATABASE_URL): every host failed:"
+        " 127.0.0.1:1 (Connection refused); 127.0.0.1:2 (Connection refused)"
     ) in out
     assert "pw-not-shown" not in out
 

@@ -181,3 +181,107 @@ async def test_readyz_says_starting_until_the_dispatcher_dispatches(
             await stop_processes([proc])
     assert codes == [0], proc.log()
     assert tracebacks(proc.log()) == 0, proc.log()
+
+
+async def _read_only(database_url: str, on: bool) -> None:
+    """The database switched to read-only (as a standby is, or a managed server whose
+    storage is full) or back, for its sessions from now on: the others are ended."""
+    name = urlsplit(database_url).path.lstrip("/")
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute("SET default_transaction_read_only = off")
+        await conn.execute(
+            f"ALTER DATABASE {name} SET default_transaction_read_only = {'on' if on else 'off'}"
+        )
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
+READ_ONLY = "database is read-only (default_transaction_read_only is on)"
+
+
+async def test_run_waits_for_a_read_only_database_to_accept_writes(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """A standby (a failover not finished, a URL naming a replica) accepts the connection
+    and refuses every claim: `run` waits for it like an absent server, saying why and what
+    to do, and dispatches once it accepts writes; when the wait is over, it exits 1."""
+    await _read_only(database_url, True)
+    env = dispatcher_env(database_url, redis_url, receiver.url, prefix)
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await _log_says(proc, READ_ONLY, timeout=30)
+        assert "target_session_attrs=read-write" in proc.log()
+        assert "dispatching (" not in proc.log()
+        await _read_only(database_url, False)
+        await wait_ready(proc, timeout=30)
+        await enqueue_many(database_url, 3)
+        await receiver.wait_for(3, timeout=30)
+        codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+    assert codes == [0], proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+
+    await _read_only(database_url, True)
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, prefix, WEBHOOK_STARTUP_WAIT_MS="1000"
+    )
+    proc = await start_dispatcher(env, tmp_path / "dispatcher2.log")
+    try:
+        code = await proc.wait(60)
+    finally:
+        await stop_processes([proc])
+    assert code == 1, proc.log()
+    assert f"fluxora-webhooks: the {READ_ONLY}: DATABASE_URL must reach" in proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_database_that_turns_read_only_is_reported_not_ready_and_waited_out(
+    workers: int,
+    database_url: str,
+    redis_url: str,
+    prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """A running dispatcher whose database turns read-only (its pool reconnected to a
+    standby after a failover): /readyz is 503 naming it, the log says it once (not a
+    traceback per claim loop every few seconds), nothing is lost, and once the database
+    accepts writes again the events written meanwhile elsewhere are delivered."""
+    port = free_port()
+    env = dispatcher_env(
+        database_url,
+        redis_url,
+        receiver.url,
+        prefix,
+        WEBHOOK_METRICS_PORT=str(port),
+        WEBHOOK_WORKERS=str(workers),
+    )
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await wait_ready(proc, timeout=30)
+        await wait_until(lambda: is_ready(port), timeout=30, what="ready")
+        await _read_only(database_url, True)
+
+        async def not_ready() -> bool:
+            status, body = await get_json(port, "/readyz")
+            return status == 503 and "the database is read-only" in str(body)
+
+        await wait_until(not_ready, timeout=30, what="/readyz 503 read-only")
+        await _log_says(proc, "the database is read-only", timeout=30)
+        await asyncio.sleep(3)  # the claim loops' retries meanwhile: said once per process
+        assert proc.log().count("the database is read-only (") == workers, proc.log()
+        await _read_only(database_url, False)
+        await enqueue_many(database_url, 3)
+        await receiver.wait_for(3, timeout=30)
+        await wait_until(lambda: is_ready(port), timeout=30, what="ready again")
+        codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+        await _read_only(database_url, False)
+    assert codes == [0], proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+    assert "the database accepts writes again" in proc.log()

@@ -174,3 +174,33 @@ async def test_a_duration_past_its_bound_names_the_bound(api: Api) -> None:
     refused(reply, 422, "validation_error", "since", "too long", "36500d")
     reply = await api.post(f"/api/v1/endpoints/{endpoint_id}/recover", json={"since": "soon"})
     refused(reply, 422, "validation_error", "since", "neither an ISO 8601 time nor a duration")
+
+
+async def _end_other_sessions(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+
+
+async def test_a_database_restarted_or_read_only_is_a_503_not_a_500(
+    api: Api, database_url: str
+) -> None:
+    """The pool's connections ended by the server (a restart, a failover) are replaced
+    when taken: no request answers 500 for them. A read-only database (a standby) is a 503
+    in the error shape, with Retry-After and what to do, until it accepts writes again."""
+    assert (await api.get("/api/v1/endpoints")).status == 200
+    name = database_url.rsplit("/", 1)[1]
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await _end_other_sessions(conn)
+        for _ in range(3):
+            assert (await api.get("/api/v1/endpoints")).status == 200
+        await conn.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+        await _end_other_sessions(conn)
+        created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
+        refused(created, 503, "unavailable", "read-only", "target_session_attrs=read-write")
+        assert created.headers.get("retry-after") == "5"
+        await conn.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = off")
+        await _end_other_sessions(conn)
+    created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
+    assert created.status == 201, created.text

@@ -173,6 +173,9 @@ def create_app(config: ApiConfig) -> FastAPI:
             open=False,
             name="fluxora-api",
             configure=_configure,
+            # A connection the server closed meanwhile (a restart, a failover, an idle
+            # timeout) is replaced when it is taken, not answered 500 once per connection.
+            check=AsyncConnectionPool.check_connection,
         )
         await pool.open(wait=True, timeout=30)
         app.state.fluxora = ApiState(pool=pool, config=config)
@@ -196,6 +199,10 @@ def create_app(config: ApiConfig) -> FastAPI:
             413: {"model": errors_model(), "description": "a request body over 1 MiB"},
             422: {"model": errors_model(), "description": "the request is not valid"},
             500: {"model": errors_model(), "description": "an unexpected error (in the log)"},
+            503: {
+                "model": errors_model(),
+                "description": "the database is not reachable or read-only: try again later",
+            },
         },
     )
     for module in (endpoints, events, deliveries, stats):

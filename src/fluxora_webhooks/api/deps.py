@@ -32,7 +32,13 @@ def api_state(request: Request) -> ApiState:
 
 async def connection(request: Request) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     async with api_state(request).pool.connection() as conn:
-        yield conn
+        try:
+            yield conn
+        except psycopg.errors.ReadOnlySqlTransaction:
+            # A standby: closed, so the pool opens another, which a multi-host URL with
+            # target_session_attrs=read-write leads to the primary (answered 503).
+            await conn.close()
+            raise
 
 
 Conn = Annotated[psycopg.AsyncConnection[Any], Depends(connection)]

@@ -11,11 +11,15 @@ import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from psycopg_pool import PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError, ConflictError, EndpointError, NotFoundError
+from ..migrations import READ_ONLY_HINT
 
 API_PREFIX = "/api/"
+# A 503's Retry-After (seconds): a restart or a failover is over in about this long.
+RETRY_AFTER_S = 5
 log = logging.getLogger("fluxora_webhooks.api")
 
 _CODES = {
@@ -26,9 +30,10 @@ _CODES = {
     405: "method_not_allowed",
     409: "conflict",
     413: "too_large",
-    500: "internal_error",
     415: "unsupported_media_type",
     422: "validation_error",
+    500: "internal_error",
+    503: "unavailable",
 }
 
 
@@ -145,6 +150,22 @@ def install(app: FastAPI, html_error: Any) -> None:
     @app.exception_handler(EndpointError)
     async def _refused(request: Request, exc: EndpointError) -> Response:
         return answer(request, 422, "validation_error", str(exc))
+
+    @app.exception_handler(psycopg.OperationalError)
+    @app.exception_handler(psycopg.InterfaceError)
+    @app.exception_handler(PoolTimeout)
+    @app.exception_handler(psycopg.errors.ReadOnlySqlTransaction)
+    async def _database_unavailable(request: Request, exc: Exception) -> Response:
+        # A restart, a failover, a lock or statement timeout, a pool with no connection
+        # free: nothing a client did wrong, and over when the database is back.
+        if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+            message = f"the database is read-only (a standby?): {READ_ONLY_HINT}"
+        else:
+            message = f"the database is not available ({type(exc).__name__}); try again"
+        log.warning("%s %s: answered 503, %s", request.method, request.url.path, message)
+        response = answer(request, 503, "unavailable", message)
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(psycopg.DataError)
     @app.exception_handler(UnicodeEncodeError)
