@@ -30,6 +30,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from .errors import ConfigError, ConflictError, EndpointError, NotFoundError
+from .outbox import TENANT
 from .queries import query
 from .urlpolicy import IPNetwork, check_url_address, validate_url
 
@@ -52,7 +53,7 @@ MAX_URL_LENGTH = 8000
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
 
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", re.ASCII)
+
 # An event type (or a prefix before a trailing '*'): printable ASCII without spaces.
 _EVENT_PATTERN = re.compile(r"\*|[!-)+-~]{1,200}\*?", re.ASCII)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}", re.ASCII)
@@ -181,7 +182,7 @@ def _iso(value: datetime | None) -> str | None:
 
 def check_tenant(tenant: str, name: str = "tenant") -> str:
     """'' (the default tenant) or a name of letters, digits and ``._:@-``."""
-    if not isinstance(tenant, str) or (tenant and not _TENANT.fullmatch(tenant)):
+    if not isinstance(tenant, str) or (tenant and not TENANT.fullmatch(tenant)):
         raise ConfigError(
             name, "must be empty (the default tenant) or 1-128 letters, digits and ._:@-"
         )

@@ -11,6 +11,7 @@ endpoint, a delivery id); a retry is a new delivery row due later, as before.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,9 +50,17 @@ class Outcome(StrEnum):
     ROUTED = "routed"
 
 
+# A tenant's name (SPEC 10): '' is the default tenant. The API, the CLI and enqueue() all
+# refuse any other: an event for "acme corp" would be recorded as unrouted, reaching no one.
+TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", re.ASCII)
+
+
 def _check_names(tenant: str, stream_id: str, event_type: str) -> None:
-    if not isinstance(tenant, str):
-        raise ValueError("tenant must be a string ('' is the default tenant)")
+    if not isinstance(tenant, str) or (tenant and not TENANT.fullmatch(tenant)):
+        raise ValueError(
+            "tenant must be '' (the default tenant) or 1-128 letters, digits and ._:@-"
+            " starting with a letter or digit"
+        )
     if not isinstance(stream_id, str) or not stream_id:
         raise ValueError("stream_id must be a non-empty string")
     if not isinstance(event_type, str) or not event_type:

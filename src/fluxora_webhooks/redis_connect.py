@@ -84,6 +84,13 @@ class ClusterAwareRedis(Redis):
                             "names a Redis Cluster node, and a cluster has only database 0 "
                             "(end the URL with /0 or no database)",
                         ) from None
+                    if "DB index is out of range" in str(exc):  # the URL's SELECT, refused
+                        # Never cured by waiting: not an outage to fail open through.
+                        raise ConfigError(
+                            "REDIS_URL",
+                            "names a database this Redis does not have (its `databases`"
+                            " setting; 16 by default: 0 to 15)",
+                        ) from None
                     self._single_node = True
                 else:
                     self._cluster = self._make_cluster()

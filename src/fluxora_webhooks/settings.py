@@ -141,6 +141,40 @@ def parse_retention(raw: str | None, variable: str = "WEBHOOK_RETENTION") -> int
     return period or None
 
 
+def check_builtin_pairs(env: Mapping[str, str]) -> None:
+    """For ``run``: a built-in endpoint's secret set without its URL is refused. It is
+    almost always a URL variable misspelled or missing, and the run would remove that
+    endpoint (README) and sign nothing, with no word said. Commands that only manage
+    endpoints or serve the API do not care."""
+    pairs = (
+        ("WEBHOOK_URL", ("WEBHOOK_SECRET", "WEBHOOK_SECRET_PREVIOUS")),
+        ("WEBHOOK_OPERATOR_URL", ("WEBHOOK_OPERATOR_SECRET",)),
+    )
+    for url_name, secrets in pairs:
+        if env.get(url_name, "").strip():
+            continue
+        for name in secrets:
+            if env.get(name) is not None:
+                raise ConfigError(
+                    name,
+                    f"is set but {url_name} is not (a missing or misspelled {url_name}?);"
+                    f" unset {name} when there is no built-in endpoint to sign for",
+                )
+
+
+def _engine_url(env: Mapping[str, str], name: str) -> str | None:
+    """An engine's URL; None when unset (the embedded engine). Set but empty is refused: a
+    deployment whose variable came out empty (a missing secret in a template) would
+    otherwise run on a private engine of its own, never reading the real outbox, and with
+    REDIS_URL each host would keep a rate limit and breaker of its own."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ConfigError(name, "is set but empty (unset it to use the embedded engine)")
+    return raw.strip()
+
+
 def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int) -> int:
     raw = env.get(name)
     if raw is None:
@@ -514,8 +548,8 @@ class EngineSettings:
         if "{" in redis_prefix or "}" in redis_prefix:
             # Braces would change the Redis Cluster hash tag of the per-consumer keys.
             raise ConfigError("FLUXORA_REDIS_PREFIX", "must not contain { or }")
-        database_url = env.get("DATABASE_URL", "").strip() or None
-        redis_url = env.get("REDIS_URL", "").strip() or None
+        database_url = _engine_url(env, "DATABASE_URL")
+        redis_url = _engine_url(env, "REDIS_URL")
         if redis_url:
             _check_redis_url(redis_url)
         if database_url:

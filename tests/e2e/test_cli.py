@@ -7,6 +7,7 @@ import json
 import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -43,13 +44,19 @@ def _unreachable_redis_env(database_url: str) -> dict[str, str]:
         ("WEBHOOK_METRICS_HOST", "999.1.1.1"),
         # A name, but none this machine has: found only as the socket is opened.
         ("WEBHOOK_METRICS_HOST", "no-such-host.invalid"),
+        ("DATABASE_URL", ""),  # not the embedded engine: a template's blank value
+        ("REDIS_URL", " "),
+        # Reachable, but never usable: not an outage to fail open through for the whole run.
+        ("REDIS_URL", "redis://127.0.0.1:6379/99"),
     ],
 )
 async def test_bad_configuration_stops_start_up_naming_the_variable(
-    database_url: str, variable: str, value: str
+    database_url: str, redis_url: str, variable: str, value: str
 ) -> None:
     env = _unreachable_redis_env(database_url)
     env[variable] = value
+    if variable == "REDIS_URL" and value.strip():
+        value = env[variable] = urlunsplit(urlsplit(redis_url)._replace(path="/99"))
     if variable == "WEBHOOK_METRICS_HOST":
         env["WEBHOOK_METRICS_PORT"] = str(free_port())  # 0 serves no metrics at all
     code, out = await run_command("run", env=env, timeout=30)
@@ -57,6 +64,19 @@ async def test_bad_configuration_stops_start_up_naming_the_variable(
     assert f"configuration error: {variable}:" in out
     assert "Traceback" not in out
     assert SECRET not in out
+
+
+async def test_run_refuses_a_secret_whose_url_is_missing(database_url: str) -> None:
+    """WEBHOOK_ULR=... (a typo) and WEBHOOK_SECRET: the run would remove the built-in
+    endpoint and sign nothing; it stops naming both. Managing endpoints does not care."""
+    env = _unreachable_redis_env(database_url)
+    env["WEBHOOK_ULR"] = env.pop("WEBHOOK_URL")
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 2, out
+    assert "configuration error: WEBHOOK_SECRET: is set but WEBHOOK_URL is not" in out
+    assert SECRET not in out
+    code, out = await run_command("endpoints", "list", env=env)
+    assert code == 0, out
 
 
 @pytest.mark.parametrize(("command", "variable"), [("run", "METRICS"), ("api", "API")])
@@ -95,6 +115,58 @@ async def test_run_refuses_an_unmigrated_database_then_migrate_fixes_it(
     assert "applied 0001_outbox" in out
     code, out = await run_command("migrate", env=command_env(DATABASE_URL=empty_database_url))
     assert code == 0 and "up to date" in out, out
+
+
+MANAGING = [
+    ("endpoints", "list"),
+    ("endpoints", "add", "--url", "https://a.example.com/x"),
+    ("dlq", "list"),
+    ("dlq", "replay", "--all", "--yes"),
+    ("tokens", "create", "--name", "t"),
+    ("tokens", "list"),
+    ("recover", "--endpoint", "e", "--since", "1h"),
+]
+
+
+async def test_every_command_refuses_a_database_whose_schema_is_not_its_own(
+    empty_database_url: str, database_url: str
+) -> None:
+    """Exit 3 saying what to do, before reading or writing: an unmigrated database (not
+    "database error (UndefinedTable)") and one migrated by a newer version (not written to
+    as if it were this version's)."""
+    env = command_env(DATABASE_URL=empty_database_url)
+    for args in MANAGING:
+        code, out = await run_command(*args, env=env)
+        assert code == 3 and "run `fluxora-webhooks migrate` first" in out, (args, out)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO fluxora_schema_migrations (version, name, checksum)"
+            " VALUES (9999, 'from_the_future', 'x')"
+        )
+    env = command_env(DATABASE_URL=database_url)
+    for args in MANAGING:
+        code, out = await run_command(*args, env=env)
+        assert code == 3 and "newer than this fluxora-webhooks" in out, (args, out)
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        cur = await conn.execute(
+            "SELECT (SELECT count(*) FROM webhook_endpoints WHERE id NOT IN"
+            " ('default', 'operator')), (SELECT count(*) FROM webhook_api_tokens)"
+        )
+        assert await cur.fetchone() == (0, 0)
+
+
+async def test_dlq_list_names_an_endpoint_that_does_not_exist(database_url: str) -> None:
+    """As tail and recover do: a typo is not "no dead letters"."""
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("dlq", "list", "--endpoint", "nope", env=env)
+    assert code == 1 and "no endpoint 'nope'" in out, out
+    code, out = await run_command(
+        "endpoints", "add", "--url", "https://a.example.com/x", "--json", env=env
+    )
+    assert code == 0, out
+    endpoint_id = json.loads(out)["id"]
+    code, out = await run_command("dlq", "list", "--endpoint", endpoint_id, env=env)
+    assert code == 0 and "no dead letters" in out, out
 
 
 async def test_dlq_list_show_replay_purge(database_url: str) -> None:

@@ -57,6 +57,10 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
         env, "endpoints", "update", endpoint_id, "--events", "*", "--no-ordered", "--json"
     )
     assert code == 0 and updated["event_types"] == ["*"] and updated["ordered"] is False
+    code, out = await cli(env, "endpoints", "update", endpoint_id)  # nothing said to change
+    assert code == 2 and "nothing to change" in out, out
+    code, same = await cli(env, "endpoints", "show", endpoint_id, "--json")
+    assert same == updated
     code, off = await cli(env, "endpoints", "disable", endpoint_id, "--json")
     assert off["state"] == "disabled" and off["disabled_reason"] == "manual"
     assert off["disabled_at"]

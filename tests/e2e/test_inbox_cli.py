@@ -36,6 +36,9 @@ async def test_install_then_prune(empty_database_url: str) -> None:
     )
     result = json.loads(out)
     assert code == 0 and (result["deleted"], result["batches"]) == (7, 3), out
+    for zero in ("0d", "0s"):  # a slip, not "forget every id", even with --force
+        code, out = await run_command("inbox", "prune", "--older-than", zero, "--force", env=env)
+        assert code == 2 and "--older-than: must be more than 0" in out, out
     code, out = await run_command("inbox", "prune", "--older-than", "12h", "--force", env=env)
     assert code == 0 and "deleted 3 delivery id(s)" in out, out
 

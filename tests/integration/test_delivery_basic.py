@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import json
+from typing import Any
 
 import psycopg
 import pytest
@@ -96,6 +97,18 @@ def test_sync_enqueue_with_plain_sql_producer(database_url: str) -> None:
 def test_enqueue_rejects_event_type_unfit_for_a_header(database_url: str) -> None:
     with psycopg.connect(database_url) as conn, pytest.raises(ValueError, match="event_type"):
         enqueue(conn, stream_id="s", event_type="bad\r\nx-injected: 1", payload={})
+
+
+@pytest.mark.parametrize("tenant", ["acme corp", "!operator", "-acme", "a" * 129, None])
+def test_enqueue_rejects_a_tenant_the_api_and_cli_refuse(database_url: str, tenant: Any) -> None:
+    """A tenant no endpoint can have would be recorded as unrouted, reaching no one; the
+    operator's own tenant is the dispatcher's, not a producer's. Nothing is written."""
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(ValueError, match="tenant must be ''"):
+            enqueue(conn, stream_id="s", event_type="e", payload={}, tenant=tenant)
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM webhook_outbox").fetchone() == (0,)
+        enqueue(conn, stream_id="s", event_type="e", payload={}, tenant="acme-1.eu:x@y_z")
 
 
 async def _all_processed(database_url: str) -> bool:

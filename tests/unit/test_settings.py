@@ -7,7 +7,12 @@ import logging
 import pytest
 
 from fluxora_webhooks.errors import ConfigError
-from fluxora_webhooks.settings import Settings, parse_duration_ms, parse_schedule
+from fluxora_webhooks.settings import (
+    Settings,
+    check_builtin_pairs,
+    parse_duration_ms,
+    parse_schedule,
+)
 
 GOOD = {
     "WEBHOOK_URL": "https://hooks.example.com/in",
@@ -97,6 +102,35 @@ def test_invalid_values_name_the_variable(variable: str, value: str, fragment: s
 def test_missing_secret_is_an_error() -> None:
     with pytest.raises(ConfigError, match="WEBHOOK_SECRET: is required"):
         Settings.from_env({"WEBHOOK_URL": GOOD["WEBHOOK_URL"]})
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"WEBHOOK_SECRET": GOOD["WEBHOOK_SECRET"]}, "WEBHOOK_SECRET"),
+        ({"WEBHOOK_SECRET_PREVIOUS": GOOD["WEBHOOK_SECRET"]}, "WEBHOOK_SECRET_PREVIOUS"),
+        ({**GOOD, "WEBHOOK_OPERATOR_SECRET": GOOD["WEBHOOK_SECRET"]}, "WEBHOOK_OPERATOR_SECRET"),
+    ],
+)
+def test_a_secret_without_its_url_is_an_error(env: dict[str, str], variable: str) -> None:
+    """A misspelled WEBHOOK_URL (WEBHOOK_ULR=...) would otherwise start a run that removes
+    the built-in endpoint and signs nothing, with no word said."""
+    with pytest.raises(ConfigError) as info:
+        check_builtin_pairs({"WEBHOOK_UlR": "https://hooks.example.com/in", **env})
+    assert info.value.variable == variable
+    assert "is set but WEBHOOK_" in str(info.value) and "_URL is not" in str(info.value)
+    assert GOOD["WEBHOOK_SECRET"] not in str(info.value)
+
+
+@pytest.mark.parametrize("variable", ["DATABASE_URL", "REDIS_URL"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_engine_url_set_but_empty_is_an_error(variable: str, value: str) -> None:
+    """Unset means the embedded engine; empty (a template whose value came out blank) is
+    refused rather than read as unset: a run on a private engine never sees the outbox."""
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({**GOOD, variable: value})
+    assert info.value.variable == variable and "set but empty" in str(info.value)
+    assert Settings.from_env(GOOD).database_url is None  # unset: the embedded engine
 
 
 def test_secret_never_appears_in_errors_or_repr() -> None:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import EXIT_CONFIG as EXIT_CONFIG  # re-exported: the commands take it from here
 from ..errors import EXIT_SCHEMA as EXIT_SCHEMA
 from ..errors import ConfigError
 from ..host import run_async as run_async  # the commands' one way to run a coroutine
 from ..settings import MAX_BIGINT, EngineSettings, parse_int
+
+if TYPE_CHECKING:
+    import psycopg
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -33,6 +38,26 @@ def engines(env: Mapping[str, str], *, redis: bool) -> tuple[str, str | None]:
 
     resolved = resolve(found.database_url, found.redis_url if redis else "", found.home)
     return resolved.database_url, (resolved.redis_url or None)
+
+
+@contextlib.asynccontextmanager
+async def connect(database_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A command's connection (autocommit) to a database whose schema is exactly this
+    code's: a missing, older or newer one stops the command with exit 3 saying what to
+    run, before it reads or writes anything."""
+    import psycopg
+
+    from ..migrations import check_schema
+
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await check_schema(conn)
+        yield conn
+
+
+async def check_database(database_url: str) -> None:
+    """:func:`connect`'s check alone, for a command whose work opens its own connections."""
+    async with connect(database_url):
+        pass
 
 
 def require_embedded(variable: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from rich.text import Text
 
 from ..terminal import cell, visible
-from .common import EXIT_CONFIG, confirm, engines, int_option, run_async
+from .common import EXIT_CONFIG, check_database, confirm, connect, engines, int_option, run_async
 
 NAME = "dlq"
 HELP = "list, show, replay or purge dead letters"
@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from .. import deadletters
+    from .. import deadletters, endpoints
     from ..endpoints import check_tenant_filter
 
     if args.dlq_command == "list":
@@ -74,7 +74,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     if args.dlq_command in ("replay", "purge"):
         if not args.all and not args.ids:
-            print(f"dlq {args.dlq_command}: name delivery ids, or --all", file=sys.stderr)
+            print(
+                f"fluxora-webhooks: error: dlq {args.dlq_command}: name delivery ids, or --all",
+                file=sys.stderr,
+            )
             return EXIT_CONFIG
         if args.all and not confirm(_ALL_QUESTIONS[args.dlq_command], yes=args.yes):
             print(f"dlq {args.dlq_command}: nothing done", file=sys.stderr)
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
+        await check_database(database_url)
         if args.dlq_command == "list":
             found = await deadletters.list_dead(
                 database_url,
@@ -90,6 +94,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 endpoint_id=args.endpoint,
                 tenant=args.tenant,
             )
+            if not found and args.endpoint is not None:
+                # A removed endpoint's dead letters are listed under its id; an id that
+                # names nothing (a typo) is said, as tail and recover say it.
+                async with connect(database_url) as conn:
+                    await endpoints.get(conn, args.endpoint)
             print_rows(found, LIST_COLUMNS, args.json)
             return 0
         if args.dlq_command == "show":

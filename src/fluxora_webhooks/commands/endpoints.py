@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .common import engines, positive_int, run_async
+from .common import EXIT_CONFIG, connect, engines, positive_int, run_async
 
 NAME = "endpoints"
 HELP = "register and manage the endpoints of your tenants"
@@ -101,8 +101,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
-
     from .. import endpoints
     from ..settings import Settings, parse_duration_ms
 
@@ -118,13 +116,30 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             if keep == "0"
             else parse_duration_ms(keep, "--keep-previous", high_ms=endpoints.MAX_KEEP_PREVIOUS_MS)
         )
+    if action == "update" and all(
+        value is None
+        for value in (
+            args.url,
+            args.events,
+            args.description,
+            args.header,
+            args.rate_limit,
+            args.ordered,
+        )
+    ):
+        print(
+            "fluxora-webhooks: error: endpoints update: nothing to change (give --url, --events,"
+            " --description, --header, --rate-limit or --ordered/--no-ordered)",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
     if action == "remove" and not args.yes and not _confirm(args.id):
         print("not removed", file=sys.stderr)
         return 1 if sys.stdin.isatty() else 2
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        async with connect(database_url) as conn:
             if action == "add":
                 endpoint, secret = await endpoints.create(
                     conn,

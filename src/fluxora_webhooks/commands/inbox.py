@@ -67,6 +67,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     older_than_ms = 0
     if args.inbox_action == "prune":
         older_than_ms = parse_duration_ms(args.older_than, "--older-than")
+        if older_than_ms == 0:  # as the outbox's prune: a slip, not "everything", --force or not
+            raise ConfigError(
+                "--older-than", "must be more than 0 (0 would forget every delivery id at once)"
+            )
         if older_than_ms < MIN_SAFE_PERIOD_MS and not args.force:
             raise ConfigError(
                 "--older-than",

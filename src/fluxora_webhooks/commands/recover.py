@@ -8,7 +8,7 @@ import argparse
 import json
 from collections.abc import Mapping
 
-from .common import engines, run_async
+from .common import connect, engines, run_async
 
 NAME = "recover"
 HELP = "re-queue an endpoint's dead letters from a time window"
@@ -27,14 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
-
     from .. import endpoints
 
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        async with connect(database_url) as conn:
             since = await endpoints.moment(conn, args.since, "--since")
             until = await endpoints.moment(conn, args.until, "--until") if args.until else None
             count = await endpoints.recover(conn, args.endpoint, since=since, until=until)

@@ -26,9 +26,10 @@ def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> 
     clock (tests run a dispatcher whose clock is hours off)."""
     from .. import logs
     from ..service import Service
-    from ..settings import Settings
+    from ..settings import Settings, check_builtin_pairs
 
     settings = Settings.from_env(env)
+    check_builtin_pairs(env)
     logs.configure(settings.log_format)
     database_url, redis_url = engines(env, redis=True)
     if settings.workers > 1:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..endpoints import check_event_type
 from ..errors import ConfigError
-from .common import EXIT_FAILED, EXIT_OK, engines, run_async
+from .common import EXIT_FAILED, EXIT_OK, connect, engines, run_async
 
 NAME = "send"
 HELP = "enqueue a test event and print its delivery ids"
@@ -86,10 +86,7 @@ def parse_payload(text: str) -> Any:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
-
     from ..endpoints import check_tenant
-    from ..migrations import check_schema
     from ..tooling import Routing, send_event, wait_routed
 
     tenant = check_tenant(args.tenant, "--tenant")
@@ -100,8 +97,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            await check_schema(conn)
+        async with connect(database_url) as conn:
             sent = await send_event(
                 conn, tenant=tenant, event_type=args.event, payload=payload, stream_id=args.stream
             )

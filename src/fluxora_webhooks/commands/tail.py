@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from ..errors import ConfigError, NotFoundError
 from ..settings import MAX_BIGINT
 from ..tooling import Attempt
-from .common import engines, int_option, run_async
+from .common import connect, engines, int_option, run_async
 
 NAME = "tail"
 HELP = "show attempts as they complete"
@@ -63,10 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
-
     from .. import endpoints
-    from ..migrations import check_schema
     from ..tooling import AttemptCursor, database_now
 
     tenant = None if args.tenant is None else endpoints.check_tenant(args.tenant, "--tenant")
@@ -88,8 +85,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     async def tail(stop: asyncio.Event) -> int:
         shown = 0
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-            await check_schema(conn)
+        async with connect(database_url) as conn:
             if args.endpoint is not None:
                 found = await endpoints.get(conn, args.endpoint)
                 if tenant is not None and found.tenant != tenant:

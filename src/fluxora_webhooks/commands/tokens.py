@@ -10,7 +10,7 @@ import argparse
 import json
 from collections.abc import Mapping
 
-from .common import engines, run_async
+from .common import connect, engines, run_async
 
 NAME = "tokens"
 HELP = "create, list or revoke the management API's tokens"
@@ -40,14 +40,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
-
     from .. import tokens
 
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        async with connect(database_url) as conn:
             if args.tokens_action == "create":
                 token, text = await tokens.create(
                     conn, name=args.name, tenant=args.tenant, read_only=args.read_only
