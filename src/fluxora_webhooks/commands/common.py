@@ -60,6 +60,36 @@ async def check_database(database_url: str) -> None:
         pass
 
 
+# The fields the endpoint functions name in their errors (the API's field names), as the
+# options of the endpoint commands that set them.
+_FIELD_OPTIONS = {
+    "url": "--url",
+    "tenant": "--tenant",
+    "event_types": "--events",
+    "event_type": "--events",
+    "description": "--description",
+    "headers": "--header",
+    "rate_limit": "--rate-limit",
+    "secret": "--secret",
+    "keep_previous": "--keep-previous",
+    "since": "--since",
+    "until": "--until",
+}
+
+
+def as_options(run: Callable[[], int]) -> int:
+    """``run()``, its :class:`ConfigError` naming the option the user typed (``error:
+    --url: ...``) rather than the API's field (``configuration error: url: ...``)."""
+    try:
+        return run()
+    except ConfigError as exc:
+        option = _FIELD_OPTIONS.get(exc.variable)
+        if option is None:
+            raise
+        problem = exc.problem.replace("later than since", "later than --since")
+        raise ConfigError(option, problem) from None
+
+
 def require_embedded(variable: str) -> None:
     """Stop at once, naming the extra, when the embedded engines are needed but missing."""
     import importlib.util

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .common import EXIT_CONFIG, connect, engines, positive_int, run_async
+from .common import EXIT_CONFIG, as_options, connect, engines, positive_int, run_async
 
 NAME = "endpoints"
 HELP = "register and manage the endpoints of your tenants"
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     print(f"removed {args.id}; {dead} pending delivery(ies) dead-lettered")
         return 0
 
-    return run_async(main())
+    return as_options(lambda: run_async(main()))
 
 
 async def _all(conn: Any, tenant: str | None) -> list[dict[str, Any]]:

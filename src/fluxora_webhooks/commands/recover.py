@@ -8,7 +8,7 @@ import argparse
 import json
 from collections.abc import Mapping
 
-from .common import connect, engines, run_async
+from .common import as_options, connect, engines, run_async
 
 NAME = "recover"
 HELP = "re-queue an endpoint's dead letters from a time window"
@@ -49,4 +49,4 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             print(f"requeued {count} dead letter(s) of {args.endpoint}")
         return 0
 
-    return run_async(main())
+    return as_options(lambda: run_async(main()))
