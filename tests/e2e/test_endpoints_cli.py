@@ -125,8 +125,14 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
             "'Authorization': write NAME=VALUE",
         ),
         (["endpoints", "add", "--url", "https://a.example/", "--rate-limit", "0"], "--rate-limit"),
-        (["endpoints", "add", "--url", "https://a.example/", "--tenant", "a b"], "r: --tenant:"),
-        (["endpoints", "add", "--url", "https://a.example/", "--secret", "short"], "r: --secret:"),
+        (
+            ["endpoints", "add", "--url", "https://a.example/", "--tenant", "a b"],
+            "error: --tenant:",
+        ),
+        (
+            ["endpoints", "add", "--url", "https://a.example/", "--secret", "short"],
+            "error: --secret:",
+        ),
         # An empty list (an unset shell variable, say) is not "every event type".
         (["endpoints", "add", "--url", "https://a.example/", "--events", ""], "error: --events:"),
         (["endpoints", "rotate-secret", "ep_x", "--keep-previous", "forever"], "--keep-previous"),
