@@ -17,7 +17,7 @@ async def test_install_then_prune(empty_database_url: str) -> None:
     code, out = await run_command("inbox", "install", env=env)
     assert (code, out.strip()) == (0, "created webhook_inbox"), out
     code, out = await run_command("inbox", "install", "--json", env=env)
-    assert code == 0 and json.loads(out) == {"created": False}, out
+    assert code == 0 and json.loads(out) == {"created": False, "added_columns": []}, out
 
     code, out = await run_command("inbox", "prune", "--older-than", "30d", env=env)
     assert code == 0 and "deleted 0 delivery id(s)" in out, out  # an empty inbox is fine
@@ -54,6 +54,20 @@ async def test_install_refuses_a_table_without_a_key_on_delivery_id(
     code, out = await run_command("inbox", "install", env=env)
     assert code == 3 and "ADD PRIMARY KEY (delivery_id)" in out, out
     assert "already installed" not in out and "Traceback" not in out
+
+
+async def test_install_says_which_columns_it_added_to_a_hand_made_table(
+    empty_database_url: str,
+) -> None:
+    """consumers.md: install completes a table made by hand; it says so, not "already
+    installed" (an operator would otherwise not know the table changed)."""
+    async with await psycopg.AsyncConnection.connect(empty_database_url, autocommit=True) as c:
+        await c.execute("CREATE TABLE webhook_inbox (delivery_id text PRIMARY KEY, attempt int)")
+    env = command_env(DATABASE_URL=empty_database_url)
+    code, out = await run_command("inbox", "install", env=env)
+    assert code == 0 and "added its missing column(s): event_type, received_at" in out, out
+    code, out = await run_command("inbox", "install", "--json", env=env)
+    assert code == 0 and json.loads(out) == {"created": False, "added_columns": []}, out
 
 
 async def test_prune_before_install_says_what_to_run(empty_database_url: str) -> None:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import engines, int_option, run_async
+
+if TYPE_CHECKING:
+    from ..inbox import Installed
 
 NAME = "inbox"
 HELP = "the consumer's inbox: install its table, prune old delivery ids"
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import psycopg
 
     from ..errors import ConfigError
-    from ..inbox import install, prune
+    from ..inbox import install_report, prune
     from ..settings import parse_duration_ms
 
     older_than_ms = 0
@@ -84,8 +87,12 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             database_url, autocommit=True, connect_timeout=10
         ) as conn:
             if args.inbox_action == "install":
-                created = await install(conn)
-                _report({"created": created}, args.json, _installed_text(created))
+                done = await install_report(conn)
+                _report(
+                    {"created": done.created, "added_columns": list(done.added)},
+                    args.json,
+                    _installed_text(done),
+                )
                 return 0
             result = await prune(
                 conn,
@@ -106,8 +113,12 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return run_async(main())
 
 
-def _installed_text(created: bool) -> str:
-    return "created webhook_inbox" if created else "webhook_inbox is already installed"
+def _installed_text(done: Installed) -> str:
+    if done.created:
+        return "created webhook_inbox"
+    if done.added:
+        return f"webhook_inbox was there; added its missing column(s): {', '.join(done.added)}"
+    return "webhook_inbox is already installed"
 
 
 def _report(data: dict[str, Any], as_json: bool, text: str) -> None:

@@ -43,7 +43,9 @@ __all__ = [
     "Headers",
     "InboxEvent",
     "InboxPruneResult",
+    "Installed",
     "install",
+    "install_report",
     "prune",
     "receive",
 ]
@@ -128,7 +130,7 @@ def install(
     the installs). On a connection with a transaction open, it takes part in it.
     """
     if isinstance(conn, psycopg.AsyncConnection):
-        return _install_async(conn)
+        return _created(install_report(conn))
     with conn.transaction():
         conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
         shape = conn.execute(query("inbox_shape")).fetchone()
@@ -137,13 +139,27 @@ def install(
     return shape is None
 
 
-async def _install_async(conn: psycopg.AsyncConnection[Any]) -> bool:
+@dataclass(frozen=True)
+class Installed:
+    """What :func:`install_report` did: the table created, or the columns it added to an
+    existing one (none: it was installed already)."""
+
+    created: bool
+    added: tuple[str, ...] = ()
+
+
+async def install_report(conn: psycopg.AsyncConnection[Any]) -> Installed:
+    """:func:`install`, saying what it did (``fluxora-webhooks inbox install``)."""
     async with conn.transaction():
         await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
         shape = await (await conn.execute(query("inbox_shape"))).fetchone()
         _check_shape(shape)
         await conn.execute(query("inbox_install"))
-    return shape is None
+    return Installed(created=True) if shape is None else Installed(False, tuple(shape[2]))
+
+
+async def _created(report: Awaitable[Installed]) -> bool:
+    return (await report).created
 
 
 def _check_shape(shape: tuple[Any, ...] | None) -> None:
@@ -151,7 +167,7 @@ def _check_shape(shape: tuple[Any, ...] | None) -> None:
     reported as installed: install completes columns, not a missing id or key."""
     if shape is None:  # no such table yet: install creates it whole
         return
-    has_id, has_key = shape
+    has_id, has_key, _ = shape
     if not has_id:
         raise SchemaError(NO_ID)
     if not has_key:

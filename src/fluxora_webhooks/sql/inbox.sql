@@ -20,6 +20,16 @@ SELECT
         WHERE i.indrelid = t.oid AND i.indisunique AND i.indimmediate AND i.indisvalid
           AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL
           AND a.attname = 'delivery_id'
+    ),
+    -- The columns install adds to it (it says which).
+    ARRAY(
+        SELECT wanted.name FROM (VALUES (1, 'event_type'), (2, 'attempt'), (3, 'received_at'))
+            AS wanted (n, name)
+        WHERE NOT EXISTS (
+            SELECT 1 FROM pg_attribute
+            WHERE attrelid = t.oid AND attname = wanted.name AND NOT attisdropped
+        )
+        ORDER BY wanted.n
     )
 FROM (SELECT to_regclass('webhook_inbox') AS oid) t
 WHERE t.oid IS NOT NULL;
