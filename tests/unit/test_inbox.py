@@ -23,7 +23,9 @@ def test_the_inbox_namespace_is_locked() -> None:
         "Headers",
         "InboxEvent",
         "InboxPruneResult",
+        "Installed",
         "install",
+        "install_report",
         "prune",
         "receive",
     ]
