@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .endpoints import OPERATOR_TENANT, check_event_type
+from .endpoints import DEFAULT_ID, OPERATOR_TENANT, check_event_type
 from .errors import ConfigError, ConflictError, NotFoundError
 from .outbox import enqueue_with_context, promote_heads
 from .queries import query
@@ -96,9 +96,11 @@ async def enqueue_event(
     tracestate: str | None = None,
 ) -> dict[str, Any]:
     """Enqueue an event (as a producer's ``enqueue`` does, in one transaction); returns it
-    with its id and ``delivery_id`` (the built-in default endpoint's, as enqueue returns).
-    ``traceparent``/``tracestate``: the request's trace context (W3C headers), kept with
-    the event so that its attempts join the producer's trace."""
+    with its id and ``delivery_id``: the built-in default endpoint's (as enqueue returns)
+    when the event goes to it (the default tenant's, with that endpoint configured), else
+    None -- the event row's id would name no delivery. ``traceparent``/``tracestate``: the
+    request's trace context (W3C headers), kept with the event so that its attempts join
+    the producer's trace."""
     check_event_type(event_type)
     try:
         async with conn.transaction():
@@ -113,15 +115,16 @@ async def enqueue_event(
             )
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                "SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at"
-                " FROM webhook_outbox WHERE delivery_id = %s::uuid",
-                (delivery_id,),
+                "SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at,"
+                " tenant = '' AND EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = %s)"
+                " AS to_default FROM webhook_outbox WHERE delivery_id = %s::uuid",
+                (DEFAULT_ID, delivery_id),
             )
             row = await cur.fetchone()
     except ValueError as exc:
         raise ConfigError("event", str(exc)) from None
     assert row is not None
-    return {**event_json(row), "delivery_id": delivery_id}
+    return {**event_json(row), "delivery_id": delivery_id if row["to_default"] else None}
 
 
 async def list_events(
@@ -235,14 +238,45 @@ def _status(current: Mapping[str, Any]) -> str:
     )
 
 
+# What the dispatcher or an endpoint's removal writes on a row it dead-letters because the
+# endpoint was removed: no request was sent, so it is the delivery's end, not an attempt.
+REMOVED_ERROR = "endpoint removed"
+GONE = 410
+
+
+def _attempted(row: Mapping[str, Any]) -> bool:
+    if not row["processed"] or row["outcome"] not in ("delivered", "retry", "dead_letter"):
+        return False
+    return not (
+        row["outcome"] == "dead_letter"
+        and row["status_code"] is None
+        and row["duration_ms"] is None
+        and row["error"] == REMOVED_ERROR
+    )
+
+
+def _outcome(row: Mapping[str, Any], following: Mapping[str, Any] | None) -> str:
+    """An attempt's outcome; ``parked`` for a failed one after which the delivery was
+    parked rather than retried: its next row is held parked (its endpoint is disabled, or
+    was removed meanwhile), or it got a 410 Gone (recorded as a retry: its endpoint was
+    disabled at once, which parks the next attempt)."""
+    if row["outcome"] != "retry":
+        return str(row["outcome"])
+    if row["status_code"] == GONE or (following is not None and following["hold"] == "parked"):
+        return "parked"
+    return "retry"
+
+
 async def get_delivery(
     conn: psycopg.AsyncConnection[Any], delivery_id: str, *, tenant: str | None = None
 ) -> dict[str, Any]:
     """The delivery with its payload and every attempt (time, status code, duration,
-    error, response body as kept)."""
+    error, response body as kept); a dead-lettered one with its dead letter's reason."""
     if not _valid_uuid(delivery_id):
         raise NotFoundError(f"no delivery {delivery_id[:64]!r}")
-    rows = await _rows(conn, "delivery_rows", {"delivery_id": delivery_id, **_scope(tenant)})
+    delivery_id = str(uuid.UUID(delivery_id))  # any case, braces or not: the one stored
+    params = {"delivery_id": delivery_id, **_scope(tenant)}
+    rows = await _rows(conn, "delivery_rows", params)
     if not rows:
         raise NotFoundError(f"no delivery {delivery_id!r}")
     first, current = rows[0], rows[-1]
@@ -254,12 +288,17 @@ async def get_delivery(
             "duration_ms": r["duration_ms"],
             "error": r["error"],
             "response_body": r["response_body"],
-            "outcome": r["outcome"],
+            "outcome": _outcome(r, rows[i + 1] if i + 1 < len(rows) else None),
             "replay": bool(r["replay"]),
         }
-        for r in rows
-        if r["processed"] and r["outcome"] in ("delivered", "retry", "dead_letter")
+        for i, r in enumerate(rows)
+        if _attempted(r)
     ]
+    status = _status(current)
+    reason = None
+    if status == "dead_letter":
+        found = await _rows(conn, "delivery_dead_reason", params)
+        reason = found[0]["reason"] if found else None
     return {
         "delivery_id": first["delivery_id"],
         "event_id": int(first["event_id"]),
@@ -267,7 +306,8 @@ async def get_delivery(
         "tenant": _tenant(first["tenant"]),
         "stream_id": first["stream_id"],
         "event_type": first["event_type"],
-        "status": _status(current),
+        "status": status,
+        "dead_letter_reason": reason,
         "attempt_count": len(attempts),
         "created_at": _iso(first["enqueued_at"]),
         "last_attempt_at": attempts[-1]["at"] if attempts else None,
@@ -286,6 +326,8 @@ async def replay(
     a new attempt, and its dead letter is marked replayed. Returns the delivery."""
     if not _valid_uuid(delivery_id):
         raise NotFoundError(f"no delivery {delivery_id[:64]!r}")
+    # The one stored: the advisory lock is taken on this text, whatever case was asked.
+    delivery_id = str(uuid.UUID(delivery_id))
     params = {"delivery_id": delivery_id, **_scope(tenant)}
     async with conn.transaction():
         await conn.execute(f"SET LOCAL lock_timeout = '{REPLAY_LOCK_TIMEOUT}'")
@@ -345,18 +387,21 @@ async def stats(
     tenant: str | None = None,
     window_ms: int = 3_600_000,
     endpoints_limit: int = MAX_PAGE,
+    endpoints_after: str | None = None,
 ) -> dict[str, Any]:
     """Backlog, dead letters, recent outcomes and per-endpoint health of the scope (breaker
-    states are added by :func:`breaker_states`, which needs Redis)."""
+    states are added by :func:`breaker_states`, which needs Redis). The endpoints are a
+    page by id (``endpoints_after``: the last id of the previous page); ``endpoints_after``
+    in the answer is the next page's, None when this page is the last."""
     check_window(window_ms)
+    _check_limit(endpoints_limit)
     scope = _scope(tenant)
     backlog = (await _rows(conn, "stats_backlog", {**scope, "cap": STATS_COUNT_CAP}))[0]
     outcomes = await _rows(conn, "stats_outcomes", {**scope, "window_ms": window_ms})
-    health = await _rows(
-        conn,
-        "stats_endpoints",
-        {**scope, "window_ms": window_ms, "cap": STATS_COUNT_CAP, "limit": endpoints_limit},
+    health = await _health_rows(
+        conn, scope, window_ms, limit=endpoints_limit + 1, after=endpoints_after
     )
+    shown = health[:endpoints_limit]
     by_outcome = {r["outcome"]: r for r in outcomes}
     return {
         "window_seconds": window_ms // 1000,
@@ -376,8 +421,46 @@ async def stats(
             }
             for o in ("delivered", "retry", "dead_letter")
         },
-        "endpoints": [_health(r) for r in health],
+        "endpoints": [_health(r) for r in shown],
+        "endpoints_after": shown[-1]["id"] if len(health) > endpoints_limit and shown else None,
     }
+
+
+async def endpoint_health(
+    conn: psycopg.AsyncConnection[Any],
+    ids: Sequence[str],
+    *,
+    tenant: str | None = None,
+    window_ms: int = 3_600_000,
+) -> list[dict[str, Any]]:
+    """The health of these endpoints (those of the scope), as :func:`stats` gives it: for
+    a page of endpoints, or one, wherever it is in the list."""
+    check_window(window_ms)
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    rows = await _health_rows(conn, _scope(tenant), window_ms, limit=len(wanted), ids=wanted)
+    return [_health(r) for r in rows]
+
+
+async def _health_rows(
+    conn: psycopg.AsyncConnection[Any],
+    scope: Mapping[str, Any],
+    window_ms: int,
+    *,
+    limit: int,
+    after: str | None = None,
+    ids: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    params = {
+        **scope,
+        "window_ms": window_ms,
+        "cap": STATS_COUNT_CAP,
+        "limit": limit,
+        "after": after,
+        "ids": None if ids is None else list(ids),
+    }
+    return await _rows(conn, "stats_endpoints", params)
 
 
 def _health(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -77,7 +77,6 @@ async def test_values_the_database_cannot_store_are_refused_with_422(
     refused(
         await api.get("/api/v1/deliveries", params={"stream_id": "\u0000"}), 422, "validation_error"
     )
-    refused(await api.get("/api/v1/endpoints/ep_\u0000"), 422, "validation_error", "NUL")
     for kind in ("events", "deliveries"):
         cursor = encode(kind, 2**63)
         reply = await api.get(f"/api/v1/{kind}", params={"cursor": cursor})
@@ -204,3 +203,101 @@ async def test_a_database_restarted_or_read_only_is_a_503_not_a_500(
         await _end_other_sessions(conn)
     created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
     assert created.status == 201, created.text
+
+
+async def test_a_nul_in_an_id_a_cursor_or_a_filter_is_what_it_is_not_a_storage_error(
+    api: Api,
+) -> None:
+    """A NUL character read, not stored: in an id it names nothing (404, as any unknown
+    id), in a cursor it is no cursor of ours (400), in a filter the answer says the filter
+    is wrong, not that something cannot be stored."""
+    made = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/hook"})
+    assert made.status == 201
+    for method, path, body in (
+        ("GET", "/api/v1/endpoints/\u0000", None),
+        ("GET", "/api/v1/endpoints/ep_\u0000", None),
+        ("PATCH", "/api/v1/endpoints/\u0000", {"description": "x"}),
+        ("DELETE", "/api/v1/endpoints/\u0000", None),
+        ("POST", "/api/v1/endpoints/\u0000/disable", None),
+        ("POST", "/api/v1/endpoints/\u0000/enable", None),
+        ("POST", "/api/v1/endpoints/\u0000/rotate-secret", None),
+    ):
+        refused(await api.call(method, path, json=body), 404, "not_found")
+    for token in ("admin", "acme"):
+        reply = await api.get(
+            "/api/v1/endpoints", token=token, params={"cursor": encode("endpoints", "\x00a")}
+        )
+        refused(reply, 400, "invalid_cursor")
+    for path in ("/api/v1/endpoints", "/api/v1/events", "/api/v1/deliveries", "/api/v1/stats"):
+        reply = await api.get(path, params={"tenant": "\u0000"})
+        refused(reply, 422, "validation_error", "tenant", "filter")
+        assert "stored" not in reply.body["error"]["message"]
+    reply = await api.get("/api/v1/deliveries", params={"stream_id": "a\u0000"})
+    refused(reply, 422, "validation_error", "stream_id", "filter")
+    # The endpoint is still there, unchanged.
+    shown = await api.get(f"/api/v1/endpoints/{made.body['id']}")
+    assert shown.status == 200 and shown.body["state"] == "enabled"
+
+
+async def post_bare(api: Api, path: str, body: bytes | None) -> Reply:
+    """POST ``body`` with no Content-Type header at all."""
+    headers = {"Authorization": f"Bearer {api.tokens['admin']}"}
+    async with api.session.post(
+        api.url + path, data=body, headers=headers, skip_auto_headers=("Content-Type",)
+    ) as resp:
+        assert "content-type" not in {k.lower() for k in resp.request_info.headers}
+        text = await resp.text()
+        return Reply(resp.status, json.loads(text), dict(resp.headers.items()), text)
+
+
+async def test_a_json_body_sent_without_a_content_type_is_a_415_naming_it(
+    api: Api, database_url: str
+) -> None:
+    text = json.dumps(event({"k": 1})).encode()
+    reply = await post_bare(api, EVENTS, text)
+    assert reply.status == 415, reply.text
+    assert reply.error_code == "unsupported_media_type"
+    message = reply.body["error"]["message"]
+    assert "Content-Type: application/json" in message and "no Content-Type" in message
+    # No body at all is still a missing field, and nothing was stored.
+    empty = await post_bare(api, EVENTS, None)
+    assert empty.status == 422 and empty.error_code == "validation_error"
+    assert await stored(database_url, "webhook_outbox") == 0
+
+
+async def test_a_trailing_slash_is_a_404_never_a_redirect_to_the_host_header(api: Api) -> None:
+    for path in ("/api/v1/endpoints/", "/api/v1/stats/", "/api/v1/events/"):
+        reply = await api.get(path, headers={"Host": "evil.example"})
+        refused(reply, 404, "not_found")
+        assert "location" not in reply.headers
+    async with api.session.get(
+        api.url + "/endpoints/", headers={"Host": "evil.example"}, allow_redirects=False
+    ) as resp:
+        assert resp.status == 404 and "location" not in resp.headers
+    # The dashboard's own routes still answer: the sign-in page, the rest behind it.
+    async with api.session.get(api.url + "/login") as resp:
+        assert resp.status == 200 and "Sign in" in await resp.text()
+    for path in ("/", "/endpoints", "/deliveries"):
+        async with api.session.get(api.url + path, allow_redirects=False) as resp:
+            assert resp.status == 303 and resp.headers["location"] == "/login", path
+    async with api.session.get(api.url + "/static/app.js") as resp:
+        assert resp.status == 200
+
+
+async def test_405_says_what_is_allowed_and_head_reads_like_get(api: Api) -> None:
+    wrong = await api.call("PUT", "/api/v1/endpoints")
+    refused(wrong, 405, "method_not_allowed")
+    allowed = {m.strip() for m in wrong.headers["allow"].split(",")}
+    assert {"GET", "POST"} <= allowed
+    post_only = await api.call("GET", "/api/v1/endpoints/x/disable")
+    refused(post_only, 405, "method_not_allowed")
+    assert post_only.headers["allow"] == "POST"
+    for path in ("/api/v1/stats", "/api/v1/endpoints"):
+        got = await api.get(path)
+        head = await api.call("HEAD", path)
+        assert head.status == 200 and head.text == "", path
+        assert head.headers["content-type"] == got.headers["content-type"]
+        assert head.headers["content-security-policy"].startswith("default-src 'none'")
+    assert (await api.call("HEAD", "/api/v1/stats", token=None)).status == 401
+    async with api.session.head(api.url + "/login") as resp:
+        assert resp.status == 200

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from fluxora_webhooks import endpoints
+from fluxora_webhooks import deadletters, endpoints
 from tests.support.api import LOOPBACK, Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, wait_until
 from tests.support.receiver import Received, Receiver
@@ -273,3 +273,98 @@ async def test_an_events_trace_context_over_http_reaches_its_consumer(
     traced = [r for r in receiver.received if r.headers.get("traceparent") == parent]
     assert len(traced) == 1 and traced[0].headers["tracestate"] == "vendor=abc"
     assert sum("traceparent" in r.headers for r in receiver.received) == 1
+
+
+async def test_removing_an_endpoint_adds_no_attempt_and_a_410_shows_as_parked(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    """A 410 disables the endpoint and parks its delivery; another delivery is parked
+    without ever being sent; then the endpoint is removed. The API counts the requests
+    sent, as the dead letters do, and says why the deliveries ended."""
+    receiver.respond = lambda r: web.Response(status=410)
+    endpoint = await add_endpoint(api, receiver.url, "acme")
+
+    async def send(stream_id: str) -> int:
+        body = {"stream_id": stream_id, "event_type": "t", "payload": {}}
+        reply = await api.post("/api/v1/events", token="acme", json=body)
+        assert reply.status == 202, reply.text
+        return int(reply.body["id"])
+
+    async def only_delivery(event_id: int) -> dict[str, Any]:
+        found = (await api.get(f"/api/v1/events/{event_id}")).body["deliveries"]
+        return dict(found[0]) if found else {}
+
+    first = await send("sent")
+    async with running_dispatcher(dispatcher_settings(), database_url):
+        await receiver.wait_for(1)
+
+        async def gone() -> bool:
+            shown = (await api.get(f"/api/v1/endpoints/{endpoint}")).body
+            return bool(shown["disabled_reason"] == "gone")
+
+        await wait_until(gone, what="the endpoint disabled by its 410")
+        second = await send("never-sent")
+
+        async def both_parked() -> bool:
+            found = [await only_delivery(e) for e in (first, second)]
+            return all(d.get("status") == "parked" for d in found)
+
+        await wait_until(both_parked, what="both deliveries parked")
+    sent = (await only_delivery(first))["delivery_id"]
+    never = (await only_delivery(second))["delivery_id"]
+    parked = await delivery(api, sent)
+    assert parked["attempt_count"] == 1 and parked["dead_letter_reason"] is None
+    (attempt,) = parked["attempts"]
+    assert attempt["status_code"] == 410 and attempt["outcome"] == "parked"
+
+    assert (await api.call("DELETE", f"/api/v1/endpoints/{endpoint}")).status == 204
+    shown = {d: await delivery(api, d) for d in (sent, never)}
+    for found in shown.values():
+        assert found["status"] == "dead_letter"
+        assert found["dead_letter_reason"] == "endpoint_removed"
+    assert [(a["status_code"], a["outcome"]) for a in shown[sent]["attempts"]] == [(410, "parked")]
+    assert shown[sent]["attempt_count"] == 1
+    assert shown[never]["attempts"] == [] and shown[never]["attempt_count"] == 0
+    assert shown[never]["last_attempt_at"] is None
+    listed = await api.all_pages("/api/v1/deliveries", endpoint_id=endpoint)
+    counts = {d["delivery_id"]: d["attempt_count"] for d in listed}
+    assert counts == {sent: 1, never: 0}
+    assert {d["delivery_id"]: d["last_attempt_at"] for d in listed}[never] is None
+    # What `dlq list` shows.
+    dead = await deadletters.list_dead(database_url, tenant="acme")
+    assert {d["delivery_id"]: d["attempts"] for d in dead} == counts
+
+
+async def test_an_events_delivery_id_names_a_delivery_or_is_null(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    """The event row's id is a delivery only for the built-in default endpoint: a named
+    tenant's event (or the default tenant's with no WEBHOOK_URL) answers null, not an id
+    that is 404 for ever."""
+    await add_endpoint(api, receiver.url, "acme")
+    body = {"stream_id": "s", "event_type": "t", "payload": {}}
+    tenant = await api.post("/api/v1/events", token="acme", json=body)
+    assert tenant.status == 202 and tenant.body["delivery_id"] is None
+    assert tenant.body["id"] > 0
+    unrouted = await api.post("/api/v1/events", json=body)
+    assert unrouted.status == 202 and unrouted.body["delivery_id"] is None
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await endpoints.sync_builtin(conn, "default", receiver.url)
+    builtin = await api.post("/api/v1/events", json=body)
+    assert builtin.status == 202 and builtin.body["delivery_id"] is not None
+    settings = dispatcher_settings(webhook_url=receiver.url, secret=b"s" * 32)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(2)
+
+        async def delivered() -> bool:
+            found = await api.get(f"/api/v1/deliveries/{builtin.body['delivery_id']}")
+            return found.status == 200 and found.body["status"] == "delivered"
+
+        await wait_until(delivered, what="the default endpoint's delivery delivered")
+    found = await delivery(api, builtin.body["delivery_id"])
+    assert found["endpoint_id"] == "default" and found["event_id"] == builtin.body["id"]
+    # Its id in capitals is the same delivery (a UUID is not case-sensitive).
+    upper = builtin.body["delivery_id"].upper()
+    assert (await delivery(api, upper))["delivery_id"] == builtin.body["delivery_id"]
+    replayed = await api.post(f"/api/v1/deliveries/{upper}/replay")
+    assert replayed.status == 202 and replayed.body["delivery_id"] == builtin.body["delivery_id"]

@@ -216,9 +216,11 @@ async def test_unknown_routes_methods_and_the_openapi_document(api: Api) -> None
     assert not [p for p in paths if not p.startswith("/api/v1/")]  # no dashboard routes
     assert doc.body["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     # The answers the server gives are in the document.
-    assert {"400", "401", "403", "413", "422", "500"} <= set(
+    assert {"400", "401", "403", "405", "413", "415", "422", "500"} <= set(
         paths["/api/v1/events"]["post"]["responses"]
     )
+    assert {"405", "415"} <= set(paths["/api/v1/endpoints"]["post"]["responses"])
+    assert "405" in paths["/api/v1/stats"]["get"]["responses"]
     assert "409" in paths["/api/v1/endpoints/{endpoint_id}"]["patch"]["responses"]
     assert "409" in paths["/api/v1/endpoints/{endpoint_id}/rotate-secret"]["post"]["responses"]
     # Security headers on API answers too.

@@ -233,3 +233,32 @@ async def test_a_tenant_is_not_told_why_redis_cannot_be_read(database_url: str) 
         "error": "the circuit breakers' states cannot be read now",
     }
     assert not any("pw-of-redis-77" in text for text in api.seen)
+
+
+async def test_an_admin_reads_operator_events_and_a_tenant_never_does(database_url: str) -> None:
+    """An operator event's delivery is in an admin's lists, and its event opens for the
+    admin; no tenant's token sees it, by id or in a list."""
+    async with serving(database_url) as api:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await endpoints.sync_builtin(conn, "operator", "http://127.0.0.1:9/operator")
+        made = await api.post(
+            "/api/v1/endpoints", json={"url": "http://127.0.0.1:9/hook", "tenant": "acme"}
+        )
+        assert made.status == 201
+        disabled = await api.post(f"/api/v1/endpoints/{made.body['id']}/disable", token="acme")
+        assert disabled.status == 200
+        (told,) = await api.all_pages("/api/v1/deliveries", endpoint_id="operator")
+        assert told["event_type"] == "endpoint.disabled"
+        event = await api.get(f"/api/v1/events/{told['event_id']}")
+        assert event.status == 200, event.text
+        assert event.body["tenant"] is None and event.body["event_type"] == "endpoint.disabled"
+        assert event.body["payload"]["endpoint_id"] == made.body["id"]
+        assert [d["delivery_id"] for d in event.body["deliveries"]] == [told["delivery_id"]]
+        assert (await api.get(f"/api/v1/events/{told['event_id']}", token="reader")).status == 200
+        for token in ("acme", "acme_reader", "bolt", "default"):
+            hidden = await api.get(f"/api/v1/events/{told['event_id']}", token=token)
+            assert hidden.status == 404 and hidden.error_code == "not_found", token
+            events = await api.all_pages("/api/v1/events", token=token)
+            assert told["event_id"] not in {e["id"] for e in events}
+            deliveries = await api.all_pages("/api/v1/deliveries", token=token)
+            assert told["delivery_id"] not in {d["delivery_id"] for d in deliveries}

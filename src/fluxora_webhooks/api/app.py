@@ -105,6 +105,10 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        head = scope.get("method") == "HEAD"
+        if head:
+            # HEAD is answered as GET without the body (RFC 9110): the routes declare GET.
+            scope = {**scope, "method": "GET"}
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         received = 0
         started = False
@@ -127,6 +131,8 @@ class Guard:
                 present = {k.lower() for k, _ in message.get("headers", [])}
                 extra = [(k, v) for k, v in SECURITY_HEADERS if k not in present]
                 message["headers"] = [*message.get("headers", []), *extra]
+            elif head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
             await send(message)
 
         try:
@@ -193,10 +199,21 @@ def create_app(config: ApiConfig) -> FastAPI:
         docs_url=None,  # its pages load scripts from a CDN; the document is enough
         redoc_url=None,
         lifespan=lifespan,
+        # "/x/" is the JSON 404 of any unknown route, not a redirect: Starlette's would
+        # build its Location from the request's Host header.
+        redirect_slashes=False,
         responses={
             400: {"model": errors_model(), "description": "the body is not JSON, or a bad cursor"},
             401: {"model": errors_model(), "description": "no token, or not a valid one"},
+            405: {
+                "model": errors_model(),
+                "description": "a method the route does not take (its `Allow` header lists them)",
+            },
             413: {"model": errors_model(), "description": "a request body over 1 MiB"},
+            415: {
+                "model": errors_model(),
+                "description": "a body sent without `Content-Type: application/json`",
+            },
             422: {"model": errors_model(), "description": "the request is not valid"},
             500: {"model": errors_model(), "description": "an unexpected error (in the log)"},
             503: {

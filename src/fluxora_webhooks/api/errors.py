@@ -5,6 +5,7 @@ router's own 404/405. The dashboard's paths get an HTML page instead."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from psycopg_pool import PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount
 
 from ..errors import ConfigError, ConflictError, EndpointError, NotFoundError
 from ..migrations import READ_ONLY_HINT
@@ -21,6 +23,8 @@ API_PREFIX = "/api/"
 # A 503's Retry-After (seconds): a restart or a failover is over in about this long.
 RETRY_AFTER_S = 5
 log = logging.getLogger("fluxora_webhooks.api")
+# The methods a 405's Allow can name (HEAD is added with GET).
+_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
 _CODES = {
     400: "bad_request",
@@ -51,10 +55,14 @@ def unauthorized(message: str = "a valid bearer token is required") -> ApiError:
     return ApiError(401, "unauthorized", message)
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": 'Bearer realm="fluxora-webhooks"'} if status == 401 else None
+def error_response(
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    sent = dict(headers or {})
+    if status == 401:
+        sent["WWW-Authenticate"] = 'Bearer realm="fluxora-webhooks"'
     return JSONResponse(
-        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+        {"error": {"code": code, "message": message}}, status_code=status, headers=sent or None
     )
 
 
@@ -65,8 +73,18 @@ def _validation_message(
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "bad_request", "the request body is not valid JSON"
     media = content_type.split(";", 1)[0].strip().lower()
+    body_errors = [e for e in errors if tuple(e.get("loc", ())) == ("body",)]
+    if not media and any(e.get("type") != "missing" for e in body_errors):
+        # A body sent without a Content-Type is not read as JSON either (no body at all
+        # stays a missing field).
+        return (
+            415,
+            "unsupported_media_type",
+            "the request body must be JSON, sent with Content-Type: application/json"
+            " (no Content-Type was sent)",
+        )
     foreign = media and media != "application/json" and not media.endswith("+json")
-    if foreign and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+    if foreign and body_errors:
         # FastAPI reads a body of another media type as no JSON at all.
         shown = media[:60]
         return (
@@ -99,6 +117,13 @@ def _caused_by_request(exc: Exception) -> bool:
     return sqlstate in _REQUEST_STATES or (sqlstate is None and "NUL" in str(exc))
 
 
+def _is_nul(exc: Exception) -> bool:
+    """psycopg's refusal of a NUL in text (it has no SQLSTATE: it never reaches the server)."""
+    return not isinstance(exc, UnicodeEncodeError) and (
+        getattr(exc, "sqlstate", None) is None and "NUL" in str(exc)
+    )
+
+
 def _unstorable(exc: Exception) -> str:
     """What is wrong with a request value the database refused (SQLSTATE class 22) or that
     cannot be encoded for it, without echoing the value (nor the database's context,
@@ -121,14 +146,42 @@ def _unstorable(exc: Exception) -> str:
     return f"a value in the request cannot be stored (SQLSTATE {sqlstate or 'none'})"
 
 
+def _with_nul(values: Mapping[str, Any]) -> list[str]:
+    return sorted(k for k, v in values.items() if isinstance(v, str) and "\x00" in v)
+
+
+def _nul_in_request(request: Request) -> tuple[int, str, str] | None:
+    """A NUL the database refused that came in the path or the query string: an id in the
+    path names nothing that could exist (404, as any unknown id); a filter is a filter
+    that cannot match (422 naming it). None: it came in the body, as before."""
+    if _with_nul(request.path_params):
+        return 404, "not_found", "no such resource (an id with a NUL character)"
+    names = _with_nul(dict(request.query_params))
+    if names:
+        shown = ", ".join(n[:40].replace("\x00", "\\u0000") for n in names[:5])
+        return (
+            422,
+            "validation_error",
+            f"{shown}: a filter cannot contain a NUL character (\\u0000)",
+        )
+    return None
+
+
 def install(app: FastAPI, html_error: Any) -> None:
     """Register the handlers; ``html_error(request, status, message)`` renders the
     dashboard's error page."""
 
-    def answer(request: Request, status: int, code: str, message: str) -> Response:
+    def answer(
+        request: Request,
+        status: int,
+        code: str,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
         if request.url.path.startswith(API_PREFIX):
-            return error_response(status, code, message)
+            return error_response(status, code, message, headers)
         result: Response = html_error(request, status, message)
+        result.headers.update(headers or {})
         return result
 
     @app.exception_handler(ApiError)
@@ -172,9 +225,10 @@ def install(app: FastAPI, html_error: Any) -> None:
     async def _unstorable_value(request: Request, exc: Exception) -> Response:
         if not _caused_by_request(exc):
             raise exc  # answered 500 and logged (app.Guard)
-        message = _unstorable(exc)
+        nul = _nul_in_request(request) if _is_nul(exc) else None
+        status, code, message = nul or (422, "validation_error", _unstorable(exc))
         log.warning("%s %s: refused, %s", request.method, request.url.path, message)
-        return answer(request, 422, "validation_error", message)
+        return answer(request, status, code, message)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -187,4 +241,23 @@ def install(app: FastAPI, html_error: Any) -> None:
         message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
         if exc.status_code == 404:
             message = "no such resource"
-        return answer(request, exc.status_code, code, message)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed(request)
+        return answer(request, exc.status_code, code, message, headers)
+
+
+def _allowed(request: Request) -> str:
+    """A 405's Allow (RFC 9110 requires it): the methods any route of the path takes (the
+    router names only the first route's, and each method is a route of its own here),
+    asked of the routes themselves, with HEAD wherever GET is (app.Guard answers it). A
+    mount (the static files) takes GET and HEAD only."""
+    methods = set()
+    routes = [r for r in request.app.router.routes if not isinstance(r, Mount)]
+    for method in _METHODS:
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] is Match.FULL for route in routes):
+            methods.add(method)
+    if not methods or "GET" in methods:
+        methods |= {"GET", "HEAD"}
+    return ", ".join(sorted(methods))

@@ -136,9 +136,10 @@ class Event(BaseModel):
 
 
 class EventAccepted(Event):
-    delivery_id: str = Field(
-        description="the built-in default endpoint's delivery id (as enqueue returns); each"
-        " endpoint's delivery has its own id, listed by GET /events/{id}"
+    delivery_id: str | None = Field(
+        description="the built-in default endpoint's delivery id (as enqueue returns) when"
+        " the event goes to it (the default tenant, with WEBHOOK_URL configured); null"
+        " otherwise. Each endpoint's delivery has its own id, listed by GET /events/{id}"
     )
 
 
@@ -163,13 +164,23 @@ class Attempt(BaseModel):
     duration_ms: float | None
     error: str | None
     response_body: str | None
-    outcome: Literal["delivered", "retry", "dead_letter"]
+    outcome: Literal["delivered", "retry", "parked", "dead_letter"] = Field(
+        description="what followed: delivered, a retry, parked (its endpoint disabled, as a"
+        " 410 Gone does) or a dead letter"
+    )
     replay: bool
 
 
 class DeliveryDetail(Delivery):
+    dead_letter_reason: str | None = Field(
+        description="why a dead-lettered delivery ended (as `dlq list` says: max_attempts,"
+        " http_4xx, endpoint_removed, ...); null otherwise"
+    )
     payload: Any
-    attempts: list[Attempt]
+    attempts: list[Attempt] = Field(
+        description="the requests sent (a dead letter made when its endpoint was removed is"
+        " none: `dead_letter_reason` says so)"
+    )
 
 
 class EventDetail(Event):
@@ -237,6 +248,12 @@ class Stats(BaseModel):
     backlog: Backlog
     dead_letters: DeadLetters
     recent: dict[str, Outcome]
-    endpoints: list[EndpointHealth]
+    endpoints: list[EndpointHealth] = Field(
+        description="a page of the endpoints' health, by id (`endpoints_limit`, up to 1000)"
+    )
+    endpoints_next_cursor: str | None = Field(
+        description="null: `endpoints` holds every endpoint of the scope; else the list was"
+        " cut at `endpoints_limit`: pass this as `endpoints_cursor` for the next page"
+    )
     redis: RedisReading
     series: list[Bucket] | None = None

@@ -34,7 +34,8 @@ def decode(kind: str, cursor: str | None) -> str | None:
     except (binascii.Error, ValueError):
         text = ""
     found, sep, key = text.partition(":")
-    if found != kind or not sep or not key:
+    # No key we return holds a control character (a NUL could not even be looked up).
+    if found != kind or not sep or not key or not key.isprintable():
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
     return key
 

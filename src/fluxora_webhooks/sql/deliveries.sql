@@ -3,7 +3,8 @@
 -- that takes %(tenant)s compares it when %(scoped)s is true, so another tenant's rows are
 -- simply not found. A filter parameter that is NULL filters nothing.
 --
--- An event is a row a producer wrote (event_id IS NULL; not the operator's own events). A
+-- An event is a row a producer wrote (event_id IS NULL; the list leaves out the operator's
+-- own events, which an admin reads one at a time). A
 -- delivery is one (event, endpoint): the rows sharing a delivery_id; its first row is the
 -- one with attempt 1 that is no replay (the routed row, or the event row itself for the
 -- built-in default endpoint), its current row the one with the highest id. Lists page by
@@ -22,14 +23,18 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: event_get
+-- Also an operator event, for an admin: its delivery is in the admin's lists and links
+-- here. A tenant's token never sees one (no tenant is '!operator').
 SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at
 FROM webhook_outbox
-WHERE id = %(id)s AND event_id IS NULL AND tenant <> '!operator'
-  AND (NOT %(scoped)s OR tenant = %(tenant)s);
+WHERE id = %(id)s AND event_id IS NULL
+  AND (NOT %(scoped)s OR (tenant = %(tenant)s AND tenant <> '!operator'));
 
 -- name: delivery_list
 -- One row per delivery (its first row), with its current row's status and its attempts.
 -- %(event)s: only that event's deliveries (served by webhook_outbox_event_idx and the key).
+-- A row dead-lettered because its endpoint was removed (no status, no duration: nothing
+-- was sent) is the delivery's end, not an attempt: as the dead letter's count has it.
 SELECT f.id AS seq, f.delivery_id::text AS delivery_id, COALESCE(f.event_id, f.id) AS event_id,
        f.endpoint_id, f.tenant, f.stream_id, f.event_type, f.enqueued_at AS created_at,
        s.attempt_count, s.last_attempt_at,
@@ -44,12 +49,17 @@ SELECT f.id AS seq, f.delivery_id::text AS delivery_id, COALESCE(f.event_id, f.i
 FROM webhook_outbox f
 CROSS JOIN LATERAL (
     SELECT max(a.id) AS current_id,
-           count(*) FILTER (
-               WHERE a.processed AND a.outcome IN ('delivered', 'retry', 'dead_letter')
-           ) AS attempt_count,
-           max(a.processed_at) AS last_attempt_at
-    FROM webhook_outbox a
-    WHERE a.delivery_id = f.delivery_id AND a.endpoint_id IS NOT NULL
+           count(*) FILTER (WHERE a.processed AND a.attempted) AS attempt_count,
+           max(a.processed_at) FILTER (WHERE a.processed AND a.attempted) AS last_attempt_at
+    FROM (
+        SELECT o.id, o.processed, o.processed_at,
+               o.outcome IN ('delivered', 'retry', 'dead_letter')
+               AND NOT (o.outcome = 'dead_letter' AND o.status_code IS NULL
+                        AND o.duration_ms IS NULL AND o.error = 'endpoint removed')
+                   AS attempted
+        FROM webhook_outbox o
+        WHERE o.delivery_id = f.delivery_id AND o.endpoint_id IS NOT NULL
+    ) a
 ) s
 JOIN webhook_outbox c ON c.id = s.current_id
 WHERE f.attempt = 1 AND NOT f.replay AND f.endpoint_id IS NOT NULL
@@ -85,6 +95,13 @@ WHERE delivery_id = %(delivery_id)s::uuid AND endpoint_id IS NOT NULL
   AND outcome IS DISTINCT FROM 'routed' AND outcome IS DISTINCT FROM 'unrouted'
   AND (NOT %(scoped)s OR tenant = %(tenant)s)
 ORDER BY id;
+
+-- name: delivery_dead_reason
+-- Why a dead-lettered delivery ended (its latest dead letter: webhook_dead_letter_delivery_idx).
+SELECT reason FROM webhook_dead_letter
+WHERE delivery_id = %(delivery_id)s::uuid
+ORDER BY dead_at DESC, id DESC
+LIMIT 1;
 
 -- name: delivery_lock
 -- Replays of one delivery take turns (two at once must not both queue a new attempt).
@@ -188,14 +205,16 @@ GROUP BY outcome
 ORDER BY outcome;
 
 -- name: stats_endpoints
--- Each endpoint of the scope (a page by id) with its attempts in the window, its success
--- rate and attempt duration, and its pending deliveries (counted up to the cap, through
--- webhook_outbox_endpoint_pending_idx).
+-- Each endpoint of the scope (a page by id, after %(after)s; or only those of %(ids)s) with
+-- its attempts in the window, its success rate and attempt duration, and its pending
+-- deliveries (counted up to the cap, through webhook_outbox_endpoint_pending_idx).
 WITH eps AS (
     SELECT id, tenant, url, state, disabled_reason, ordered
     FROM webhook_endpoints
     WHERE (NOT %(scoped)s OR tenant = %(tenant)s)
       AND NOT (%(scoped)s AND tenant = '!operator')
+      AND (%(after)s::text IS NULL OR id > %(after)s)
+      AND (%(ids)s::text[] IS NULL OR id = ANY(%(ids)s::text[]))
     ORDER BY id
     LIMIT %(limit)s
 ),

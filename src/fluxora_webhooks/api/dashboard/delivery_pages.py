@@ -3,6 +3,7 @@ paging, one delivery with every attempt and a replay button, and one event."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 from typing import Annotated, Any
 from urllib.parse import urlencode
@@ -44,7 +45,12 @@ async def search(
     query = request.query_params
     wanted = {k: query.get(k, "").strip() for k in (*FILTERS, "delivery_id")}
     if wanted["delivery_id"]:
-        return RedirectResponse(f"/deliveries/{wanted['delivery_id']}", status_code=303)
+        # Only a delivery id is a path to go to (never "../login"): in the form stored.
+        try:
+            found_id = uuid.UUID(wanted["delivery_id"])
+        except ValueError:
+            raise NotFoundError(f"no delivery {wanted['delivery_id'][:64]!r}") from None
+        return RedirectResponse(f"/deliveries/{found_id}", status_code=303)
     status = wanted["status"] or None
     if status not in (None, *deliveries.STATUSES):
         status = None

@@ -4,18 +4,21 @@
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from ... import endpoints
+from ... import deliveries, endpoints
 from ...errors import ConfigError
 from ..deps import api_state
-from ..routes.stats import read_stats
+from ..pagination import decode, encode
+from ..routes.stats import with_breakers
 from .render import Viewer, back_to, posted, render, viewer
 
 router = APIRouter(include_in_schema=False)
 WINDOW_MS = 3_600_000
+PAGE = 50  # endpoints a page, as the deliveries' list
 MESSAGES = {
     "disabled": "Endpoint disabled: its deliveries are parked until it is enabled.",
     "enabled": "Endpoint enabled: its parked deliveries are due again.",
@@ -24,23 +27,36 @@ MESSAGES = {
 
 @router.get("/endpoints", response_class=HTMLResponse)
 async def endpoint_list(
-    request: Request, who: Annotated[Viewer, Depends(viewer)], done: str = ""
+    request: Request, who: Annotated[Viewer, Depends(viewer)], done: str = "", cursor: str = ""
 ) -> HTMLResponse:
+    """A page of endpoints by id, each with its health (the page's only: its cost does
+    not grow with the number of endpoints), and *Next* / *First* links."""
     state = api_state(request)
     async with state.pool.connection() as conn:
-        found = await read_stats(
-            state, conn, who.tenant, WINDOW_MS, with_series=False, detail=who.tenant is None
+        listed = await endpoints.list_endpoints(
+            conn, tenant=who.tenant, limit=PAGE + 1, after=decode("endpoints", cursor or None)
         )
-        listed = await endpoints.list_endpoints(conn, tenant=who.tenant, limit=1000)
-    health = {h["id"]: h for h in found["endpoints"]}
+        shown = listed[:PAGE]
+        health = await deliveries.endpoint_health(
+            conn, [e.id for e in shown], tenant=who.tenant, window_ms=WINDOW_MS
+        )
+    redis = await with_breakers(state, health, detail=who.tenant is None)
+    following = None
+    if len(listed) > PAGE and shown:
+        following = "/endpoints?" + urlencode({"cursor": encode("endpoints", shown[-1].id)})
+    # The actions bring the viewer back to this page, not to the first.
+    here = "/endpoints?" + urlencode({"cursor": cursor}) if cursor else "/endpoints"
     return render(
         request,
         "endpoints.html",
         who,
-        endpoints=[e.as_json() for e in listed],
-        health=health,
-        redis=found["redis"],
+        endpoints=[e.as_json() for e in shown],
+        health={h["id"]: h for h in health},
+        redis=redis,
         message=MESSAGES.get(done),
+        here=here,
+        following=following,
+        first="/endpoints" if cursor else None,
     )
 
 
@@ -55,10 +71,11 @@ async def endpoint_page(
     state = api_state(request)
     async with state.pool.connection() as conn:
         endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
-        found = await read_stats(
-            state, conn, who.tenant, WINDOW_MS, with_series=False, detail=who.tenant is None
+        # Its own health, wherever it is among the endpoints.
+        found = await deliveries.endpoint_health(
+            conn, [endpoint.id], tenant=who.tenant, window_ms=WINDOW_MS
         )
-    health = next((h for h in found["endpoints"] if h["id"] == endpoint.id), None)
+    redis = await with_breakers(state, found, detail=who.tenant is None)
     message = MESSAGES.get(done)
     if done == "recovered" and requeued is not None:
         message = f"Requeued {requeued} dead letter(s) under their delivery ids."
@@ -67,8 +84,8 @@ async def endpoint_page(
         "endpoint.html",
         who,
         endpoint=endpoint.as_json(),
-        health=health,
-        redis=found["redis"],
+        health=found[0] if found else None,
+        redis=redis,
         message=message,
     )
 
