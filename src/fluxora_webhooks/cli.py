@@ -116,6 +116,10 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
         return f" ({variable})" if env.get(variable, "").strip() else ""
 
     first_line = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        from .migrations import READ_ONLY_HINT
+
+        return f"the database is read-only{named('DATABASE_URL')}: {READ_ONLY_HINT}"
     if isinstance(exc, psycopg.OperationalError):
         hosts = _each_host(str(exc))
         why = hosts or first_line or type(exc).__name__
@@ -123,7 +127,8 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
     if isinstance(exc, psycopg.Error):
         return f"database error ({type(exc).__name__}): {first_line}"
     if isinstance(exc, redis.RedisError):
-        return f"Redis error ({type(exc).__name__}){named('REDIS_URL')}: {first_line}"
+        at = " at REDIS_URL" if named("REDIS_URL") else ""
+        return f"Redis error{at} ({type(exc).__name__}): {first_line}"
     if isinstance(exc, OSError):
         return f"{exc.strerror or type(exc).__name__}" + (
             f": {exc.filename}" if exc.filename else ""

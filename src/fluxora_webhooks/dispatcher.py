@@ -45,7 +45,7 @@ from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
-from .migrations import READ_ONLY_HINT, read_only_reason
+from .migrations import READ_ONLY_HINT, discard, read_only_reason
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
 from .pgtypes import read_far_timestamps
 from .recording import Completer, Recorder
@@ -361,7 +361,12 @@ class Dispatcher:
             except Exception as exc:
                 if self.stopping:
                     return
-                log.warning("LISTEN connection lost (%s); reconnecting", type(exc).__name__)
+                if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+                    # A standby refuses LISTEN: the claim loops say the database is
+                    # read-only (once); this listener tries again with its back-off.
+                    log.debug("LISTEN refused by a read-only database; trying again")
+                else:
+                    log.warning("LISTEN connection lost (%s); reconnecting", type(exc).__name__)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
@@ -428,7 +433,7 @@ class Dispatcher:
         why = None
         with contextlib.suppress(psycopg.Error):
             why = await read_only_reason(conn)
-        await conn.close()
+        await discard(conn)
         if self.read_only is None:
             log.warning(
                 "the database is read-only (%s): nothing is claimed until it accepts writes; %s",

@@ -53,7 +53,6 @@ MAX_URL_LENGTH = 8000
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
 
-
 # An event type (or a prefix before a trailing '*'): printable ASCII without spaces.
 _EVENT_PATTERN = re.compile(r"\*|[!-)+-~]{1,200}\*?", re.ASCII)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}", re.ASCII)

@@ -8,7 +8,9 @@ on one advisory lock, so each migration is applied exactly once.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+import weakref
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -137,6 +139,35 @@ READ_ONLY_HINT = (
     "DATABASE_URL must reach a database that accepts writes, the primary (with several"
     " hosts, add target_session_attrs=read-write)"
 )
+
+
+class _Discarded(logging.Filter):
+    """Drops psycopg_pool's "discarding closed connection" warning for a connection closed
+    on purpose by :func:`discard` (on a standby it came once a claim loop's retry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (args and isinstance(args[0], psycopg.AsyncConnection) and args[0] in self)
+
+    def __contains__(self, conn: object) -> bool:
+        return conn in self.closed
+
+
+_DISCARDED = _Discarded()
+logging.getLogger("psycopg.pool").addFilter(_DISCARDED)
+
+
+async def discard(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Close a pool's connection that found the database read-only, before it goes back
+    to its pool: the pool opens another, which a multi-host URL with
+    target_session_attrs=read-write leads to the primary (and which a database switched
+    back to read-write serves as such). Closed on purpose, so not warned about."""
+    _DISCARDED.closed.add(conn)
+    await conn.close()
 
 
 async def read_only_reason(conn: psycopg.AsyncConnection[Any]) -> str | None:

@@ -58,8 +58,7 @@ TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", re.ASCII)
 def _check_names(tenant: str, stream_id: str, event_type: str) -> None:
     if not isinstance(tenant, str) or (tenant and not TENANT.fullmatch(tenant)):
         raise ValueError(
-            "tenant must be '' (the default tenant) or 1-128 letters, digits and ._:@-"
-            " starting with a letter or digit"
+            "tenant must be empty (the default tenant) or 1-128 letters, digits and ._:@-"
         )
     if not isinstance(stream_id, str) or not stream_id:
         raise ValueError("stream_id must be a non-empty string")

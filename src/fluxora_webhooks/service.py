@@ -186,8 +186,17 @@ async def wait_for_database(
                 stopping,
                 late=_close,
             )
-            read_only = None if conn is None else await read_only_reason(conn)
+            if conn is None:
+                return None
+            try:
+                read_only = await unless_stopping(read_only_reason(conn), stopping)
+            except BaseException:
+                await conn.close()
+                raise
             if read_only is None:
+                if stopping.is_set():
+                    await conn.close()
+                    return None
                 return conn
         except psycopg.OperationalError as exc:
             left = deadline - time.monotonic()

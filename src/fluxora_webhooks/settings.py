@@ -162,6 +162,9 @@ def check_builtin_pairs(env: Mapping[str, str]) -> None:
                 )
 
 
+EMPTY_ENGINE_URL = "is set but empty (unset it to use the embedded engine)"
+
+
 def _engine_url(env: Mapping[str, str], name: str) -> str | None:
     """An engine's URL; None when unset (the embedded engine). Set but empty is refused: a
     deployment whose variable came out empty (a missing secret in a template) would
@@ -171,7 +174,7 @@ def _engine_url(env: Mapping[str, str], name: str) -> str | None:
     if raw is None:
         return None
     if not raw.strip():
-        raise ConfigError(name, "is set but empty (unset it to use the embedded engine)")
+        raise ConfigError(name, EMPTY_ENGINE_URL)
     return raw.strip()
 
 
@@ -541,6 +544,9 @@ class EngineSettings:
     redis_url: str | None = field(default=None, repr=False)
     home: Path = Path(".fluxora")
     redis_prefix: str = ""
+    # REDIS_URL set but empty: refused by what uses Redis (check_redis), not by a command
+    # that never does (migrate, endpoints) run from an environment shared with the service.
+    redis_blank: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
@@ -549,10 +555,18 @@ class EngineSettings:
             # Braces would change the Redis Cluster hash tag of the per-consumer keys.
             raise ConfigError("FLUXORA_REDIS_PREFIX", "must not contain { or }")
         database_url = _engine_url(env, "DATABASE_URL")
-        redis_url = _engine_url(env, "REDIS_URL")
+        raw_redis = env.get("REDIS_URL")
+        redis_blank = raw_redis is not None and not raw_redis.strip()
+        redis_url = None if redis_blank else _engine_url(env, "REDIS_URL")
         if redis_url:
             _check_redis_url(redis_url)
         if database_url:
             check_database_url(database_url)
         home = Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora")
-        return cls(database_url, redis_url, home, redis_prefix)
+        return cls(database_url, redis_url, home, redis_prefix, redis_blank)
+
+    def check_redis(self) -> None:
+        """For a command that uses Redis: an empty REDIS_URL is no embedded Redis (each
+        host would keep a rate limit and breaker of its own, silently)."""
+        if self.redis_blank:
+            raise ConfigError("REDIS_URL", EMPTY_ENGINE_URL)

@@ -66,6 +66,34 @@ async def test_bad_configuration_stops_start_up_naming_the_variable(
     assert SECRET not in out
 
 
+async def test_a_command_that_writes_to_a_read_only_database_says_what_to_do(
+    database_url: str,
+) -> None:
+    """Not "database error (ReadOnlySqlTransaction): cannot execute INSERT ...": a standby
+    (a URL naming a replica) is named, with what DATABASE_URL must reach."""
+    name = urlsplit(database_url).path.lstrip("/")
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+    env = command_env(DATABASE_URL=database_url)
+    for args in (
+        ("endpoints", "add", "--url", "https://a.example.com/x"),
+        ("tokens", "create", "--name", "t"),
+    ):
+        code, out = await run_command(*args, env=env)
+        assert code == 1, (args, out)
+        assert "the database is read-only (DATABASE_URL): DATABASE_URL must reach" in out, out
+        assert "Traceback" not in out
+
+
+async def test_an_empty_redis_url_stops_only_what_uses_redis(database_url: str) -> None:
+    """`run` refuses it (above); migrate and the endpoint commands, run from the same
+    environment, never use Redis and do not care."""
+    env = command_env(DATABASE_URL=database_url, REDIS_URL="")
+    for args in (("migrate",), ("endpoints", "list"), ("dlq", "list")):
+        code, out = await run_command(*args, env=env)
+        assert code == 0, (args, out)
+
+
 async def test_run_refuses_a_secret_whose_url_is_missing(database_url: str) -> None:
     """WEBHOOK_ULR=... (a typo) and WEBHOOK_SECRET: the run would remove the built-in
     endpoint and sign nothing; it stops naming both. Managing endpoints does not care."""

@@ -199,10 +199,16 @@ async def test_a_database_restarted_or_read_only_is_a_503_not_a_500(
         created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
         refused(created, 503, "unavailable", "read-only", "target_session_attrs=read-write")
         assert created.headers.get("retry-after") == "5"
+        # Back, for new sessions only: the pool's read-only ones are discarded as found
+        # (a client's retry after the 503 succeeds), not kept until they expire.
         await conn.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = off")
-        await _end_other_sessions(conn)
-    created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
-    assert created.status == 201, created.text
+    statuses = []
+    for _ in range(4):
+        created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
+        statuses.append(created.status)
+        if created.status == 201:
+            break
+    assert statuses[-1] == 201 and set(statuses[:-1]) <= {503}, statuses
 
 
 async def test_a_nul_in_an_id_a_cursor_or_a_filter_is_what_it_is_not_a_storage_error(

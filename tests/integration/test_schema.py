@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg_pool import AsyncConnectionPool
 
 from fluxora_webhooks.errors import SchemaError
-from fluxora_webhooks.migrations import available, check_schema, latest_version, migrate
+from fluxora_webhooks.migrations import (
+    available,
+    check_schema,
+    discard,
+    latest_version,
+    migrate,
+)
 from fluxora_webhooks.queries import query
 from tests.support import engines
 
@@ -142,3 +150,23 @@ async def test_a_sql_ascii_database_is_refused_with_a_clear_message(
             await admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+async def test_a_connection_discarded_on_purpose_goes_back_to_its_pool_unwarned(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a standby every claim loop's retry discards the connection that found it
+    read-only: psycopg_pool's "discarding closed connection" warning is not written for
+    those (it still is for a connection the server closed), and the pool opens another."""
+    async with AsyncConnectionPool(database_url, min_size=1, max_size=1, open=False) as pool:
+        await pool.open(wait=True)
+        with caplog.at_level(logging.WARNING, logger="psycopg.pool"):
+            conn = await pool.getconn()
+            await discard(conn)
+            await pool.putconn(conn)
+            assert "discarding closed connection" not in caplog.text
+            conn = await pool.getconn(timeout=10)  # another one
+            assert not conn.closed
+            await conn.close()  # not on purpose: still said
+            await pool.putconn(conn)
+        assert "discarding closed connection" in caplog.text

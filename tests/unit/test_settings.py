@@ -8,6 +8,7 @@ import pytest
 
 from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.settings import (
+    EngineSettings,
     Settings,
     check_builtin_pairs,
     parse_duration_ms,
@@ -122,15 +123,22 @@ def test_a_secret_without_its_url_is_an_error(env: dict[str, str], variable: str
     assert GOOD["WEBHOOK_SECRET"] not in str(info.value)
 
 
-@pytest.mark.parametrize("variable", ["DATABASE_URL", "REDIS_URL"])
 @pytest.mark.parametrize("value", ["", "  "])
-def test_an_engine_url_set_but_empty_is_an_error(variable: str, value: str) -> None:
+def test_an_engine_url_set_but_empty_is_an_error(value: str) -> None:
     """Unset means the embedded engine; empty (a template whose value came out blank) is
-    refused rather than read as unset: a run on a private engine never sees the outbox."""
+    refused rather than read as unset: a run on a private engine never sees the outbox.
+    An empty REDIS_URL is refused where Redis is used, not by a command that never uses
+    it (migrate, from an environment shared with the service)."""
     with pytest.raises(ConfigError) as info:
-        Settings.from_env({**GOOD, variable: value})
-    assert info.value.variable == variable and "set but empty" in str(info.value)
+        Settings.from_env({**GOOD, "DATABASE_URL": value})
+    assert info.value.variable == "DATABASE_URL" and "set but empty" in str(info.value)
     assert Settings.from_env(GOOD).database_url is None  # unset: the embedded engine
+    found = EngineSettings.from_env({"REDIS_URL": value})
+    assert found.redis_url is None and found.redis_blank
+    with pytest.raises(ConfigError) as info:
+        found.check_redis()
+    assert info.value.variable == "REDIS_URL" and "set but empty" in str(info.value)
+    EngineSettings.from_env({}).check_redis()  # unset: the embedded Redis
 
 
 def test_secret_never_appears_in_errors_or_repr() -> None:

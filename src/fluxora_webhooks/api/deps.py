@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -13,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from psycopg_pool import AsyncConnectionPool
 
 from .. import logs, tokens
+from ..migrations import discard
 from ..tokens import Principal
 from .errors import ApiError, unauthorized
 
@@ -24,6 +26,17 @@ class ApiState:
     pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
     config: Any  # ApiConfig (app.py), kept untyped here to keep the import one-way
 
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pool connection for a route or a page. One that found the database read-only
+        (a standby) is discarded, not handed to the next request (answered 503)."""
+        async with self.pool.connection() as conn:
+            try:
+                yield conn
+            except psycopg.errors.ReadOnlySqlTransaction:
+                await discard(conn)
+                raise
+
 
 def api_state(request: Request) -> ApiState:
     state: ApiState = request.app.state.fluxora
@@ -31,14 +44,8 @@ def api_state(request: Request) -> ApiState:
 
 
 async def connection(request: Request) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    async with api_state(request).pool.connection() as conn:
-        try:
-            yield conn
-        except psycopg.errors.ReadOnlySqlTransaction:
-            # A standby: closed, so the pool opens another, which a multi-host URL with
-            # target_session_attrs=read-write leads to the primary (answered 503).
-            await conn.close()
-            raise
+    async with api_state(request).connection() as conn:
+        yield conn
 
 
 Conn = Annotated[psycopg.AsyncConnection[Any], Depends(connection)]

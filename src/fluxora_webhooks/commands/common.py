@@ -29,6 +29,8 @@ def engines(env: Mapping[str, str], *, redis: bool) -> tuple[str, str | None]:
     engines (started or reused). ``redis=False``: a command that needs no Redis does not
     start the embedded one (the Redis URL is then only what is configured)."""
     found = EngineSettings.from_env(env)
+    if redis:
+        found.check_redis()
     missing = [name for name, url in (("postgres", found.database_url),) if url is None]
     if redis and found.redis_url is None:
         missing.append("redis")

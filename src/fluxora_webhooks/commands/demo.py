@@ -134,6 +134,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     opts = args
     found = EngineSettings.from_env(env)
+    found.check_redis()
     if found.database_url is None or found.redis_url is None:
         require_embedded("DATABASE_URL" if found.database_url is None else "REDIS_URL")
     options = DemoOptions(

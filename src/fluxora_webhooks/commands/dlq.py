@@ -72,16 +72,16 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if args.dlq_command == "list":
         check_tenant_filter(args.tenant)
 
-    if args.dlq_command in ("replay", "purge"):
-        if not args.all and not args.ids:
-            print(
-                f"fluxora-webhooks: error: dlq {args.dlq_command}: name delivery ids, or --all",
-                file=sys.stderr,
-            )
-            return EXIT_CONFIG
-        if args.all and not confirm(_ALL_QUESTIONS[args.dlq_command], yes=args.yes):
-            print(f"dlq {args.dlq_command}: nothing done", file=sys.stderr)
-            return 1
+    if args.dlq_command in ("replay", "purge") and not args.all and not args.ids:
+        print(
+            f"fluxora-webhooks: error: dlq {args.dlq_command}: name delivery ids, or --all",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    wide = args.dlq_command in ("replay", "purge") and args.all
+    if wide and not confirm(_ALL_QUESTIONS[args.dlq_command], yes=args.yes):
+        print(f"dlq {args.dlq_command}: nothing done", file=sys.stderr)
+        return 1
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:

@@ -28,8 +28,8 @@ def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> 
     from ..service import Service
     from ..settings import Settings, check_builtin_pairs
 
+    check_builtin_pairs(env)  # first: a secret it refuses is not warned about as short
     settings = Settings.from_env(env)
-    check_builtin_pairs(env)
     logs.configure(settings.log_format)
     database_url, redis_url = engines(env, redis=True)
     if settings.workers > 1:

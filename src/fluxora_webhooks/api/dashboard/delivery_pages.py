@@ -59,7 +59,7 @@ async def search(
         tenant_filter = ""
     elif who.tenant is None and wanted["tenant"]:
         tenant_filter = wanted["tenant"]
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         found, after = await deliveries.list_deliveries(
             conn,
             tenant=who.tenant,
@@ -97,7 +97,7 @@ async def delivery_page(
     who: Annotated[Viewer, Depends(viewer)],
     done: str = "",
 ) -> HTMLResponse:
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         found = await deliveries.get_delivery(conn, delivery_id, tenant=who.tenant)
         existing = await existing_endpoints(conn, [found["endpoint_id"]], who.tenant)
     message = "Replay queued under the same delivery id." if done == "replayed" else None
@@ -107,7 +107,7 @@ async def delivery_page(
 @router.post("/deliveries/{delivery_id}/replay")
 async def replay(request: Request, delivery_id: str) -> Response:
     who, _ = await posted(request)
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         found = await deliveries.replay(conn, delivery_id, tenant=who.tenant)
     return RedirectResponse(f"/deliveries/{found['delivery_id']}?done=replayed", status_code=303)
 
@@ -118,7 +118,7 @@ async def event_page(
 ) -> HTMLResponse:
     if not event_id.isascii() or not event_id.isdigit() or len(event_id) > 18:
         raise NotFoundError(f"no event {event_id[:40]!r}")
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         found = await deliveries.get_event(conn, int(event_id), tenant=who.tenant)
         existing = await existing_endpoints(
             conn, (d["endpoint_id"] for d in found["deliveries"]), who.tenant

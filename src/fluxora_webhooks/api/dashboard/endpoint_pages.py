@@ -32,7 +32,7 @@ async def endpoint_list(
     """A page of endpoints by id, each with its health (the page's only: its cost does
     not grow with the number of endpoints), and *Next* / *First* links."""
     state = api_state(request)
-    async with state.pool.connection() as conn:
+    async with state.connection() as conn:
         listed = await endpoints.list_endpoints(
             conn, tenant=who.tenant, limit=PAGE + 1, after=decode("endpoints", cursor or None)
         )
@@ -69,7 +69,7 @@ async def endpoint_page(
     requeued: int | None = None,
 ) -> HTMLResponse:
     state = api_state(request)
-    async with state.pool.connection() as conn:
+    async with state.connection() as conn:
         endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
         # Its own health, wherever it is among the endpoints.
         found = await deliveries.endpoint_health(
@@ -92,7 +92,7 @@ async def endpoint_page(
 
 async def _state_change(request: Request, endpoint_id: str, action: str) -> Response:
     who, form = await posted(request)
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         change = endpoints.disable if action == "disable" else endpoints.enable
         await change(conn, endpoint_id, tenant=who.tenant)
     done = "disabled" if action == "disable" else "enabled"
@@ -115,7 +115,7 @@ async def enable(request: Request, endpoint_id: str) -> Response:
 async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
     """The new secret is in this response only (not cached: no-store), never again."""
     who, _ = await posted(request)
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         endpoint, secret = await endpoints.rotate_secret(conn, endpoint_id, tenant=who.tenant)
     return render(request, "secret.html", who, endpoint=endpoint.as_json(), secret=secret)
 
@@ -126,7 +126,7 @@ async def recover(request: Request, endpoint_id: str) -> Response:
     since_text = form.get("since", "").strip()
     if not since_text:
         raise ConfigError("since", "is required: an ISO 8601 time or a duration ago such as 2h")
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         await endpoints.get(conn, endpoint_id, tenant=who.tenant)
         since = await endpoints.moment(conn, since_text, "since")
         until_text = form.get("until", "").strip()

@@ -74,7 +74,7 @@ async def sign_in(request: Request) -> Response:
     expected = request.cookies.get(LOGIN_COOKIE, "")
     if not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
         return await login_form(request, failed=True)
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         principal = await tokens.authenticate(conn, token)
         if principal is None:
             return await login_form(request, failed=True)
@@ -87,7 +87,7 @@ async def sign_in(request: Request) -> Response:
 
 async def sign_out(request: Request) -> Response:
     await posted(request, write=False)
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         await tokens.close_session(conn, request.cookies.get(SESSION_COOKIE, ""))
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/")
@@ -100,7 +100,7 @@ async def overview(
     if window not in WINDOWS:
         window = "1h"
     state = api_state(request)
-    async with state.pool.connection() as conn:
+    async with state.connection() as conn:
         found = await read_stats(
             state,
             conn,

@@ -102,7 +102,7 @@ async def viewer(request: Request) -> Viewer:
     session_id = request.cookies.get(SESSION_COOKIE, "")
     if not session_id:
         raise SignInRequired()
-    async with api_state(request).pool.connection() as conn:
+    async with api_state(request).connection() as conn:
         found = await tokens.find_session(conn, session_id)
     if found is None:
         raise SignInRequired()
