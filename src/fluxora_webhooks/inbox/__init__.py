@@ -134,8 +134,8 @@ def install(
     with conn.transaction():
         conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
         shape = conn.execute(query("inbox_shape")).fetchone()
-        _check_shape(shape)
-        conn.execute(query("inbox_install"))
+        for step in _install_steps(shape):
+            conn.execute(step)
     return shape is None
 
 
@@ -153,13 +153,21 @@ async def install_report(conn: psycopg.AsyncConnection[Any]) -> Installed:
     async with conn.transaction():
         await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
         shape = await (await conn.execute(query("inbox_shape"))).fetchone()
-        _check_shape(shape)
-        await conn.execute(query("inbox_install"))
+        for step in _install_steps(shape):
+            await conn.execute(step)
     return Installed(created=True) if shape is None else Installed(False, tuple(shape[2]))
 
 
 async def _created(report: Awaitable[Installed]) -> bool:
     return (await report).created
+
+
+def _install_steps(shape: tuple[Any, ...] | None) -> list[str]:
+    """What install runs, given ``inbox_shape``'s reading (None: no table yet): the
+    columns it lacks added first (then only), then the table and its index if missing."""
+    _check_shape(shape)
+    missing = shape is not None and bool(shape[2])
+    return [query("inbox_add_columns")] * missing + [query("inbox_install")]
 
 
 def _check_shape(shape: tuple[Any, ...] | None) -> None:

@@ -35,35 +35,25 @@ FROM (SELECT to_regclass('webhook_inbox') AS oid) t
 WHERE t.oid IS NOT NULL;
 
 -- name: inbox_install
--- Idempotent, and safe to run again after an upgrade or on a table made by hand: a
--- column that receive writes or prune reads and the table lacks is added (a missing
--- primary key is not: receive names it).
+-- Idempotent, and safe to run again after an upgrade. A table made by hand is completed
+-- first (inbox_add_columns); a missing primary key is not added: receive names it.
 CREATE TABLE IF NOT EXISTS webhook_inbox (
     delivery_id  text PRIMARY KEY,
     event_type   text,
     attempt      integer,
     received_at  timestamptz NOT NULL DEFAULT now()
 );
--- Only when one is missing: ALTER TABLE locks the table even when it changes nothing.
-DO $$
-BEGIN
-    IF EXISTS (
-        SELECT 1 FROM (VALUES ('event_type'), ('attempt'), ('received_at')) AS wanted (name)
-        WHERE NOT EXISTS (
-            SELECT 1 FROM pg_attribute
-            WHERE attrelid = 'webhook_inbox'::regclass AND attname = wanted.name
-              AND NOT attisdropped
-        )
-    ) THEN
-        ALTER TABLE webhook_inbox
-            ADD COLUMN IF NOT EXISTS event_type text,
-            ADD COLUMN IF NOT EXISTS attempt integer,
-            ADD COLUMN IF NOT EXISTS received_at timestamptz NOT NULL DEFAULT now();
-    END IF;
-END $$;
 -- Prune deletes the oldest ids first, in bounded batches. A timestamp that only grows
 -- appends to the right edge of this index: cheap next to the primary key.
 CREATE INDEX IF NOT EXISTS webhook_inbox_received_at_idx ON webhook_inbox (received_at);
+
+-- name: inbox_add_columns
+-- The columns receive writes or prune reads that inbox_shape found missing. Run only
+-- then: ALTER TABLE locks the table even when it changes nothing.
+ALTER TABLE webhook_inbox
+    ADD COLUMN IF NOT EXISTS event_type text,
+    ADD COLUMN IF NOT EXISTS attempt integer,
+    ADD COLUMN IF NOT EXISTS received_at timestamptz NOT NULL DEFAULT now();
 
 -- name: inbox_receive
 -- In the caller's transaction. A concurrent transaction that inserted the same id and has
