@@ -238,20 +238,19 @@ def _status(current: Mapping[str, Any]) -> str:
     )
 
 
-# What the dispatcher or an endpoint's removal writes on a row it dead-letters because the
-# endpoint was removed: no request was sent, so it is the delivery's end, not an attempt.
-REMOVED_ERROR = "endpoint removed"
 GONE = 410
 
 
 def _attempted(row: Mapping[str, Any]) -> bool:
+    """A dead letter with no status and no duration was made with no request (its endpoint
+    removed, or its row unusable): the delivery's end, not an attempt (as the dead
+    letter's own count has it)."""
     if not row["processed"] or row["outcome"] not in ("delivered", "retry", "dead_letter"):
         return False
     return not (
         row["outcome"] == "dead_letter"
         and row["status_code"] is None
         and row["duration_ms"] is None
-        and row["error"] == REMOVED_ERROR
     )
 
 

@@ -10,6 +10,7 @@ import json
 import psycopg
 import pytest
 
+from fluxora_webhooks import deliveries
 from tests.support.api import LOOPBACK, serving
 from tests.support.dispatch import make_settings, rows, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
@@ -96,6 +97,17 @@ async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
         assert "scheme 'ftp' is not allowed" in dead["ep_ftp"]
         assert "credentials" in dead["ep_credentials"] and "pw" not in dead["ep_credentials"]
         assert "signing secret is empty" in dead["ep_empty_key"]
+        # No request was made: no attempt counted (as `endpoints remove` counts none), by
+        # the dead letters and by the API's view of the delivery alike.
+        assert await rows(database_url, "SELECT DISTINCT attempts FROM webhook_dead_letter") == [
+            (0,)
+        ]
+        async with await psycopg.AsyncConnection.connect(database_url) as conn:
+            ((delivery_id,),) = await rows(
+                database_url, "SELECT delivery_id::text FROM webhook_dead_letter LIMIT 1"
+            )
+            shown = await deliveries.get_delivery(conn, delivery_id)
+        assert (shown["attempt_count"], shown["attempts"]) == (0, []), shown
         # Fixed, the endpoint is sent to again (its row's change reloads it).
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             await conn.execute(

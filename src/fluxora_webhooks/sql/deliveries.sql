@@ -33,8 +33,9 @@ WHERE id = %(id)s AND event_id IS NULL
 -- name: delivery_list
 -- One row per delivery (its first row), with its current row's status and its attempts.
 -- %(event)s: only that event's deliveries (served by webhook_outbox_event_idx and the key).
--- A row dead-lettered because its endpoint was removed (no status, no duration: nothing
--- was sent) is the delivery's end, not an attempt: as the dead letter's count has it.
+-- A row dead-lettered with no request (its endpoint removed, or its row unusable: no
+-- status, no duration) is the delivery's end, not an attempt: as the dead letter's count
+-- has it.
 SELECT f.id AS seq, f.delivery_id::text AS delivery_id, COALESCE(f.event_id, f.id) AS event_id,
        f.endpoint_id, f.tenant, f.stream_id, f.event_type, f.enqueued_at AS created_at,
        s.attempt_count, s.last_attempt_at,
@@ -55,7 +56,7 @@ CROSS JOIN LATERAL (
         SELECT o.id, o.processed, o.processed_at,
                o.outcome IN ('delivered', 'retry', 'dead_letter')
                AND NOT (o.outcome = 'dead_letter' AND o.status_code IS NULL
-                        AND o.duration_ms IS NULL AND o.error = 'endpoint removed')
+                        AND o.duration_ms IS NULL)
                    AS attempted
         FROM webhook_outbox o
         WHERE o.delivery_id = f.delivery_id AND o.endpoint_id IS NOT NULL

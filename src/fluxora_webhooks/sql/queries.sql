@@ -218,7 +218,7 @@ done AS (
     RETURNING o.id, r.outcome AS wanted, r.delay_ms, r.reason, r.status_code, r.error,
               r.response_body, o.tenant, o.stream_id, o.event_type, o.payload, o.delivery_id,
               o.attempt, o.enqueued_at, o.replay, o.endpoint_id, o.event_id, o.stream_seq,
-              o.traceparent, o.tracestate
+              o.traceparent, o.tracestate, r.duration_ms
 ),
 
 -- name: complete_done_none
@@ -276,7 +276,10 @@ dead AS (
         (delivery_id, stream_id, event_type, payload, attempts, reason, last_status,
          last_error, last_response, enqueued_at, dead_at, tenant, endpoint_id, event_id,
          stream_seq, traceparent, tracestate)
-    SELECT d.delivery_id, d.stream_id, d.event_type, d.payload, d.attempt, d.reason,
+    -- A dead letter made with no request (its endpoint removed, or its row unusable:
+    -- no duration) counts the attempts made, not the one that was not.
+    SELECT d.delivery_id, d.stream_id, d.event_type, d.payload,
+           d.attempt - (d.duration_ms IS NULL)::int, d.reason,
            d.status_code, d.error, d.response_body, d.enqueued_at, clock_timestamp(),
            d.tenant, d.endpoint_id, COALESCE(d.event_id, d.id), d.stream_seq, d.traceparent,
            d.tracestate
