@@ -519,7 +519,10 @@ class Service:
                 await conn.close()
 
     async def _refresh_breaker_state(self) -> None:
-        if not (self.redis_url and self.settings.circuit_breaker_threshold > 0):
+        """The WEBHOOK_URL consumer's breaker, for its gauge; none without that consumer
+        (a reading of a consumer that does not exist would say "closed" for ever)."""
+        on = self.settings.circuit_breaker_threshold > 0 and self.settings.webhook_url
+        if not (on and self.redis_url):
             return
         from .redis_connect import client_for
         from .redis_gate import read_breaker_state

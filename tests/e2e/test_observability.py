@@ -354,6 +354,33 @@ async def test_redis_down_fails_open_and_is_counted(
     assert service.proc.log().count("Redis unavailable") == 1
 
 
+async def test_the_breaker_gauge_is_the_webhook_url_consumers_only(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """Without WEBHOOK_URL there is no consumer for the state gauge to read: no state is
+    claimed (it said "closed" for ever, whatever registered endpoints' breakers did)."""
+    env = dispatcher_env(
+        database_url,
+        redis_url,
+        receiver.url,
+        redis_prefix,
+        WEBHOOK_METRICS_PORT=str(free_port()),
+        WEBHOOK_CIRCUIT_BREAKER_THRESHOLD="3",
+    )
+    del env["WEBHOOK_URL"], env["WEBHOOK_SECRET"]
+    async with running_service(env, tmp_path / "service.log") as service:
+
+        async def ready() -> bool:
+            return (await service.get("/readyz"))[0] == 200
+
+        await wait_until(ready, timeout=30, what="ready")
+        await asyncio.sleep(1.5)  # the first gauge refresh (the backlog, then the breaker)
+        found = await service.samples()
+    assert "fluxora_webhook_outbox_oldest_due_age_seconds" in {n for n, _ in found}  # read
+    for state in ("closed", "open", "half-open"):
+        assert sample(found, "fluxora_webhook_circuit_breaker_state", state=state) == 0
+
+
 @pytest.mark.integration
 async def test_backlog_reading_is_capped(database_url: str) -> None:
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
