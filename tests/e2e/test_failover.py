@@ -251,3 +251,55 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
     received = receiver.by_delivery()
     assert len(received) == 40
     assert {i: len(r) for i, r in received.items() if len(r) > 1} == {}  # none sent again
+
+
+async def test_without_target_session_attrs_a_standby_is_named_once_until_promoted(
+    pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
+    redis_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """A multi-host DATABASE_URL without target_session_attrs=read-write: once the primary
+    dies, libpq connects to the standby, which accepts sessions and refuses every claim and
+    every LISTEN. /readyz is 503 naming it, the log says it once with what to do (not a
+    warning per claim loop's retry, nor "LISTEN connection lost" every few seconds), and
+    once the standby is promoted the dispatcher claims again and delivers."""
+    primary, standby = pair
+    hosts = f"127.0.0.1:{primary.port},127.0.0.1:{standby.port}"
+    url = f"postgresql://postgres@{hosts}/fluxora?connect_timeout=5"
+    port = free_port()
+    env = dispatcher_env(url, redis_url, receiver.url, redis_prefix, WEBHOOK_METRICS_PORT=str(port))
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await wait_until(lambda: is_ready(port), timeout=30, what="dispatching")
+        primary.stop("immediate")
+
+        async def read_only() -> bool:
+            status, body = await get_json(port, "/readyz")
+            return status == 503 and "a standby in recovery" in str(body)
+
+        await wait_until(read_only, timeout=40, what="/readyz naming the standby")
+        await asyncio.sleep(8)  # the claim loops' and the listener's retries meanwhile
+        log = proc.log()
+        assert log.count("the database is read-only (a standby in recovery)") == 1, log
+        assert "target_session_attrs=read-write" in log
+        assert "LISTEN connection lost (ReadOnlySqlTransaction)" not in log
+        assert "discarding closed connection" not in log.split("read-only (a standby")[1]
+        standby.promote()
+        async with await psycopg.AsyncConnection.connect(
+            standby.url("fluxora"), autocommit=True
+        ) as conn:
+            await conn.execute(
+                "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+                " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
+                " FROM generate_series(1, 3) g"
+            )
+        await receiver.wait_for(3, timeout=40)
+        await wait_until(lambda: is_ready(port), timeout=40, what="ready again")
+        codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+    assert codes == [0], proc.log()
+    assert "the database accepts writes again" in proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
