@@ -84,13 +84,7 @@ class ClusterAwareRedis(Redis):
                             "names a Redis Cluster node, and a cluster has only database 0 "
                             "(end the URL with /0 or no database)",
                         ) from None
-                    if "DB index is out of range" in str(exc):  # the URL's SELECT, refused
-                        # Never cured by waiting: not an outage to fail open through.
-                        raise ConfigError(
-                            "REDIS_URL",
-                            "names a database this Redis does not have (its `databases`"
-                            " setting; 16 by default: 0 to 15)",
-                        ) from None
+                    refuse_missing_database(exc)
                     self._single_node = True
                 else:
                     self._cluster = self._make_cluster()
@@ -123,6 +117,17 @@ class ClusterAwareRedis(Redis):
         await super().aclose(close_connection_pool)
 
 
+def refuse_missing_database(exc: ResponseError) -> None:
+    """The URL's SELECT refused: never cured by waiting, so a configuration error rather
+    than an outage to fail open through for the whole run."""
+    if "DB index is out of range" in str(exc):
+        raise ConfigError(
+            "REDIS_URL",
+            "names a database this Redis does not have (its `databases` setting; 16 by"
+            " default: 0 to 15)",
+        ) from None
+
+
 def client_for(url: str, **options: Any) -> Redis:
     """A client for ``url``: a :class:`ClusterAwareRedis` for ``redis://`` and
     ``rediss://`` URLs, a plain :class:`Redis` for ``unix://`` ones. ``options`` are
@@ -140,7 +145,14 @@ async def detect_cluster(client: Redis, timeout_s: float) -> bool | None:
     """Whether ``client`` talks to a Redis Cluster: True, False, or None when Redis did not
     answer within ``timeout_s`` (the next command asks again). Raises :class:`ConfigError`
     for a cluster URL that a cluster cannot serve."""
-    if not isinstance(client, ClusterAwareRedis):
+    if not isinstance(client, ClusterAwareRedis):  # unix://: never a cluster
+        try:
+            async with asyncio.timeout(timeout_s):
+                await client.ping()
+        except ResponseError as exc:
+            refuse_missing_database(exc)
+        except Exception:  # unreachable: the gate fails open, as for a TCP URL
+            pass
         return False
     try:
         async with asyncio.timeout(timeout_s):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
+from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_gate import RedisGate, breaker_key, connect_gate, rate_limit_key
@@ -50,6 +52,35 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 async def shared_redis(redis_client: Redis, prefix: str) -> AsyncIterator[tuple[Redis, str]]:
     """The shared Redis, with a key prefix of this test's own (deleted after, never flushed)."""
     yield redis_client, prefix
+
+
+async def test_a_database_redis_does_not_have_is_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    """Never cured by waiting: not an outage to fail open through for the whole run, over
+    TCP (a cluster-aware client) and over a unix socket (a plain one) alike."""
+    with tempfile.TemporaryDirectory(prefix="fxr") as short:
+        server = RedisServer(free_port(), tmp_path, socket=Path(short) / "s")
+        server.start()
+        try:
+            for url in (
+                f"redis://127.0.0.1:{server.port}/99",
+                f"unix://{server.socket}?db=99",
+            ):
+                with pytest.raises(ConfigError) as caught:
+                    await connect_gate(
+                        url, retry_rps=1, breaker_threshold=1, breaker_reset_ms=1_000,
+                        probe_ttl_ms=1_000,
+                    )  # fmt: skip
+                assert caught.value.variable == "REDIS_URL", url
+                assert "names a database this Redis does not have" in str(caught.value)
+            gate = await connect_gate(
+                f"unix://{server.socket}?db=3", retry_rps=1, breaker_threshold=1,
+                breaker_reset_ms=1_000, probe_ttl_ms=1_000,
+            )  # fmt: skip
+            await gate.close()
+        finally:
+            server.stop()
 
 
 async def test_a_closed_port_admits_everything_and_counts(

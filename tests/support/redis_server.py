@@ -45,10 +45,11 @@ def answers_as(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10) 
 class RedisServer:
     """A redis-server of the test's own, which the test may stop, freeze and restart."""
 
-    def __init__(self, port: int, directory: Path) -> None:
+    def __init__(self, port: int, directory: Path, *, socket: Path | None = None) -> None:
         self.port = port
         self.directory = directory
         self.proc: subprocess.Popen[bytes] | None = None
+        self.socket = socket  # where unix:// URLs reach it too (a short path: at most 107)
 
     def start(self) -> None:
         """Start it; should its port be taken before it binds it (another test's server, a
@@ -63,7 +64,8 @@ class RedisServer:
     def _spawn(self) -> bool:
         self.proc = subprocess.Popen(
             [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory)],
+             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory),
+             *(["--unixsocket", str(self.socket)] if self.socket else [])],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
