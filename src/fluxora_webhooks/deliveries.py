@@ -241,19 +241,6 @@ def _status(current: Mapping[str, Any]) -> str:
 GONE = 410
 
 
-def _attempted(row: Mapping[str, Any]) -> bool:
-    """A dead letter with no status and no duration was made with no request (its endpoint
-    removed, or its row unusable): the delivery's end, not an attempt (as the dead
-    letter's own count has it)."""
-    if not row["processed"] or row["outcome"] not in ("delivered", "retry", "dead_letter"):
-        return False
-    return not (
-        row["outcome"] == "dead_letter"
-        and row["status_code"] is None
-        and row["duration_ms"] is None
-    )
-
-
 def _outcome(row: Mapping[str, Any], following: Mapping[str, Any] | None) -> str:
     """An attempt's outcome; ``parked`` for a failed one after which the delivery was
     parked rather than retried: its next row is held parked (its endpoint is disabled, or
@@ -291,7 +278,7 @@ async def get_delivery(
             "replay": bool(r["replay"]),
         }
         for i, r in enumerate(rows)
-        if _attempted(r)
+        if r["attempted"]  # delivery_rows: a row with no request is none
     ]
     status = _status(current)
     reason = None

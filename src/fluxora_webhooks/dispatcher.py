@@ -430,17 +430,17 @@ class Dispatcher:
         standby) or a server switched to read-only. Logged once until a claim succeeds
         (each loop retries with its back-off); the connection is closed, so the pool opens
         another, which a multi-host URL with target_session_attrs leads to the primary."""
-        why = None
+        why = "it refused a write"
         with contextlib.suppress(psycopg.Error):
-            why = await read_only_reason(conn)
+            why = await read_only_reason(conn) or why
         await discard(conn)
         if self.read_only is None:
             log.warning(
                 "the database is read-only (%s): nothing is claimed until it accepts writes; %s",
-                why or "it refused a write",
+                why,
                 READ_ONLY_HINT,
             )
-        self.read_only = why or "it refused a write"
+        self.read_only = why
 
     async def _unless_stopping(self, step: Awaitable[T]) -> T | None:
         """``step``'s result, or None as soon as :meth:`stop` is called (``step`` is then

@@ -151,10 +151,7 @@ class _Discarded(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (args and isinstance(args[0], psycopg.AsyncConnection) and args[0] in self)
-
-    def __contains__(self, conn: object) -> bool:
-        return conn in self.closed
+        return not (args and args[0] in self.closed)
 
 
 _DISCARDED = _Discarded()

@@ -181,23 +181,7 @@ async def wait_for_database(
     pause = 0.5
     while True:
         try:
-            conn = await unless_stopping(
-                psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10),
-                stopping,
-                late=_close,
-            )
-            if conn is None:
-                return None
-            try:
-                read_only = await unless_stopping(read_only_reason(conn), stopping)
-            except BaseException:
-                await conn.close()
-                raise
-            if read_only is None:
-                if stopping.is_set():
-                    await conn.close()
-                    return None
-                return conn
+            conn = await _writable_connection(url, stopping)
         except psycopg.OperationalError as exc:
             left = deadline - time.monotonic()
             if not _curable_by_waiting(exc) or left <= 0:
@@ -209,21 +193,21 @@ async def wait_for_database(
                 logs.scrub(reason),
                 left,
             )
-        else:
+        except _ReadOnly as exc:
             # A standby (a failover not finished, or a URL naming a replica): every claim
             # would fail. Promotion cures it, so it is waited for like an absent server.
-            assert conn is not None
-            await conn.close()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise FluxoraError(f"the database is read-only ({read_only}): {READ_ONLY_HINT}")
+                raise FluxoraError(f"the database is read-only ({exc}): {READ_ONLY_HINT}") from None
             log.warning(
                 "database is read-only (%s); trying again for up to %.0f s more"
                 " (WEBHOOK_STARTUP_WAIT_MS): %s",
-                read_only,
+                exc,
                 left,
                 READ_ONLY_HINT,
             )
+        else:
+            return conn
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(pause, left)):
                 await stopping.wait()
@@ -234,6 +218,36 @@ async def wait_for_database(
 
 async def _close(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.close()
+
+
+class _ReadOnly(Exception):
+    """The database answered and refuses writes (the message says why)."""
+
+
+async def _writable_connection(
+    url: str, stopping: asyncio.Event
+) -> psycopg.AsyncConnection[Any] | None:
+    """One connection attempt (autocommit) to a database that accepts writes; None when a
+    stop came first. Raises psycopg's error, or :class:`_ReadOnly`; no connection is left
+    open but the one returned."""
+    conn = await unless_stopping(
+        psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10),
+        stopping,
+        late=_close,
+    )
+    if conn is None:
+        return None
+    try:
+        why = await unless_stopping(read_only_reason(conn), stopping)
+        if why is not None:
+            raise _ReadOnly(why)
+    except BaseException:
+        await conn.close()
+        raise
+    if stopping.is_set():
+        await conn.close()
+        return None
+    return conn
 
 
 DRAIN_GRACE_S = 5.0

@@ -165,17 +165,13 @@ def check_builtin_pairs(env: Mapping[str, str]) -> None:
 EMPTY_ENGINE_URL = "is set but empty (unset it to use the embedded engine)"
 
 
-def _engine_url(env: Mapping[str, str], name: str) -> str | None:
-    """An engine's URL; None when unset (the embedded engine). Set but empty is refused: a
-    deployment whose variable came out empty (a missing secret in a template) would
-    otherwise run on a private engine of its own, never reading the real outbox, and with
-    REDIS_URL each host would keep a rate limit and breaker of its own."""
+def _blank(env: Mapping[str, str], name: str) -> bool:
+    """Set but empty: not unset (the embedded engine). A deployment whose variable came out
+    empty (a missing secret in a template) would otherwise run on a private engine of its
+    own, never reading the real outbox, and with REDIS_URL each host would keep a rate
+    limit and breaker of its own."""
     raw = env.get(name)
-    if raw is None:
-        return None
-    if not raw.strip():
-        raise ConfigError(name, EMPTY_ENGINE_URL)
-    return raw.strip()
+    return raw is not None and not raw.strip()
 
 
 def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int) -> int:
@@ -554,16 +550,16 @@ class EngineSettings:
         if "{" in redis_prefix or "}" in redis_prefix:
             # Braces would change the Redis Cluster hash tag of the per-consumer keys.
             raise ConfigError("FLUXORA_REDIS_PREFIX", "must not contain { or }")
-        database_url = _engine_url(env, "DATABASE_URL")
-        raw_redis = env.get("REDIS_URL")
-        redis_blank = raw_redis is not None and not raw_redis.strip()
-        redis_url = None if redis_blank else _engine_url(env, "REDIS_URL")
+        if _blank(env, "DATABASE_URL"):
+            raise ConfigError("DATABASE_URL", EMPTY_ENGINE_URL)
+        database_url = env.get("DATABASE_URL", "").strip() or None
+        redis_url = env.get("REDIS_URL", "").strip() or None
         if redis_url:
             _check_redis_url(redis_url)
         if database_url:
             check_database_url(database_url)
         home = Path(env.get("FLUXORA_HOME", "").strip() or ".fluxora")
-        return cls(database_url, redis_url, home, redis_prefix, redis_blank)
+        return cls(database_url, redis_url, home, redis_prefix, _blank(env, "REDIS_URL"))
 
     def check_redis(self) -> None:
         """For a command that uses Redis: an empty REDIS_URL is no embedded Redis (each

@@ -22,16 +22,25 @@ class Clock:
         return self.now
 
 
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def outages(clock: Clock, caplog: pytest.LogCaptureFixture) -> _Outages:
+    """A second's back-off on the test's clock, Redis's password "pw-secret", logs kept."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    return _Outages(1.0, clock, "pw-secret")
+
+
 def said(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
     return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == LOGGER]
 
 
 def test_a_node_is_left_alone_for_the_back_off_and_said_once(
-    caplog: pytest.LogCaptureFixture,
+    clock: Clock, outages: _Outages, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    outages = _Outages(1.0, clock, "pw-secret")
-    caplog.set_level(logging.INFO, logger=LOGGER)
     assert outages.should_try("a:1", 5) and not outages.down
     outages.failed("a:1", None, ConnectionError("refused, password pw-secret"))
     assert outages.down
@@ -49,11 +58,8 @@ def test_a_node_is_left_alone_for_the_back_off_and_said_once(
 
 
 def test_refused_slots_fail_open_alone_and_are_said_once_per_node(
-    caplog: pytest.LogCaptureFixture,
+    clock: Clock, outages: _Outages, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    outages = _Outages(1.0, clock, "")
-    caplog.set_level(logging.INFO, logger=LOGGER)
     for slot in range(200):  # a reshard moving many slots off a node
         outages.failed("a:1", slot, RuntimeError("TRYAGAIN"))
     assert not outages.should_try("a:1", 3)
@@ -67,9 +73,9 @@ def test_refused_slots_fail_open_alone_and_are_said_once_per_node(
     assert [level for level, _ in said(caplog)] == ["WARNING", "INFO"]
 
 
-def test_a_slot_still_waiting_does_not_use_up_its_nodes_try() -> None:
-    clock = Clock()
-    outages = _Outages(1.0, clock, "")
+def test_a_slot_still_waiting_does_not_use_up_its_nodes_try(
+    clock: Clock, outages: _Outages
+) -> None:
     outages.failed("a:1", None, ConnectionError())
     clock.now += 0.6
     outages.failed("a:1", 9, RuntimeError("TRYAGAIN"))  # slot due at 101.6 + ...

@@ -113,8 +113,7 @@ def _caused_by_request(exc: Exception) -> bool:
     of class 22 is a fault of ours, answered 500."""
     if isinstance(exc, UnicodeEncodeError):
         return exc.reason == "surrogates not allowed"
-    sqlstate = getattr(exc, "sqlstate", None)
-    return sqlstate in _REQUEST_STATES or (sqlstate is None and "NUL" in str(exc))
+    return getattr(exc, "sqlstate", None) in _REQUEST_STATES or _is_nul(exc)
 
 
 def _is_nul(exc: Exception) -> bool:

@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Mapping
 
 from ..errors import ConfigError
-from .common import engines, run_async
+from .common import check_database, engines, run_async
 
 NAME = "api"
 HELP = "serve the management API and the dashboard"
@@ -57,14 +57,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     port = settings.api_port if settings.api_port is not None else DEFAULT_PORT
 
     async def main() -> int:
-        import psycopg
-
-        from ..migrations import check_schema
-
-        async with await psycopg.AsyncConnection.connect(
-            database_url, autocommit=True, connect_timeout=10
-        ) as conn:
-            await check_schema(conn)  # a missing or other schema: exit 3, saying what to run
+        # A missing or other schema: exit 3, saying what to run.
+        await check_database(database_url, connect_timeout=10)
         server = ApiServer(config, settings.api_host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

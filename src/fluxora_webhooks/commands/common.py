@@ -43,22 +43,24 @@ def engines(env: Mapping[str, str], *, redis: bool) -> tuple[str, str | None]:
 
 
 @contextlib.asynccontextmanager
-async def connect(database_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    """A command's connection (autocommit) to a database whose schema is exactly this
-    code's: a missing, older or newer one stops the command with exit 3 saying what to
-    run, before it reads or writes anything."""
+async def connect(database_url: str, **options: Any) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A command's connection (autocommit; ``options`` are psycopg's) to a database whose
+    schema is exactly this code's: a missing, older or newer one stops the command with
+    exit 3 saying what to run, before it reads or writes anything."""
     import psycopg
 
     from ..migrations import check_schema
 
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+    async with await psycopg.AsyncConnection.connect(
+        database_url, autocommit=True, **options
+    ) as conn:
         await check_schema(conn)
         yield conn
 
 
-async def check_database(database_url: str) -> None:
+async def check_database(database_url: str, **options: Any) -> None:
     """:func:`connect`'s check alone, for a command whose work opens its own connections."""
-    async with connect(database_url):
+    async with connect(database_url, **options):
         pass
 
 

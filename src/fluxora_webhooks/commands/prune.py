@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
-from .common import engines, int_option, run_async
+from .common import connect, engines, int_option, run_async
 
 if TYPE_CHECKING:
     from ..partitions import Dropped
@@ -57,7 +57,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
 
     from ..partitions import drop_expired_exclusive, whole_partitions
     from ..retention import exclusive_run, prune
@@ -73,27 +72,24 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        from ..migrations import check_schema
-
-        async with await psycopg.AsyncConnection.connect(
-            database_url, autocommit=True, connect_timeout=10
-        ) as conn:
-            await check_schema(conn)
-            # The service's retention lock for the whole run (see exclusive_run). A
-            # partitioned outbox: its expired partitions are dropped whole first, and rows
-            # are deleted only outside the partitions that will be dropped whole.
-            async with exclusive_run(conn, wait=True, on_wait=_say_waiting):
-                dropped = await drop_expired_exclusive(
-                    conn, older_than_ms=older_than_ms, dry_run=opts.dry_run
-                )
-                result = await prune(
-                    conn,
-                    older_than_ms=older_than_ms,
-                    dead_letters=opts.dead_letters,
-                    batch_size=opts.batch_size,
-                    dry_run=opts.dry_run,
-                    spare=await whole_partitions(conn, older_than_ms=older_than_ms),
-                )
+        # The service's retention lock for the whole run (see exclusive_run). A partitioned
+        # outbox: its expired partitions are dropped whole first, and rows are deleted only
+        # outside the partitions that will be dropped whole.
+        async with (
+            connect(database_url, connect_timeout=10) as conn,
+            exclusive_run(conn, wait=True, on_wait=_say_waiting),
+        ):
+            dropped = await drop_expired_exclusive(
+                conn, older_than_ms=older_than_ms, dry_run=opts.dry_run
+            )
+            result = await prune(
+                conn,
+                older_than_ms=older_than_ms,
+                dead_letters=opts.dead_letters,
+                batch_size=opts.batch_size,
+                dry_run=opts.dry_run,
+                spare=await whole_partitions(conn, older_than_ms=older_than_ms),
+            )
         if opts.dry_run and dropped:
             # Counted as rows by the dry run's count; they would go with their partitions.
             rows = result.outbox_rows - sum(d.rows for d in dropped)

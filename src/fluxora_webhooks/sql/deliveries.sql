@@ -84,13 +84,17 @@ ORDER BY f.id DESC
 LIMIT %(limit)s;
 
 -- name: delivery_rows
--- Every row of one delivery, oldest first (webhook_outbox_delivery_idx).
+-- Every row of one delivery, oldest first (webhook_outbox_delivery_idx); whether each was
+-- an attempt, as delivery_list counts them.
 SELECT id, delivery_id::text AS delivery_id, COALESCE(event_id, id) AS event_id, endpoint_id,
        tenant, stream_id, event_type, payload, enqueued_at,
        -- psycopg reads no 'infinity': a parked or waiting row has no due time.
        CASE WHEN created_at < 'infinity' THEN created_at END AS due_at, processed,
        processed_at, outcome, status_code, error, response_body, duration_ms, attempt,
-       replay, hold, lease, stream_seq
+       replay, hold, lease, stream_seq,
+       processed AND outcome IN ('delivered', 'retry', 'dead_letter')
+       AND NOT (outcome = 'dead_letter' AND status_code IS NULL AND duration_ms IS NULL)
+           AS attempted
 FROM webhook_outbox
 WHERE delivery_id = %(delivery_id)s::uuid AND endpoint_id IS NOT NULL
   AND outcome IS DISTINCT FROM 'routed' AND outcome IS DISTINCT FROM 'unrouted'
