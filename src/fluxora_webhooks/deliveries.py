@@ -15,6 +15,8 @@ and due again), ``parked`` (its endpoint is disabled), ``delivered`` or ``dead_l
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -22,9 +24,10 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from .endpoints import DEFAULT_ID, OPERATOR_TENANT, check_event_type
-from .errors import ConfigError, ConflictError, NotFoundError
+from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
 from .outbox import enqueue_with_context, promote_heads
 from .queries import query
 
@@ -85,6 +88,47 @@ def event_json(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# How long an Idempotency-Key of POST /api/v1/events names its request (as Stripe's and the
+# IETF draft's keys do): a retry within it gets the first answer, not a second event.
+IDEMPOTENCY_TTL_S = 86_400
+
+
+class _KeyTaken(Exception):
+    """A request with the same idempotency key committed first (rolls this one back)."""
+
+
+def request_hash(tenant: str, stream_id: str, event_type: str, payload: Any) -> str:
+    """What an idempotency key is bound to: the request as canonical JSON, hashed."""
+    canonical = json.dumps(
+        [tenant, stream_id, event_type, payload],
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+async def _kept_answer(
+    conn: psycopg.AsyncConnection[Any], tenant: str, key: str, digest: str
+) -> dict[str, Any] | None:
+    """The first answer to the request ``key`` names, or None (no live key); raises
+    :class:`IdempotencyKeyReused` when the key names another request."""
+    found = await _rows(
+        conn,
+        "idempotency_find",
+        {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S},
+    )
+    if not found:
+        return None
+    if found[0]["request_hash"] != digest:
+        raise IdempotencyKeyReused(
+            "this Idempotency-Key was used in the last 24 hours with another request"
+            " (tenant, stream_id, event_type or payload differ); use a new key per event"
+        )
+    answer: dict[str, Any] = found[0]["response"]
+    return answer
+
+
 async def enqueue_event(
     conn: psycopg.AsyncConnection[Any],
     *,
@@ -94,14 +138,25 @@ async def enqueue_event(
     payload: Any,
     traceparent: str | None = None,
     tracestate: str | None = None,
-) -> dict[str, Any]:
+    idempotency_key: str | None = None,
+) -> tuple[dict[str, Any], bool]:
     """Enqueue an event (as a producer's ``enqueue`` does, in one transaction); returns it
-    with its id and ``delivery_id``: the built-in default endpoint's (as enqueue returns)
+    with its id and ``delivery_id`` -- the built-in default endpoint's (as enqueue returns)
     when the event goes to it (the default tenant's, with that endpoint configured), else
-    None -- the event row's id would name no delivery. ``traceparent``/``tracestate``: the
-    request's trace context (W3C headers), kept with the event so that its attempts join
-    the producer's trace."""
+    None: the event row's id would name no delivery -- and whether it is the answer of an
+    earlier request. ``traceparent``/``tracestate``: the request's trace context (W3C
+    headers), kept with the event so that its attempts join the producer's trace.
+
+    ``idempotency_key``: the same key and request within :data:`IDEMPOTENCY_TTL_S` enqueue
+    nothing and return the first request's answer (also when both run at once: the key is
+    taken in the event's transaction, and the later one waits for it); the same key with
+    another request raises :class:`IdempotencyKeyReused`. Keys are per tenant."""
     check_event_type(event_type)
+    digest = request_hash(tenant, stream_id, event_type, payload)
+    if idempotency_key is not None:
+        kept = await _kept_answer(conn, tenant, idempotency_key, digest)
+        if kept is not None:
+            return kept, True
     try:
         async with conn.transaction():
             delivery_id = await enqueue_with_context(
@@ -121,10 +176,34 @@ async def enqueue_event(
                 (DEFAULT_ID, delivery_id),
             )
             row = await cur.fetchone()
+            assert row is not None
+            answer = {
+                **event_json(row),
+                "delivery_id": delivery_id if row["to_default"] else None,
+            }
+            if idempotency_key is not None:
+                taken = await _rows(
+                    conn,
+                    "idempotency_keep",
+                    {
+                        "tenant": tenant,
+                        "key": idempotency_key,
+                        "request_hash": digest,
+                        "response": Jsonb(answer),
+                        "ttl_s": IDEMPOTENCY_TTL_S,
+                    },
+                )
+                if not taken:
+                    raise _KeyTaken
     except ValueError as exc:
         raise ConfigError("event", str(exc)) from None
-    assert row is not None
-    return {**event_json(row), "delivery_id": delivery_id if row["to_default"] else None}
+    except _KeyTaken:
+        assert idempotency_key is not None
+        first = await _kept_answer(conn, tenant, idempotency_key, digest)
+        if first is None:  # expired in between: a day-long request, not a case to serve
+            raise ConflictError("the Idempotency-Key's request could not be read back") from None
+        return first, True
+    return answer, False
 
 
 async def list_events(

@@ -7,6 +7,7 @@ Every error derives from one base, so ``except FluxoraError`` catches them all::
     +-- EndpointError          a consumer URL or its resolved address is refused
     +-- NotFoundError          no such endpoint, delivery or token (for the caller's tenant)
     +-- ConflictError          the request contradicts the object's state (a built-in endpoint)
+    |   +-- IdempotencyKeyReused   an idempotency key sent again with another request
     +-- SchemaError            the database schema is missing, older or newer than the code
     +-- EmbeddedEngineError    an embedded PostgreSQL or Redis could not start or stop
     +-- VerificationError      a received webhook failed verification (``reason`` says which check)
@@ -48,6 +49,10 @@ class NotFoundError(FluxoraError):
 class ConflictError(FluxoraError):
     """The change is refused by what the object is: a built-in endpoint cannot be updated,
     rotated or removed, the operator endpoint cannot be disabled."""
+
+
+class IdempotencyKeyReused(ConflictError):
+    """An idempotency key names an earlier request that differs from this one."""
 
 
 class SchemaError(FluxoraError):

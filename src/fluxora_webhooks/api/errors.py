@@ -16,7 +16,13 @@ from psycopg_pool import PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount
 
-from ..errors import ConfigError, ConflictError, EndpointError, NotFoundError
+from ..errors import (
+    ConfigError,
+    ConflictError,
+    EndpointError,
+    IdempotencyKeyReused,
+    NotFoundError,
+)
 from ..migrations import READ_ONLY_HINT
 
 API_PREFIX = "/api/"
@@ -194,6 +200,10 @@ def install(app: FastAPI, html_error: Any) -> None:
     @app.exception_handler(ConflictError)
     async def _conflict(request: Request, exc: ConflictError) -> Response:
         return answer(request, 409, "conflict", str(exc))
+
+    @app.exception_handler(IdempotencyKeyReused)
+    async def _key_reused(request: Request, exc: IdempotencyKeyReused) -> Response:
+        return answer(request, 422, "idempotency_key_reused", str(exc))
 
     @app.exception_handler(ConfigError)
     async def _invalid(request: Request, exc: ConfigError) -> Response:

@@ -10,6 +10,38 @@
 -- built-in default endpoint), its current row the one with the highest id. Lists page by
 -- id, newest first (keyset: %(before)s is the last id of the previous page).
 
+-- name: idempotency_find
+-- The request a live idempotency key names (younger than %(ttl_s)s seconds).
+SELECT request_hash, response
+FROM webhook_idempotency_keys
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND created_at > now() - make_interval(secs => %(ttl_s)s);
+
+-- name: idempotency_keep
+-- Takes the key for the event of this transaction: a new row, or one whose key expired
+-- (replaced). No row comes back when a live one holds it, committed by a request that ran
+-- at the same moment (this INSERT waited for that transaction to end): the caller rolls
+-- its event back and answers with that one's. Up to 10 expired keys of any tenant are
+-- removed on the way (not this one: a row is not changed twice in one statement).
+WITH expired AS (
+    DELETE FROM webhook_idempotency_keys k
+    USING (
+        SELECT tenant, key FROM webhook_idempotency_keys
+        WHERE created_at <= now() - make_interval(secs => %(ttl_s)s)
+          AND NOT (tenant = %(tenant)s AND key = %(key)s)
+        ORDER BY created_at
+        LIMIT 10
+        FOR UPDATE SKIP LOCKED
+    ) x
+    WHERE k.tenant = x.tenant AND k.key = x.key
+)
+INSERT INTO webhook_idempotency_keys AS k (tenant, key, request_hash, response)
+VALUES (%(tenant)s, %(key)s, %(request_hash)s, %(response)s)
+ON CONFLICT (tenant, key) DO UPDATE
+SET request_hash = EXCLUDED.request_hash, response = EXCLUDED.response, created_at = now()
+WHERE k.created_at <= now() - make_interval(secs => %(ttl_s)s)
+RETURNING true;
+
 -- name: event_list
 SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at
 FROM webhook_outbox

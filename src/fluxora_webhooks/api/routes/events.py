@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Response
 
 from ... import deliveries
 from ...endpoints import check_tenant
@@ -23,11 +23,38 @@ router = APIRouter(
 )
 
 
-@router.post("", status_code=202, response_model=EventAccepted, summary="Enqueue an event")
+# A key: 1 to 255 visible ASCII characters (a UUID, a hash, the producer's own id).
+IDEMPOTENCY_KEY = r"^[!-~]{1,255}$"
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=EventAccepted,
+    summary="Enqueue an event",
+    responses={
+        422: {
+            "model": ErrorBody,
+            "description": "invalid body or header (`validation_error`), or the"
+            " Idempotency-Key was used with another request (`idempotency_key_reused`)",
+        }
+    },
+)
 async def enqueue_event(
     who: Writer,
     conn: Conn,
     body: EventIn,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            pattern=IDEMPOTENCY_KEY,
+            description="1-255 visible ASCII characters. The same key and request within 24"
+            " hours enqueue nothing and return the first answer again (with"
+            " `Idempotent-Replayed: true`), also when both arrive at once; the same key with"
+            " another request is 422 `idempotency_key_reused`. Keys are per tenant",
+        ),
+    ] = None,
     traceparent: Annotated[
         str | None,
         Header(
@@ -42,7 +69,7 @@ async def enqueue_event(
     """For producers outside the database: the event is committed to the outbox and
     delivered to its tenant's endpoints like any other."""
     tenant = scoped(who, None if body.tenant is None else check_tenant(body.tenant))
-    return await deliveries.enqueue_event(
+    answer, replayed = await deliveries.enqueue_event(
         conn,
         tenant=tenant if tenant is not None else "",
         stream_id=body.stream_id,
@@ -50,7 +77,11 @@ async def enqueue_event(
         payload=body.payload,
         traceparent=traceparent,
         tracestate=tracestate,
+        idempotency_key=idempotency_key,
     )
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return answer
 
 
 @router.get("", response_model=Page[Event], summary="List events, newest first")

@@ -1,0 +1,226 @@
+"""`Idempotency-Key` on POST /api/v1/events: a producer that retries its request (a timeout,
+a 503 cut off by a failover) gets its first answer again, not a second event, also when the
+requests arrive at once; the same key with another request is refused; keys are per tenant
+and live 24 hours. Real API server, real PostgreSQL, a real dispatcher and receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+from psycopg.types.json import Jsonb
+
+from fluxora_webhooks.deliveries import request_hash
+from tests.support.api import LOOPBACK, Api, serving
+from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+BODY: dict[str, Any] = {
+    "stream_id": "order-1",
+    "event_type": "order.paid",
+    "payload": {"total": 12.5},
+}
+
+
+@pytest_asyncio.fixture
+async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
+    async with serving(database_url, redis_url, prefix) as running:
+        yield running
+
+
+async def events(database_url: str) -> int:
+    count: int = await scalar(
+        database_url, "SELECT count(*) FROM webhook_outbox WHERE event_id IS NULL"
+    )
+    return count
+
+
+async def test_a_retried_request_gets_its_first_answer_and_is_delivered_once(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    await api.post("/api/v1/endpoints", json={"url": receiver.url, "tenant": "acme"})
+    key = {"Idempotency-Key": "7f1c9a52-retry-me"}
+    first = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    assert first.status == 202, first.text
+    assert "idempotent-replayed" not in first.headers
+    again = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    assert again.status == 202, again.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.body == first.body
+    assert await events(database_url) == 1
+
+    settings = dataclasses.replace(
+        make_settings("", allowed_networks=LOOPBACK, secret=b""), poll_interval_ms=100
+    )
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(1)
+        await asyncio.sleep(0.5)  # time for a second request, were there one
+    assert len(receiver.received) == 1
+    assert json.loads(receiver.received[0].body) == {"total": 12.5}
+    # Once the dispatcher has done with it, the key still answers the same.
+    late = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    assert late.status == 202 and late.body == first.body
+    assert await events(database_url) == 1
+
+
+async def test_requests_with_one_key_at_once_make_one_event(api: Api, database_url: str) -> None:
+    key = {"Idempotency-Key": "burst"}
+    replies = await asyncio.gather(
+        *(api.post("/api/v1/events", token="acme", json=BODY, headers=key) for _ in range(12))
+    )
+    assert {r.status for r in replies} == {202}, [r.text for r in replies if r.status != 202]
+    assert len({r.body["id"] for r in replies}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in replies) == 11
+    assert await events(database_url) == 1
+
+
+@pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+async def test_requests_racing_a_transaction_that_holds_the_key(
+    api: Api, database_url: str, first_ends: str
+) -> None:
+    """Requests that found no key, enqueued, and then wait for another transaction taking
+    the same key: when it commits, each rolls its event back and answers with that one's;
+    when it rolls back, one of them takes the key and the rest answer with its event."""
+    held = {"id": 0, "tenant": "acme", **BODY, "created_at": None, "delivery_id": None}
+    async with await psycopg.AsyncConnection.connect(database_url) as holder:
+        await holder.execute(
+            "INSERT INTO webhook_idempotency_keys (tenant, key, request_hash, response)"
+            " VALUES ('acme', 'race', %s, %s)",
+            (
+                request_hash("acme", BODY["stream_id"], BODY["event_type"], BODY["payload"]),
+                Jsonb(held),
+            ),
+        )
+        sent = [
+            asyncio.ensure_future(
+                api.post(
+                    "/api/v1/events", token="acme", json=BODY, headers={"Idempotency-Key": "race"}
+                )
+            )
+            for _ in range(4)
+        ]
+
+        async def all_waiting() -> bool:
+            waiting: int = await scalar(
+                database_url,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND query LIKE '%webhook_idempotency_keys%'",
+            )
+            return waiting == 4
+
+        await wait_until(all_waiting, what="four requests waiting for the held key")
+        await (holder.commit() if first_ends == "commit" else holder.rollback())
+        replies = await asyncio.gather(*sent)
+    assert {r.status for r in replies} == {202}, [r.text for r in replies]
+    assert len({r.body["id"] for r in replies}) == 1
+    replayed = sum(r.headers.get("idempotent-replayed") == "true" for r in replies)
+    if first_ends == "commit":
+        assert replies[0].body == held and replayed == 4
+        assert await events(database_url) == 0
+    else:
+        assert replayed == 3
+        assert await events(database_url) == 1
+
+
+async def test_the_same_key_with_another_request_is_refused_and_enqueues_nothing(
+    api: Api, database_url: str
+) -> None:
+    key = {"Idempotency-Key": "k-1"}
+    assert (await api.post("/api/v1/events", token="acme", json=BODY, headers=key)).status == 202
+    for change in (
+        {"payload": {"total": 13}},
+        {"event_type": "order.refunded"},
+        {"stream_id": "order-2"},
+    ):
+        other = await api.post("/api/v1/events", token="acme", json={**BODY, **change}, headers=key)
+        assert other.status == 422, other.text
+        assert other.error_code == "idempotency_key_reused"
+        assert "Idempotency-Key" in other.body["error"]["message"]
+    assert await events(database_url) == 1
+
+
+async def test_keys_are_per_tenant_and_an_admin_shares_the_tenants(
+    api: Api, database_url: str
+) -> None:
+    key = {"Idempotency-Key": "shared-name"}
+    acme = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    bolt = await api.post("/api/v1/events", token="bolt", json=BODY, headers=key)
+    assert acme.status == bolt.status == 202
+    assert acme.body["id"] != bolt.body["id"]  # another tenant's key is not this one's
+    # An admin acting for acme uses acme's keys: the same request is acme's first answer.
+    admin = await api.post(
+        "/api/v1/events", token="admin", json={**BODY, "tenant": "acme"}, headers=key
+    )
+    assert admin.status == 202 and admin.body == acme.body
+    # For the default tenant (no tenant given) the key is free again.
+    default = await api.post("/api/v1/events", token="admin", json=BODY, headers=key)
+    assert default.status == 202 and default.body["id"] not in (acme.body["id"], bolt.body["id"])
+    assert await events(database_url) == 3
+    # A read-only token may not enqueue, key or not.
+    reader = await api.post("/api/v1/events", token="acme_reader", json=BODY, headers=key)
+    assert reader.status == 403
+
+
+async def test_a_key_lives_a_day_and_expired_keys_are_cleared(api: Api, database_url: str) -> None:
+    key = {"Idempotency-Key": "daily"}
+    first = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "UPDATE webhook_idempotency_keys SET created_at = now() - interval '25 hours'"
+        )
+        # Expired keys of other requests, as a day of traffic leaves them.
+        await conn.execute(
+            "INSERT INTO webhook_idempotency_keys (tenant, key, request_hash, response,"
+            " created_at) SELECT 'bolt', 'old-' || n, 'x', '{}', now() - interval '2 days'"
+            " FROM generate_series(1, 15) n"
+        )
+    # After 24 hours the key is free: the request is new, even a different one.
+    later = await api.post(
+        "/api/v1/events", token="acme", json={**BODY, "payload": {"n": 2}}, headers=key
+    )
+    assert later.status == 202 and "idempotent-replayed" not in later.headers
+    assert later.body["id"] != first.body["id"]
+    # ... and names the new request from then on.
+    again = await api.post(
+        "/api/v1/events", token="acme", json={**BODY, "payload": {"n": 2}}, headers=key
+    )
+    assert again.body == later.body and again.headers.get("idempotent-replayed") == "true"
+    # The new key's request cleared ten of the expired ones on the way.
+    left = await scalar(
+        database_url, "SELECT count(*) FROM webhook_idempotency_keys WHERE tenant = 'bolt'"
+    )
+    assert left == 5
+
+
+async def test_the_first_answer_outlives_its_pruned_event(api: Api, database_url: str) -> None:
+    key = {"Idempotency-Key": "kept"}
+    first = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute("DELETE FROM webhook_outbox")
+    again = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    assert again.status == 202 and again.body == first.body
+    assert await events(database_url) == 0
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [("", "empty"), ("x" * 256, "too long"), ("has space", "a space"), ("tab\there", "a tab")],
+)
+async def test_a_bad_key_is_a_validation_error_naming_the_header(
+    api: Api, database_url: str, value: str, why: str
+) -> None:
+    reply = await api.post(
+        "/api/v1/events", token="acme", json=BODY, headers={"Idempotency-Key": value}
+    )
+    assert reply.status == 422, (why, reply.text)
+    assert reply.error_code == "validation_error"
+    assert "idempotency-key" in reply.body["error"]["message"].lower()
+    assert await events(database_url) == 0
