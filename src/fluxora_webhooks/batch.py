@@ -529,7 +529,7 @@ class Batch:
         the process's connections; if so, ``send`` (to an endpoint whose requests leave
         their batch at once) is not sent: its row is deferred until the first of them
         ends, spread."""
-        wait = self.d.slow_share_wait_s()
+        wait = self.d.slow_share_wait_s(send.target)
         if wait is None:
             return False
         send.withheld = True

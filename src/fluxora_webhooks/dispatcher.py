@@ -501,27 +501,30 @@ class Dispatcher:
         """None when ``target`` may take one more request of this process now; else how
         long to defer the row. An endpoint at its concurrency that answers quickly frees a
         slot within milliseconds: its rows come back after BUSY_DEFER_S. A slow one (a
-        request outlived its batch or timed out lately) frees one when a request ends, at
-        the latest at that request's timeout: its rows wait that long and take no claim
-        capacity meanwhile. They come back no faster than it can take them (its
-        concurrency per timeout: each deferred row one slot's share of a timeout after the
-        one before), up to SLOW_HORIZON_TIMEOUTS timeouts ahead, and spread over that
-        horizon beyond it: a hanging endpoint's backlog, all due at once, filled the
-        claims ahead of the healthy endpoints' rows, each claimed only to be deferred
-        again, and their latency grew with it."""
+        request outlived its batch or timed out lately) frees one when a request ends:
+        after the time its requests take (Load.expected_s), at the latest at that
+        request's timeout: its rows wait that long and take no claim capacity meanwhile.
+        They come back no faster than it can take them (its concurrency per request time:
+        each deferred row one slot's share of it after the one before), up to
+        SLOW_HORIZON_TIMEOUTS request times ahead, and spread over that horizon beyond it:
+        a hanging endpoint's backlog, all due at once, filled the claims ahead of the
+        healthy endpoints' rows, each claimed only to be deferred again, and their latency
+        grew with it."""
         load = target.load
         if load.in_flight >= self.settings.endpoint_concurrency:
             if not load.slow:
                 return BUSY_DEFER_S
+            timeout_s = self.settings.timeout_ms / 1000
+            request_s = load.expected_s(timeout_s)
             return load.next_turn_in_s(
-                max(load.next_free_in_s(), BUSY_DEFER_S),
-                step=self.settings.timeout_ms / 1000 / self.settings.endpoint_concurrency,
-                horizon=SLOW_HORIZON_TIMEOUTS * self.settings.timeout_ms / 1000,
+                max(load.next_free_in_s(timeout_s), BUSY_DEFER_S),
+                step=request_s / self.settings.endpoint_concurrency,
+                horizon=SLOW_HORIZON_TIMEOUTS * request_s,
             )
         if self.connections_used() >= self.settings.max_connections:
             return 0.05
         if load.slow:
-            return self.slow_share_wait_s()
+            return self.slow_share_wait_s(target)
         return None
 
     def connections_used(self) -> int:
@@ -535,16 +538,19 @@ class Dispatcher:
     def _slow_share(self) -> int:
         return max(1, self.settings.max_connections // 2)
 
-    def slow_share_wait_s(self) -> float | None:
+    def slow_share_wait_s(self, target: Target) -> float | None:
         """None while the requests that outlived their batch hold less than half of the
         process's connections (their share: they never take it all); else how long to
-        defer a row of a slow endpoint. The first of them ends at the latest at its
-        timeout: the row waits that long, spread like a slow endpoint's rows, so that many
-        slow endpoints' backlogs are not claimed over and over only to be deferred again."""
+        defer a row of ``target``, a slow endpoint: until the first of them is expected to
+        end (after its endpoint's request time, at its timeout at the latest), spread over
+        ``target``'s own request time (a timeout for one that may hang), so that many slow
+        endpoints' backlogs are not claimed over and over only to be deferred again, and an
+        endpoint that answers in half a second gets its rows back in about that long."""
         if self.completer.outstanding < self._slow_share():
             return None
-        spread = random.uniform(0.0, self.settings.timeout_ms / 1000)
-        return max(self.completer.next_end_in_s(), BUSY_DEFER_S) + spread
+        timeout_s = self.settings.timeout_ms / 1000
+        spread = random.uniform(0.0, target.load.expected_s(timeout_s))
+        return max(self.completer.next_end_in_s(timeout_s), BUSY_DEFER_S) + spread
 
     def may_wait_for_slot(self, target: Target) -> bool:
         """Whether a row for ``target``, whose slots are all taken, waits in this process for
@@ -623,9 +629,11 @@ class Dispatcher:
                 load.deadlines.remove(deadline)
             if unseen:
                 self.show_in_flight()
+        timed_out = result.error == "timeout"
+        load.ended(self.settings.timeout_ms / 1000 if timed_out else result.duration_ms / 1000)
         if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * PATIENCE_S:
             load.answered_fast()
-        elif result.error == "timeout":
+        elif timed_out:
             load.mark_slow()
         metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
         if send.lease is not None:

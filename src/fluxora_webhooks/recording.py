@@ -304,7 +304,7 @@ class Completer:
         self.d = dispatcher
         self._queue: asyncio.Queue[Detached] = asyncio.Queue()
         # Detached requests not settled yet (in flight, or waiting to be recorded), each
-        # with the moment its request ends at the latest (its timeout).
+        # with the moment its request ends at the latest (its timeout, from its detach).
         self._ends: dict[Send, float] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -318,11 +318,17 @@ class Completer:
         self._ends[send] = time.monotonic() + self.d.settings.timeout_ms / 1000
         self._idle.clear()
 
-    def next_end_in_s(self) -> float:
-        """How long until the first detached request ends at the latest (0: none)."""
+    def next_end_in_s(self, timeout_s: float) -> float:
+        """How long until the first detached request is expected to end (0: none): one
+        that has started after its endpoint's request time (Load.expected_end), one still
+        waiting for a slot at the latest by its deadline."""
         if not self._ends:
             return 0.0
-        return max(0.0, min(self._ends.values()) - time.monotonic())
+        first = min(
+            send.target.load.expected_end(send.started_at, timeout_s) if send.started else end
+            for send, end in self._ends.items()
+        )
+        return max(0.0, first - time.monotonic())
 
     def submit(self, send: Send, result: AttemptResult) -> None:
         self._queue.put_nowait(Detached(send, result))

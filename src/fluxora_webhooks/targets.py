@@ -36,6 +36,16 @@ log = logging.getLogger(__name__)
 # An endpoint stays "slow" this long after a request to it outlived its batch (or timed
 # out): its requests are detached from their batch at once meanwhile.
 SLOW_FOR_S = 30.0
+# How much each ended request moves an endpoint's typical request time (Load.typical_s).
+TYPICAL_WEIGHT = 0.25
+# A request running this many times its endpoint's typical time may hang: the endpoint's
+# requests are expected to last until their timeout again (Load.expected_s).
+OVERDUE_FACTOR = 4.0
+# Before any request to an endpoint has ended, one that has run t seconds is expected to
+# run about as long again, and this long at least: a first burst to an endpoint that
+# answers in half a second waits about that long, one that hangs backs off towards its
+# timeout.
+FIRST_GUESS_S = 0.5
 
 
 @dataclass
@@ -50,6 +60,9 @@ class Load:
     """
 
     in_flight: int = 0
+    # How long its requests take lately (a moving average of those that ended, a timeout
+    # counted as the whole timeout); 0 until one has ended. See expected_s.
+    typical_s: float = 0.0
     slow_until: float = 0.0
     suspect_until: float = 0.0  # see detached_at_once
     next_turn: float = 0.0  # monotonic: when the next deferred row of a slow endpoint may go
@@ -118,11 +131,44 @@ class Load:
         self.next_turn = turn + step
         return turn - now + random.uniform(0.0, step)
 
-    def next_free_in_s(self) -> float:
-        """How long until one of its in-flight requests ends at the latest (its timeout)."""
+    def ended(self, duration_s: float) -> None:
+        """A request to it ended after ``duration_s`` (its timeout if it timed out)."""
+        if self.typical_s <= 0.0:
+            self.typical_s = duration_s
+        else:
+            self.typical_s += TYPICAL_WEIGHT * (duration_s - self.typical_s)
+
+    def expected_end(self, started_at: float, timeout_s: float) -> float:
+        """When a request to it that started at ``started_at`` is expected to end: after its
+        typical time, or at its timeout once it has run OVERDUE_FACTOR times that (it may
+        hang); before any has ended, after twice as long as it has run so far (FIRST_GUESS_S
+        at least); at its timeout at the latest."""
+        typical = self.typical_s
+        elapsed = time.monotonic() - started_at
+        if typical <= 0.0:
+            return started_at + min(timeout_s, max(2 * elapsed, FIRST_GUESS_S))
+        if elapsed > OVERDUE_FACTOR * typical:
+            return started_at + timeout_s
+        return started_at + typical
+
+    def expected_s(self, timeout_s: float) -> float:
+        """How long a request to it is expected to take (expected_end, for the longest
+        running one in flight; with none, its typical time, else its timeout). A "slow"
+        endpoint is one whose request outlived a batch, which one that answers in half a
+        second does at once: its rows are paced by the time its requests take, not by a
+        timeout they never reach; one that hangs by its timeout."""
+        if not self.deadlines:
+            return self.typical_s or timeout_s
+        started_at = min(self.deadlines) - timeout_s
+        return self.expected_end(started_at, timeout_s) - started_at
+
+    def next_free_in_s(self, timeout_s: float) -> float:
+        """How long until one of its in-flight requests is expected to end (expected_end:
+        its timeout at the latest)."""
         if not self.deadlines:
             return 0.0
-        return max(0.0, min(self.deadlines) - time.monotonic())
+        first = min(self.expected_end(d - timeout_s, timeout_s) for d in self.deadlines)
+        return max(0.0, first - time.monotonic())
 
 
 @dataclass

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+import pytest
+
 from fluxora_webhooks.batch import Batch, Send
 from fluxora_webhooks.dispatcher import BUSY_DEFER_S, SLOW_HORIZON_TIMEOUTS, Dispatcher
 from tests.support.dispatch import make_settings
@@ -42,6 +44,7 @@ def test_a_busy_slow_endpoint_waits_for_its_next_request_to_end() -> None:
     assert target is not None
     target.load.in_flight = 2
     target.load.deadlines = [time.monotonic() + 12.0, time.monotonic() + 15.0]
+    target.load.typical_s = 15.0  # its requests time out
     target.load.mark_slow()
     waits = [dispatcher.capacity_wait_s(target) for _ in range(200)]
     assert all(w is not None for w in waits)
@@ -73,3 +76,57 @@ def test_a_rolled_back_batch_gives_back_each_slot_it_still_holds_once() -> None:
     batch.sends = [never_sent, withheld]
     dispatcher.after_rollback(batch)
     assert target.load.in_flight == 0
+
+
+def test_a_slow_endpoint_that_answers_is_paced_by_its_request_time_not_its_timeout() -> None:
+    """An endpoint whose requests take 0.4 s is "slow" (they outlive their batches), but its
+    rows come back as its requests end: after about 0.4 s, one slot's share of that apart."""
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    load = target.load
+    for _ in range(5):
+        load.ended(0.4)
+    assert load.typical_s == pytest.approx(0.4)
+    now = time.monotonic()
+    load.in_flight = 2
+    load.deadlines = [now - 0.1 + 15.0, now - 0.3 + 15.0]  # started 0.1 and 0.3 s ago
+    load.mark_slow()
+    assert load.expected_s(15.0) == pytest.approx(0.4)
+    assert load.next_free_in_s(15.0) == pytest.approx(0.1, abs=0.05)
+    waits = [dispatcher.capacity_wait_s(target) for _ in range(6)]
+    spread = [w for w in waits if w is not None]
+    # The first as the oldest request ends, each later one 0.2 s (0.4 s / 2 slots) after.
+    assert len(spread) == 6 and all(w < 2.0 for w in spread)
+    assert spread == sorted(spread) and spread[-1] - spread[0] > 4 * 0.2
+
+
+def test_a_request_running_past_its_endpoints_request_time_may_hang() -> None:
+    """Four times its typical time: the endpoint is paced by the timeout again."""
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    load = target.load
+    load.ended(0.1)
+    now = time.monotonic()
+    load.deadlines = [now - 0.5 + 15.0]  # started 0.5 s ago: five times 0.1 s
+    assert load.expected_s(15.0) == 15.0
+    assert load.next_free_in_s(15.0) == pytest.approx(14.5, abs=0.05)
+    # A timeout counts as the whole timeout in its request time.
+    load.ended(15.0)
+    assert load.typical_s > 3.0
+
+
+def test_before_any_request_ended_one_is_expected_to_run_as_long_again() -> None:
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    load = target.load
+    now = time.monotonic()
+    load.deadlines = [now - 0.05 + 15.0]  # 0.05 s in: half a second at least
+    assert load.expected_s(15.0) == pytest.approx(0.5, abs=0.02)
+    load.deadlines = [now - 3.0 + 15.0]  # 3 s in: 6 s in all, 3 s from now
+    assert load.expected_s(15.0) == pytest.approx(6.0, abs=0.02)
+    assert load.next_free_in_s(15.0) == pytest.approx(3.0, abs=0.02)
+    load.deadlines = [now - 9.0 + 15.0]  # never past its timeout
+    assert load.expected_s(15.0) == 15.0
