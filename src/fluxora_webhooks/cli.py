@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Its arguments belong to another program (argparse would take "--help" or a
             # leading "-" for itself).
             return int(passthrough[argv[0]].run(argparse.Namespace(rest=argv[1:]), env))
-        args = build_parser(modules).parse_args(argv)
+        parser = build_parser(modules)
+        args = parser.parse_args(join_dash_values(argv, known_options(parser)))
         return int(args.run(args, env))
     except ConfigError as exc:
         # A command-line option is no configuration: "error: --yes: ...".
@@ -81,6 +82,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _fatal(logs.escape_controls(logs.scrub(message)), env)
         return EXIT_FAILED
+
+
+# Options whose value may start with "-": a signing secret (endpoints add and rotate-secret
+# --secret); secrets.token_urlsafe starts one in 64 so.
+DASH_VALUE_OPTIONS = frozenset({"--secret"})
+
+
+def known_options(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """Every option string of the parser and of its subcommands, at any depth."""
+    found = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= known_options(sub)
+    return frozenset(found)
+
+
+def join_dash_values(argv: Sequence[str], known: frozenset[str]) -> list[str]:
+    """``--secret -x...`` as ``--secret=-x...``: argparse takes any word that starts with
+    "-" for an option, and fails with "expected one argument". Only for
+    :data:`DASH_VALUE_OPTIONS`, and only when the next word is no option of the command
+    (nor an abbreviation argparse would take for one): ``--secret --url U`` still fails."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":  # the rest are arguments, as they are
+            return [*out, *argv[i:]]
+        if word in DASH_VALUE_OPTIONS and i + 1 < len(argv) and _dash_value(argv[i + 1], known):
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
+def _dash_value(word: str, known: frozenset[str]) -> bool:
+    if not word.startswith("-") or word == "--":
+        return False  # argparse takes it as the value already, or it ends the options
+    name = word.partition("=")[0]
+    if name in known:
+        return False
+    return not (name.startswith("--") and any(option.startswith(name) for option in known))
 
 
 def _fatal(message: str, env: Mapping[str, str]) -> None:

@@ -43,12 +43,19 @@ _MAX_SIGNATURE_ENTRIES = 16
 
 def standard_key(secret: bytes) -> bytes:
     """The Standard Webhooks HMAC key for a configured secret."""
-    if secret.startswith(b"whsec_"):
-        try:
-            return base64.b64decode(secret[len(b"whsec_") :], validate=True)
-        except (binascii.Error, ValueError):
-            return secret
-    return secret
+    key = _whsec_key(secret)
+    return secret if key is None else key
+
+
+def _whsec_key(secret: bytes) -> bytes | None:
+    """The key of a ``whsec_`` secret decoded as the sender decodes it (strict base64,
+    padded); None unless it is ``whsec_`` followed by valid base64."""
+    if not secret.startswith(b"whsec_"):
+        return None
+    try:
+        return base64.b64decode(secret[len(b"whsec_") :], validate=True)
+    except (binascii.Error, ValueError):
+        return None
 
 
 class Signer:
@@ -128,7 +135,8 @@ def verify(
 
     Anything the request carries can only raise :class:`VerificationError`, whose ``reason``
     names the failed check; messages never contain a secret. A caller's own mistake (an empty
-    secret, a body that is not bytes) raises ``TypeError`` or ``ValueError`` instead.
+    secret, a ``whsec_`` secret that is not valid base64, a body that is not bytes) raises
+    ``TypeError`` or ``ValueError`` instead.
     """
     return verify_request(
         body, headers, secret, previous=previous, tolerance=tolerance, now=now, scheme=scheme
@@ -186,9 +194,18 @@ def _secret_bytes(value: str | bytes, name: str) -> bytes:
         raise TypeError(f"{name} must be str or bytes")
     if not value:
         raise ValueError(f"{name} must not be empty")
-    if not standard_key(value):
-        # "whsec_" alone: the Standard Webhooks key would be empty, so anyone could sign.
-        raise ValueError(f"{name} is whsec_ with no key after it")
+    if value.startswith(b"whsec_"):
+        key = _whsec_key(value)
+        if key is None:
+            # The sender refuses it (run, endpoints add): used as raw bytes here, it would
+            # match no signature, and other libraries decode it as yet another key.
+            raise ValueError(
+                f"{name} starts with whsec_ but the rest is not valid base64 (Standard "
+                "Webhooks): copy it whole, with any = padding at its end"
+            )
+        if not key:
+            # "whsec_" alone: the Standard Webhooks key would be empty, so anyone could sign.
+            raise ValueError(f"{name} is whsec_ with no key after it")
     return value
 
 

@@ -152,6 +152,31 @@ async def test_bad_input_is_refused_naming_what_is_wrong(
     assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
 
 
+async def test_a_secret_that_starts_with_a_dash_is_taken(database_url: str) -> None:
+    """secrets.token_urlsafe (examples/README.md's recipe) starts one secret in 64 with "-";
+    argparse took it for an option and failed with "expected one argument"."""
+    env = command_env(DATABASE_URL=database_url)
+    dashed, doubled = "-RqHswvnU6VTcfC41dLkd27GIJ2YyDVKO4mThEAwi_Y", "--" + "k" * 40
+    code, made = await cli(
+        env, "endpoints", "add", "--url", "https://a.example/", "--secret", dashed, "--json"
+    )
+    assert code == 0 and made["secret"] == dashed, made
+    code, rotated = await cli(
+        env, "endpoints", "rotate-secret", made["id"], "--secret", doubled, "--json"
+    )
+    assert code == 0 and rotated == {"id": made["id"], "secret": doubled}, rotated
+    code, other = await cli(
+        env, "endpoints", "add", "--url", "https://b.example/", f"--secret={dashed}", "--json"
+    )
+    assert code == 0 and other["secret"] == dashed, other
+    # A value left out is still a usage error: the next option is not taken for it.
+    code, out = await run_command(
+        "endpoints", "add", "--url", "https://c.example/", "--secret", "--json", env=env
+    )
+    assert code == 2 and "argument --secret: expected one argument" in out, out
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 2
+
+
 async def _dead_letters(database_url: str, endpoint_id: str, n: int) -> None:
     """``n`` dead letters of the endpoint (tenant acme), dead an hour ago."""
     await scalar(

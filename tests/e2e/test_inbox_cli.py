@@ -48,6 +48,13 @@ async def test_install_then_prune(empty_database_url: str) -> None:
     [
         # Every delivery would fail on it: not "already installed"; exit 3 naming the fix.
         ("delivery_id text, attempt integer", 3, "ADD PRIMARY KEY (delivery_id)"),
+        # A delivery_id that cannot hold every id receive stores: refused, naming its type.
+        (
+            "delivery_id int PRIMARY KEY, event_type text, attempt int, received_at timestamptz",
+            3,
+            "webhook_inbox.delivery_id is integer, not text",
+        ),
+        ("delivery_id varchar(36) PRIMARY KEY", 3, "is character varying(36), not text"),
         # Completed (consumers.md), and said so: the operator learns the table changed.
         (
             "delivery_id text PRIMARY KEY, attempt int",

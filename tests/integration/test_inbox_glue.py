@@ -239,7 +239,7 @@ async def test_whatever_the_handler_raises_rolls_back_and_is_answered_handler_fa
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-async def test_an_unavailable_database_is_503_and_a_missing_inbox_500(
+async def test_an_unavailable_database_is_503_and_a_missing_or_unusable_inbox_500(
     framework: str, empty_database_url: str
 ) -> None:
     @contextlib.asynccontextmanager
@@ -259,6 +259,16 @@ async def test_an_unavailable_database_is_503_and_a_missing_inbox_500(
         async with serve(framework, unreachable, consumer) as url:
             assert await post(http, url, delivery()) == (503, {"error": "database_unavailable"})
         async with serve(framework, uninstalled, consumer) as url:
+            assert await post(http, url, delivery()) == (500, {"error": "inbox_not_installed"})
+            # Made by hand with a delivery_id that is not text: the table's fault, not the
+            # handler's (which never ran).
+            async with await psycopg.AsyncConnection.connect(
+                empty_database_url, autocommit=True
+            ) as c:
+                await c.execute(
+                    "CREATE TABLE webhook_inbox (delivery_id integer PRIMARY KEY,"
+                    " event_type text, attempt integer, received_at timestamptz DEFAULT now())"
+                )
             assert await post(http, url, delivery()) == (500, {"error": "inbox_not_installed"})
     assert consumer.handled == []
 

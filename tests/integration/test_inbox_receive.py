@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from fluxora_webhooks.errors import SchemaError, VerificationError
-from fluxora_webhooks.inbox import InboxEvent, install, prune, receive
+from fluxora_webhooks.inbox import InboxEvent, install, install_report, prune, receive
 from tests.support.dispatch import SECRET
 from tests.support.inbox import Delivery, delivery
 
@@ -144,6 +145,16 @@ def test_a_table_made_by_hand_is_named_by_receive_and_completed_by_install(
         ("delivery_id text, event_type text, attempt integer", "no primary key or unique index"),
         ("delivery_id text UNIQUE DEFERRABLE, attempt integer", "no primary key or unique index"),
         ("id bigint PRIMARY KEY, event_type text", "no delivery_id column"),
+        # A delivery_id that cannot hold every id receive stores (up to 255 characters of
+        # text): the type named, and the ALTER that makes it text.
+        (
+            "delivery_id integer PRIMARY KEY, event_type text, attempt integer",
+            r"delivery_id is integer, not text.*ALTER COLUMN delivery_id TYPE text",
+        ),
+        ("delivery_id uuid PRIMARY KEY", "delivery_id is uuid, not text"),
+        ("delivery_id varchar(36) PRIMARY KEY", r"is character varying\(36\), not text"),
+        ("delivery_id varchar(254) PRIMARY KEY", r"is character varying\(254\), not text"),
+        ("delivery_id char(255) PRIMARY KEY", r"is character\(255\), not text"),
     ],
 )
 def test_install_names_a_table_made_by_hand_that_receive_cannot_use(
@@ -168,6 +179,44 @@ def test_install_names_a_table_made_by_hand_that_receive_cannot_use(
             " AND attnum > 0 AND NOT attisdropped"
         ).fetchone()
     assert columns == (len(table.split(",")),)  # nothing added
+
+
+@pytest.mark.parametrize("id_type", ["text", "varchar", "varchar(255)", "varchar(1000)"])
+def test_a_hand_made_delivery_id_of_text_or_long_enough_varchar_is_completed(
+    empty_database_url: str, id_type: str
+) -> None:
+    with psycopg.connect(empty_database_url, autocommit=True) as c:
+        c.execute(f"CREATE TABLE webhook_inbox (delivery_id {id_type} PRIMARY KEY)")
+        assert install(c) is False
+        with c.transaction():
+            assert take(c, delivery(delivery_id="x" * 255)) is not None
+            assert take(c, delivery(delivery_id="x" * 255)) is None
+
+
+@pytest.mark.parametrize(
+    ("id_type", "delivery_id"),
+    [
+        ("integer", None),  # a UUID, as the dispatcher sends
+        ("uuid", "msg_2LxyAbCdEf"),  # another sender's id (receive takes any up to 255)
+        ("varchar(36)", "x" * 37),
+    ],
+)
+def test_receive_on_a_delivery_id_that_is_not_text_says_so_not_a_raw_database_error(
+    empty_database_url: str, id_type: str, delivery_id: str | None
+) -> None:
+    """A table made by hand and never given to install: the first id it cannot store is a
+    SchemaError (the glue's inbox_not_installed, retried) rather than a psycopg DataError
+    (the glue's handler_failed), and nothing is recorded."""
+    with psycopg.connect(empty_database_url, autocommit=True) as c:
+        c.execute(
+            f"CREATE TABLE webhook_inbox (delivery_id {id_type} PRIMARY KEY, event_type text,"
+            " attempt integer, received_at timestamptz NOT NULL DEFAULT now())"
+        )
+    with psycopg.connect(empty_database_url) as c:
+        with pytest.raises(SchemaError, match="webhook_inbox cannot store this delivery"):
+            take(c, delivery(delivery_id=delivery_id))
+        c.rollback()
+        assert c.execute("SELECT count(*) FROM webhook_inbox").fetchone() == (0,)
 
 
 # -- receive ------------------------------------------------------------------------------
@@ -504,11 +553,18 @@ async def test_prune_finds_old_ids_through_the_received_at_index(
     assert "webhook_inbox_received_at_idx" in str(row[0])
 
 
-def test_prune_on_a_sync_connection_is_refused_at_the_call(inbox_database_url: str) -> None:
-    """install and receive take either connection; prune is async only, and says so rather
-    than returning a coroutine that would silently do nothing."""
-    with psycopg.connect(inbox_database_url, autocommit=True) as c:
+def test_prune_and_install_report_on_a_sync_connection_are_refused_at_the_call(
+    empty_database_url: str,
+) -> None:
+    """install and receive take either connection; prune and install_report are async
+    only, and say so rather than returning a coroutine that would silently do nothing."""
+    with psycopg.connect(empty_database_url, autocommit=True) as c, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine ... was never awaited" either
+        with pytest.raises(TypeError, match=r"inbox\.install_report needs a psycopg Async"):
+            install_report(c)  # type: ignore[arg-type, unused-coroutine]
+        assert c.execute("SELECT to_regclass('webhook_inbox')").fetchone() == (None,)
+        install(c)
         c.execute("INSERT INTO webhook_inbox (delivery_id, received_at) VALUES ('x', 'epoch')")
-        with pytest.raises(TypeError, match="AsyncConnection"):
+        with pytest.raises(TypeError, match=r"inbox\.prune needs a psycopg AsyncConnection"):
             prune(c, older_than_ms=1)  # type: ignore[arg-type, unused-coroutine]
         assert c.execute("SELECT count(*) FROM webhook_inbox").fetchone() == (1,)

@@ -75,6 +75,7 @@ def test_verify_request_is_verify_with_what_it_read() -> None:
         ({"secret": "s" * 30, "scheme": "other"}, ValueError),
         ({"secret": "s" * 30, "tolerance_s": -1}, ValueError),
         ({"secret": "s" * 30, "previous_secret": b""}, ValueError),
+        ({"secret": "whsec_" + "A" * 43}, ValueError),  # unpadded base64: the sender refuses it
     ],
 )
 def test_glue_set_up_mistakes_fail_when_the_app_is_built(

@@ -14,7 +14,9 @@ import pytest
 from multidict import CIMultiDict
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from fluxora_webhooks.errors import VerificationError
+from fluxora_webhooks.endpoints import check_secret
+from fluxora_webhooks.errors import ConfigError, VerificationError
+from fluxora_webhooks.settings import Settings
 from fluxora_webhooks.signing import Signer, standard_key, verify
 
 SECRET = b"s3cret-key-for-tests-0123456789"
@@ -348,6 +350,53 @@ def test_caller_mistakes_are_programming_errors_not_verification_failures() -> N
         verify(BODY.decode(), h, SECRET, now=NOW)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         verify(BODY, h, SECRET, now=NOW, tolerance=-1)
+
+
+# whsec_ secrets whose rest is not strict, padded base64: the sender refuses each one.
+KEY = bytes(range(32))
+BAD_WHSEC = {
+    "unpadded": whsec(KEY).rstrip("="),
+    "not base64": "whsec_" + "not base64 at all!" * 3,
+    "a trailing newline": whsec(KEY) + "\n",
+    "a space inside": whsec(KEY)[:20] + " " + whsec(KEY)[20:],
+    "non-ASCII": "whsec_" + "\u00e9" * 44,
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WHSEC))
+def test_a_whsec_secret_the_sender_refuses_is_refused_by_verify_too(case: str) -> None:
+    """Taken as raw bytes, such a secret matched no signature the sender could make (the
+    sender refuses it) and no other library's key: a ValueError names the mistake at once,
+    as for whsec_ alone, without the secret in the message."""
+    bad = BAD_WHSEC[case]
+    with pytest.raises(ConfigError, match="not valid base64"):
+        check_secret(bad)  # endpoints add, rotate-secret, the API
+    with pytest.raises(ConfigError, match="WEBHOOK_SECRET: starts with whsec_ but the rest"):
+        Settings.from_env({"WEBHOOK_URL": "https://hooks.example.com/in", "WEBHOOK_SECRET": bad})
+    h = signed()
+    for kw in ({"secret": bad}, {"secret": bad.encode()}, {"secret": SECRET, "previous": bad}):
+        with pytest.raises(ValueError, match="whsec_ but the rest is not valid base64") as caught:
+            verify(BODY, h, now=NOW, **kw)
+        assert bad[len("whsec_") :].strip() not in str(caught.value)
+        assert not isinstance(caught.value, VerificationError)  # the caller's, not the request's
+
+
+@pytest.mark.parametrize("size", [31, 32, 33], ids=["two pads", "one pad", "no pad"])
+def test_a_whsec_secret_the_sender_accepts_is_the_standardwebhooks_packages_key(
+    size: int,
+) -> None:
+    secret = whsec(bytes(range(100, 100 + size)))
+    assert check_secret(secret) == secret
+    h = fresh(secret.encode())
+    assert Webhook(secret).verify(BODY, h) == json.loads(BODY)
+    assert verify(BODY, h, secret) == verify(BODY, standard_only(h), secret) == DELIVERY_ID
+    ts = datetime.now(tz=UTC).replace(microsecond=0)
+    theirs = {
+        "webhook-id": DELIVERY_ID,
+        "webhook-timestamp": str(int(ts.timestamp())),
+        "webhook-signature": Webhook(secret).sign(DELIVERY_ID, ts, BODY.decode()),
+    }
+    assert verify(BODY, theirs, secret) == DELIVERY_ID
 
 
 def test_messages_name_no_secret_even_when_the_secret_is_in_the_request() -> None:

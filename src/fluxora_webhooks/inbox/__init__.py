@@ -69,6 +69,12 @@ NO_ID = (
     "webhook_inbox has no delivery_id column, so it is not the inbox's table: rename or "
     "drop it, then install again"
 )
+NOT_TEXT = (
+    "webhook_inbox.delivery_id is {type}, not text: receive stores each delivery id as "
+    "text of up to {chars} characters (any sender's id, not only a UUID), which that type "
+    "refuses or changes: make it text (ALTER TABLE webhook_inbox ALTER COLUMN delivery_id "
+    "TYPE text), then install again"
+)
 NO_KEY = (
     "webhook_inbox has no primary key or unique index on delivery_id, which the inbox "
     "needs to tell a repeat from a new event: add one (ALTER TABLE webhook_inbox ADD "
@@ -133,7 +139,7 @@ def install(
         return _created(install_report(conn))
     with conn.transaction():
         conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
-        shape = conn.execute(query("inbox_shape")).fetchone()
+        shape = conn.execute(query("inbox_shape"), _SHAPE_PARAMS).fetchone()
         for step in _install_steps(shape):
             conn.execute(step)
     return shape is None
@@ -148,14 +154,24 @@ class Installed:
     added: tuple[str, ...] = ()
 
 
-async def install_report(conn: psycopg.AsyncConnection[Any]) -> Installed:
-    """:func:`install`, saying what it did (``fluxora-webhooks inbox install``)."""
+def install_report(conn: psycopg.AsyncConnection[Any]) -> Coroutine[Any, Any, Installed]:
+    """:func:`install`, saying what it did (``fluxora-webhooks inbox install``). Await it,
+    on an ``AsyncConnection`` (``TypeError`` otherwise)."""
+    _require_async(
+        conn,
+        "install_report",
+        "inbox.install(conn) takes a sync one, `fluxora-webhooks inbox install` a shell",
+    )
+    return _install_report(conn)
+
+
+async def _install_report(conn: psycopg.AsyncConnection[Any]) -> Installed:
     async with conn.transaction():
         await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
-        shape = await (await conn.execute(query("inbox_shape"))).fetchone()
+        shape = await (await conn.execute(query("inbox_shape"), _SHAPE_PARAMS)).fetchone()
         for step in _install_steps(shape):
             await conn.execute(step)
-    return Installed(created=True) if shape is None else Installed(False, tuple(shape[2]))
+    return Installed(created=True) if shape is None else Installed(False, tuple(shape[3]))
 
 
 async def _created(report: Awaitable[Installed]) -> bool:
@@ -166,20 +182,27 @@ def _install_steps(shape: tuple[Any, ...] | None) -> list[str]:
     """What install runs, given ``inbox_shape``'s reading (None: no table yet): the
     columns it lacks added first (then only), then the table and its index if missing."""
     _check_shape(shape)
-    missing = shape is not None and bool(shape[2])
+    missing = shape is not None and bool(shape[3])
     return [query("inbox_add_columns")] * missing + [query("inbox_install")]
 
 
 def _check_shape(shape: tuple[Any, ...] | None) -> None:
     """A table of that name made by hand that receive could never use is named, not
-    reported as installed: install completes columns, not a missing id or key."""
+    reported as installed: install completes columns, not a missing id or key, nor an id
+    that is not text."""
     if shape is None:  # no such table yet: install creates it whole
         return
-    has_id, has_key, _ = shape
-    if not has_id:
+    id_type, holds_every_id, has_key, _ = shape
+    if id_type is None:
         raise SchemaError(NO_ID)
+    if not holds_every_id:
+        raise SchemaError(NOT_TEXT.format(type=id_type, chars=MAX_DELIVERY_ID_CHARS))
     if not has_key:
         raise SchemaError(NO_KEY)
+
+
+# inbox_shape's parameter: the longest id receive stores, which delivery_id must hold.
+_SHAPE_PARAMS = {"id_chars": MAX_DELIVERY_ID_CHARS}
 
 
 # -- receive ------------------------------------------------------------------------------
@@ -267,7 +290,7 @@ def receive(
         return _receive_async(conn, event, params)
     try:
         row = conn.execute(query("inbox_receive"), params).fetchone()
-    except _SCHEMA_FAULTS as exc:
+    except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
     return event if row is not None else None
 
@@ -277,7 +300,7 @@ async def _receive_async(
 ) -> InboxEvent | None:
     try:
         row = await (await conn.execute(query("inbox_receive"), params)).fetchone()
-    except _SCHEMA_FAULTS as exc:
+    except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
     return event if row is not None else None
 
@@ -289,6 +312,9 @@ _SCHEMA_FAULTS = (
     psycopg.errors.UndefinedColumn,
     psycopg.errors.InvalidColumnReference,
 )
+# And for receive, a column whose type cannot take what it writes (an integer or uuid
+# delivery_id, a varchar too short): install names a delivery_id that is not text.
+_RECEIVE_FAULTS = (*_SCHEMA_FAULTS, psycopg.errors.DataError, psycopg.errors.DatatypeMismatch)
 
 
 def _schema_error(exc: psycopg.Error) -> SchemaError:
@@ -301,7 +327,21 @@ def _schema_error(exc: psycopg.Error) -> SchemaError:
             "install` (or fluxora_webhooks.inbox.install(conn)) adds event_type, attempt "
             "and received_at to it; a table without delivery_id is not one it can complete"
         )
+    if isinstance(exc, psycopg.errors.DataError | psycopg.errors.DatatypeMismatch):
+        what = exc.diag.message_primary or type(exc).__name__
+        return SchemaError(
+            f"webhook_inbox cannot store this delivery ({what}): a column made by hand has "
+            "another type than install gives it (delivery_id and event_type text, attempt "
+            "integer); `fluxora-webhooks inbox install` names a delivery_id that is not text"
+        )
     return SchemaError(NO_KEY)
+
+
+def _require_async(conn: object, name: str, instead: str) -> None:
+    """For the functions that are async only: said at the call, since a coroutine made for
+    a sync connection would never run, and do nothing without a word."""
+    if not isinstance(conn, psycopg.AsyncConnection):
+        raise TypeError(f"inbox.{name} needs a psycopg AsyncConnection (await it); {instead}")
 
 
 def _require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -407,12 +447,9 @@ def prune(
     them longer than the sender's whole retry window (about a day and a half with the
     default schedule) plus any time in which dead letters may be replayed.
     """
-    if not isinstance(conn, psycopg.AsyncConnection):
-        # Said at the call: a coroutine made for a sync connection would do nothing.
-        raise TypeError(
-            "inbox.prune needs a psycopg AsyncConnection (await it); "
-            "`fluxora-webhooks inbox prune` runs it from a shell or a cron job"
-        )
+    _require_async(
+        conn, "prune", "`fluxora-webhooks inbox prune` runs it from a shell or a cron job"
+    )
     return _prune(conn, older_than_ms=older_than_ms, batch_size=batch_size, dry_run=dry_run)
 
 

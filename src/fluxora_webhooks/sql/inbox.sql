@@ -6,13 +6,23 @@
 SELECT pg_advisory_xact_lock(%(key)s);
 
 -- name: inbox_shape
--- An existing webhook_inbox (no row when there is none): whether it has delivery_id, and
--- a key on it that ON CONFLICT (delivery_id) can use (unique, immediate, valid, on that
--- column alone, not partial, not an expression).
+-- An existing webhook_inbox (no row when there is none): delivery_id's type as PostgreSQL
+-- writes it (NULL: no such column), whether that type holds every id receive stores (text,
+-- or varchar unbounded or as long as receive's longest id: receive binds the id as untyped
+-- text, so another type would cast it and refuse some ids, or all), and a key on it
+-- that ON CONFLICT (delivery_id) can use (unique, immediate, valid, on that column alone,
+-- not partial, not an expression).
 SELECT
+    (
+        SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+        WHERE attrelid = t.oid AND attname = 'delivery_id' AND NOT attisdropped
+    ),
     EXISTS (
         SELECT 1 FROM pg_attribute
         WHERE attrelid = t.oid AND attname = 'delivery_id' AND NOT attisdropped
+          AND (atttypid = 'pg_catalog.text'::regtype
+               OR (atttypid = 'pg_catalog.varchar'::regtype
+                   AND (atttypmod < 0 OR atttypmod - 4 >= %(id_chars)s)))
     ),
     EXISTS (
         SELECT 1 FROM pg_index i
