@@ -304,11 +304,12 @@ class Batch:
         single-consumer outbox's, all of them) are not routed at all: the completion
         leaves its routing part out."""
         early: dict[int, datetime | None] = {}
+        default = await self._default_registered(conn, rows)
         for row in rows:
             if not row.is_event:
                 continue
             self.events.append(row.id)
-            if self.d.targets.has_default and row.tenant == "":
+            if default and row.tenant == "":
                 self.for_default.add(row.id)
             if self.d.targets.routes_tenant(row.tenant):
                 early[row.id] = row.partition_at
@@ -360,6 +361,22 @@ class Batch:
             self.parts[row.id] = row.partition_at
         return [*rows, *routing.due]
 
+    async def _default_registered(
+        self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Claimed]
+    ) -> bool:
+        """Whether the default tenant's events are the built-in default endpoint's
+        deliveries: it is configured here (WEBHOOK_URL), or, for a dispatcher without it,
+        the registry has it (another dispatcher's). Such an event is never marked routed
+        by a dispatcher that cannot send it: it becomes the endpoint's delivery and waits
+        for one that can (:meth:`_plan_one`). Asked of the registry only for a batch with
+        such events, once."""
+        if self.d.targets.has_default:
+            return True
+        if not any(row.is_event and row.tenant == "" for row in rows):
+            return False
+        found = await conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = %s", (DEFAULT_ID,))
+        return await found.fetchone() is not None
+
     def _routed_cap(self, size: int) -> int:
         """How many of the deliveries it routes the batch sends itself: a batch, and more
         (up to ROUTED_IN_BATCH) while the process has that many connections to spare
@@ -407,9 +424,22 @@ class Batch:
         decided without a request (routed, parked, deferred, dead-lettered)."""
         if row.is_event:
             # The built-in default endpoint is the default tenant's (every event type).
-            default = self.d.targets.get(DEFAULT_ID) if row.id in self.for_default else None
-            if default is None:
+            if row.id not in self.for_default:
                 self.completions.append(Completion(row.id, Outcome.ROUTED))
+                return None
+            default = self.d.targets.get(DEFAULT_ID)
+            if default is None:
+                # Another dispatcher's (the registry has it, this one has no WEBHOOK_URL):
+                # the event becomes its delivery and waits for a dispatcher that can send.
+                self.d.warn_unconfigured(DEFAULT_ID)
+                self.completions.append(
+                    Completion(
+                        row.id,
+                        Outcome.DEFERRED,
+                        delay_ms=UNKNOWN_ENDPOINT_DEFER_MS,
+                        endpoint_id=DEFAULT_ID,
+                    )
+                )
                 return None
             target = default
         else:

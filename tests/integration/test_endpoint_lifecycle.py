@@ -19,6 +19,7 @@ import pytest_asyncio
 from aiohttp import web
 from standardwebhooks import Webhook
 
+from fluxora_webhooks import batch as batch_module
 from fluxora_webhooks import dispatcher as dispatcher_module
 from fluxora_webhooks import endpoints, enqueue, verify
 from fluxora_webhooks.dispatcher import Dispatcher
@@ -346,6 +347,46 @@ async def test_a_start_without_the_variables_costs_the_running_dispatchers_nothi
         "endpoint.enabled",
     ]
     assert len({r.delivery_id for r in consumer.received}) == 3
+
+
+async def test_a_dispatcher_without_webhook_url_leaves_the_default_endpoints_events_waiting(
+    database_url: str, consumer: Receiver, operator: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host without WEBHOOK_URL beside one that has it (the registry has the built-in
+    default endpoint): the default tenant's events it claims become that endpoint's
+    deliveries and wait for a dispatcher that can send them, never marked routed and
+    lost; the default tenant's registered endpoint gets each event once all the same."""
+    monkeypatch.setattr(batch_module, "UNKNOWN_ENDPOINT_DEFER_MS", 300)
+    async with running_dispatcher(settings(), database_url):
+        conn = await connect(database_url)
+        async with conn:
+            # What the configured host's start (or its restore) writes; this one's start
+            # removed it.
+            await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, consumer.url)
+            await endpoints.create(conn, url=operator.url, allowed_networks=LOOPBACK)
+        await send(database_url, 10)
+        await operator.wait_for(10)  # the registered endpoint's deliveries: sent here
+
+        async def waiting() -> bool:
+            found = await rows(
+                database_url,
+                "SELECT count(*) FILTER (WHERE endpoint_id = 'default' AND NOT processed),"
+                " count(*) FILTER (WHERE processed AND outcome = 'unrouted')"
+                " FROM webhook_outbox WHERE event_id IS NULL",
+            )
+            return found == [(10, 0)]
+
+        await wait_until(waiting, what="ten events waiting as the default's deliveries")
+        assert consumer.received == []
+    configured = dataclasses.replace(settings(), webhook_url=consumer.url, secret=SECRET)
+    async with running_dispatcher(configured, database_url):
+        await consumer.wait_for(10)
+    assert len({r.delivery_id for r in consumer.received}) == 10
+    assert len({r.delivery_id for r in operator.received}) == len(operator.received) == 10
+    assert (
+        await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE outcome = 'unrouted'")
+        == 0
+    )
 
 
 async def test_removal_dead_letters_pending_deliveries_and_tells_the_operator(
