@@ -159,6 +159,14 @@ async def authenticate(conn: psycopg.AsyncConnection[Any], text: str) -> Princip
     row = await cur.fetchone()
     if row is None or not hmac.compare_digest(row["token_hash"], wanted):
         return None
+    if row["stale"]:
+        try:
+            async with conn.transaction():
+                await conn.execute(query("token_touch"), {"id": row["id"]})
+        except psycopg.errors.ReadOnlySqlTransaction:
+            # A read-only database (a standby, a server whose disk is full) still answers
+            # reads; its last use is recorded once the database takes writes again.
+            pass
     return Principal(row["id"], row["name"], row["tenant"], row["read_only"])
 
 

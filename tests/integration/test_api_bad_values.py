@@ -186,16 +186,25 @@ async def test_a_database_restarted_or_read_only_is_a_503_not_a_500(
     api: Api, database_url: str
 ) -> None:
     """The pool's connections ended by the server (a restart, a failover) are replaced
-    when taken: no request answers 500 for them. A read-only database (a standby) is a 503
-    in the error shape, with Retry-After and what to do, until it accepts writes again."""
+    when taken: no request answers 500 for them. A read-only database (a standby, a server
+    whose disk is full) answers reads; a write is a 503 in the error shape, with
+    Retry-After and what to do, until it accepts writes again."""
     assert (await api.get("/api/v1/endpoints")).status == 200
     name = database_url.rsplit("/", 1)[1]
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await _end_other_sessions(conn)
         for _ in range(3):
             assert (await api.get("/api/v1/endpoints")).status == 200
+        # Its last use due to be recorded again (over a minute ago) as the database turns
+        # read-only: reads still answer, the record waits for writes.
+        await conn.execute("UPDATE webhook_api_tokens SET last_used_at = NULL")
         await conn.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
         await _end_other_sessions(conn)
+        for _ in range(3):
+            listed = await api.get("/api/v1/endpoints")
+            assert listed.status == 200, listed.text
+        used = await conn.execute("SELECT count(last_used_at) FROM webhook_api_tokens")
+        assert (await used.fetchone()) == (0,)
         created = await api.post("/api/v1/endpoints", json={"url": "https://a.example.com/x"})
         refused(created, 503, "unavailable", "read-only", "target_session_attrs=read-write")
         assert created.headers.get("retry-after") == "5"

@@ -21,20 +21,17 @@ RETURNING id, name, tenant, read_only, created_at, last_used_at, revoked_at;
 SELECT revoked_at IS NOT NULL FROM webhook_api_tokens WHERE name = %(name)s;
 
 -- name: token_lookup
--- The live token with this hash; its last use is recorded at most once a minute.
-WITH found AS (
-    SELECT id, name, token_hash, tenant, read_only
-    FROM webhook_api_tokens
-    WHERE token_hash = %(hash)s AND revoked_at IS NULL
-),
-touched AS (
-    UPDATE webhook_api_tokens t SET last_used_at = now()
-    FROM found f
-    WHERE t.id = f.id AND (t.last_used_at IS NULL OR t.last_used_at < now() - interval '1 minute')
-    RETURNING t.id
-)
-SELECT id, name, token_hash, tenant, read_only, (SELECT count(*) FROM touched) AS touched
-FROM found;
+-- The live token with this hash, and whether its last use is to be recorded (at most once
+-- a minute: token_touch, a statement of its own, so that a read-only database still
+-- answers reads).
+SELECT id, name, token_hash, tenant, read_only,
+       last_used_at IS NULL OR last_used_at < now() - interval '1 minute' AS stale
+FROM webhook_api_tokens
+WHERE token_hash = %(hash)s AND revoked_at IS NULL;
+
+-- name: token_touch
+UPDATE webhook_api_tokens SET last_used_at = now()
+WHERE id = %(id)s AND (last_used_at IS NULL OR last_used_at < now() - interval '1 minute');
 
 -- name: session_insert
 WITH expired AS (
