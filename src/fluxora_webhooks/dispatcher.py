@@ -52,7 +52,7 @@ from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer, standard_key
-from .targets import Target, Targets
+from .targets import Load, Target, Targets
 from .telemetry import AttemptTracer
 from .tracing import passthrough
 from .urlpolicy import loopback_rule, validate_url
@@ -155,6 +155,9 @@ class Dispatcher:
         self.targets = Targets(env, env_secrets)
         self.recorder = Recorder(self)
         self.completer = Completer(self)
+        # When the next row deferred because the detached requests hold their share may
+        # come back (slow_share_wait_s): the share frees as they end, whatever endpoint.
+        self._share_pacing = Load()
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
@@ -504,28 +507,35 @@ class Dispatcher:
         request outlived its batch or timed out lately) frees one when a request ends:
         after the time its requests take (Load.expected_s), at the latest at that
         request's timeout: its rows wait that long and take no claim capacity meanwhile.
-        They come back no faster than it can take them (its concurrency per request time:
-        each deferred row one slot's share of it after the one before), up to
-        SLOW_HORIZON_TIMEOUTS request times ahead, and spread over that horizon beyond it:
-        a hanging endpoint's backlog, all due at once, filled the claims ahead of the
-        healthy endpoints' rows, each claimed only to be deferred again, and their latency
-        grew with it."""
+        They come back no faster than it can take them (:meth:`_paced`)."""
         load = target.load
         if load.in_flight >= self.settings.endpoint_concurrency:
             if not load.slow:
                 return BUSY_DEFER_S
-            timeout_s = self.settings.timeout_ms / 1000
-            request_s = load.expected_s(timeout_s)
-            return load.next_turn_in_s(
-                max(load.next_free_in_s(timeout_s), BUSY_DEFER_S),
-                step=request_s / self.settings.endpoint_concurrency,
-                horizon=SLOW_HORIZON_TIMEOUTS * request_s,
-            )
+            return self._paced(load, load.next_free_in_s(self.settings.timeout_ms / 1000))
         if self.connections_used() >= self.settings.max_connections:
             return 0.05
         if load.slow:
             return self.slow_share_wait_s(target)
         return None
+
+    def _paced(self, load: Load, first_s: float, *, turns: Load | None = None) -> float:
+        """When a slow endpoint's row deferred now comes back: the first at ``first_s``,
+        each later one a slot's share of its request time after the one before (its
+        concurrency per request time, the rate at which it takes them; with ``turns``, the
+        detached requests' share, paced by ``turns``), up to SLOW_HORIZON_TIMEOUTS
+        timeouts ahead, and spread over that horizon beyond it: a hanging endpoint's
+        backlog, all due at once, filled the claims ahead of the healthy endpoints' rows,
+        each claimed only to be deferred again, and their latency grew with it. The
+        horizon is in timeouts whatever the request time, so that a large backlog of an
+        endpoint that answers in half a second is not claimed over and over either."""
+        timeout_s = self.settings.timeout_ms / 1000
+        slots = self.settings.endpoint_concurrency if turns is None else self._slow_share()
+        return (turns or load).next_turn_in_s(
+            max(first_s, BUSY_DEFER_S),
+            step=load.expected_s(timeout_s) / slots,
+            horizon=SLOW_HORIZON_TIMEOUTS * timeout_s,
+        )
 
     def connections_used(self) -> int:
         """The requests in flight as WEBHOOK_MAX_CONNECTIONS counts them: the detached
@@ -541,16 +551,16 @@ class Dispatcher:
     def slow_share_wait_s(self, target: Target) -> float | None:
         """None while the requests that outlived their batch hold less than half of the
         process's connections (their share: they never take it all); else how long to
-        defer a row of ``target``, a slow endpoint: until the first of them is expected to
-        end (after its endpoint's request time, at its timeout at the latest), spread over
-        ``target``'s own request time (a timeout for one that may hang), so that many slow
-        endpoints' backlogs are not claimed over and over only to be deferred again, and an
-        endpoint that answers in half a second gets its rows back in about that long."""
+        defer a row of ``target``, a slow endpoint: from when the first of them is expected
+        to end (after its endpoint's request time, at its timeout at the latest), paced as
+        the share frees (:meth:`_paced`: its size per ``target``'s request time), so that
+        many slow endpoints' backlogs are not claimed over and over only to be deferred
+        again, and an endpoint that answers in half a second gets its rows back in about
+        that long."""
         if self.completer.outstanding < self._slow_share():
             return None
-        timeout_s = self.settings.timeout_ms / 1000
-        spread = random.uniform(0.0, target.load.expected_s(timeout_s))
-        return max(self.completer.next_end_in_s(timeout_s), BUSY_DEFER_S) + spread
+        first = self.completer.next_end_in_s(self.settings.timeout_ms / 1000)
+        return self._paced(target.load, first, turns=self._share_pacing)
 
     def may_wait_for_slot(self, target: Target) -> bool:
         """Whether a row for ``target``, whose slots are all taken, waits in this process for
@@ -630,7 +640,8 @@ class Dispatcher:
             if unseen:
                 self.show_in_flight()
         timed_out = result.error == "timeout"
-        load.ended(self.settings.timeout_ms / 1000 if timed_out else result.duration_ms / 1000)
+        if timed_out or result.status is not None:
+            load.ended(self.settings.timeout_ms / 1000 if timed_out else result.duration_ms / 1000)
         if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * PATIENCE_S:
             load.answered_fast()
         elif timed_out:

@@ -132,24 +132,32 @@ class Load:
         return turn - now + random.uniform(0.0, step)
 
     def ended(self, duration_s: float) -> None:
-        """A request to it ended after ``duration_s`` (its timeout if it timed out)."""
+        """A request to it was answered after ``duration_s``, or timed out (its timeout):
+        what its requests take. Not a request that failed before an answer (a refused
+        connection), which says nothing of how long the consumer takes."""
+        duration_s = max(duration_s, 0.001)  # 0 means "none ended yet"
         if self.typical_s <= 0.0:
             self.typical_s = duration_s
         else:
             self.typical_s += TYPICAL_WEIGHT * (duration_s - self.typical_s)
 
     def expected_end(self, started_at: float, timeout_s: float) -> float:
-        """When a request to it that started at ``started_at`` is expected to end: after its
-        typical time, or at its timeout once it has run OVERDUE_FACTOR times that (it may
-        hang); before any has ended, after twice as long as it has run so far (FIRST_GUESS_S
-        at least); at its timeout at the latest."""
+        """When a request to it that started at ``started_at`` is expected to end, at its
+        timeout at the latest: after its typical time; once past that, after twice as long
+        as it has run so far; once it has run OVERDUE_FACTOR times its typical time (it
+        may hang), at its timeout. Before any has ended, after twice as long as it has run
+        so far (FIRST_GUESS_S at least)."""
         typical = self.typical_s
         elapsed = time.monotonic() - started_at
         if typical <= 0.0:
-            return started_at + min(timeout_s, max(2 * elapsed, FIRST_GUESS_S))
-        if elapsed > OVERDUE_FACTOR * typical:
-            return started_at + timeout_s
-        return started_at + typical
+            guess = max(2 * elapsed, FIRST_GUESS_S)
+        elif elapsed <= typical:
+            guess = typical
+        elif elapsed <= OVERDUE_FACTOR * typical:
+            guess = 2 * elapsed
+        else:
+            guess = timeout_s
+        return started_at + min(timeout_s, guess)
 
     def expected_s(self, timeout_s: float) -> float:
         """How long a request to it is expected to take (expected_end, for the longest

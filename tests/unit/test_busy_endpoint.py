@@ -1,9 +1,11 @@
 """A row of an endpoint at its concurrency: a fast endpoint's comes back at once, a slow
-one's waits for one of its requests to end (its timeout at the latest), and its backlog
-comes back no faster than it can take it, taking no claim capacity meanwhile (SPEC 11)."""
+one's waits for one of its requests to end (after the time its requests take, its timeout
+at the latest), and its backlog comes back no faster than it can take it, taking no claim
+capacity meanwhile (SPEC 11)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, cast
 
@@ -130,3 +132,76 @@ def test_before_any_request_ended_one_is_expected_to_run_as_long_again() -> None
     assert load.next_free_in_s(15.0) == pytest.approx(3.0, abs=0.02)
     load.deadlines = [now - 9.0 + 15.0]  # never past its timeout
     assert load.expected_s(15.0) == 15.0
+
+
+def test_a_hanging_endpoint_first_seen_backs_off_and_its_backlog_is_paced() -> None:
+    """No request to it has ended yet: each in flight is expected to run as long again as
+    it has, and its backlog comes back a slot's share of that apart, within the horizon
+    of four timeouts, not all at once."""
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    load = target.load
+    now = time.monotonic()
+    load.in_flight = 2
+    load.deadlines = [now - 3.0 + 15.0, now + 15.0]  # started 3 s ago and just now
+    load.mark_slow()
+    assert load.expected_s(15.0) == pytest.approx(6.0, abs=0.05)
+    waits = [dispatcher.capacity_wait_s(target) for _ in range(40)]
+    spread = [w for w in waits if w is not None]
+    assert len(spread) == 40
+    # The first when the newest is expected to end (half a second), then one every 3 s
+    # (6 s for 2 slots) up to the horizon, and spread over it beyond.
+    assert 0.45 < spread[0] < 0.5 + 3.0  # jittered within its step
+    paced = spread[:15]
+    assert paced == sorted(paced) and paced[-1] - paced[0] > 14 * 3.0 - 3.0
+    assert all(w <= SLOW_HORIZON_TIMEOUTS * 15.0 for w in spread)
+
+
+def test_a_request_past_its_typical_time_is_expected_to_run_as_long_again() -> None:
+    dispatcher = _dispatcher()
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    load = target.load
+    load.ended(0.4)
+    now = time.monotonic()
+    load.deadlines = [now - 1.0 + 15.0]  # 1 s in: past 0.4 s, not yet four times it
+    assert load.expected_s(15.0) == pytest.approx(2.0, abs=0.05)
+    assert load.next_free_in_s(15.0) == pytest.approx(1.0, abs=0.05)
+    # Never past its timeout, whatever the guess.
+    load.ended(14.0)
+    load.deadlines = [now - 10.0 + 15.0]
+    assert load.expected_s(15.0) == 15.0
+    # A request that ended at once still counts: 0 is "none ended yet" no more.
+    fresh = dispatcher.targets.get("default")
+    assert fresh is not None
+    fresh.load.typical_s = 0.0
+    fresh.load.ended(0.0)
+    assert fresh.load.typical_s > 0.0
+
+
+def test_rows_withheld_by_the_full_share_come_back_as_the_share_frees() -> None:
+    """The requests detached from their batches hold their share (half of
+    WEBHOOK_MAX_CONNECTIONS: 4 here), each to endpoints that answer in 0.4 s: a slow
+    endpoint's rows come back from when the first is expected to end, one every 0.1 s
+    (4 per 0.4 s), not all at once nor after a timeout."""
+    dispatcher = Dispatcher(
+        make_settings("http://127.0.0.1:9/hook", max_connections=8, timeout_ms=15_000),
+        conninfo="",
+    )
+    target = dispatcher.targets.get("default")
+    assert target is not None
+    target.load.ended(0.4)
+    now = time.monotonic()
+    for i in range(4):
+        send = Send(cast(Any, None), target, cast(Any, None))
+        send.started, send.started_at = True, now - 0.1 * i
+        dispatcher.completer.detached(send)
+    assert dispatcher.slow_share_wait_s(target) is not None
+    waits = [dispatcher.slow_share_wait_s(target) for _ in range(20)]
+    spread = [w for w in waits if w is not None]
+    assert len(spread) == 20
+    assert 0.05 < spread[0] < 0.2 + 0.1  # the oldest ends in 0.1 s; jittered in its step
+    assert all(b > a - 0.1 for a, b in itertools.pairwise(spread))
+    assert 20 * 0.1 - 0.3 < spread[-1] - spread[0] < 20 * 0.1 + 0.2
+    assert spread[-1] < 15.0  # nowhere near a timeout
