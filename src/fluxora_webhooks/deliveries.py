@@ -122,8 +122,9 @@ async def _kept_answer(
         return None
     if found[0]["request_hash"] != digest:
         raise IdempotencyKeyReused(
-            "this Idempotency-Key was used in the last 24 hours with another request"
-            " (tenant, stream_id, event_type or payload differ); use a new key per event"
+            f"this Idempotency-Key was used in the last {IDEMPOTENCY_TTL_S // 3600} hours"
+            " with another request (its stream_id, event_type or payload differ); use a new"
+            " key per event"
         )
     answer: dict[str, Any] = found[0]["response"]
     return answer

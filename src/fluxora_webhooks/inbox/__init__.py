@@ -314,7 +314,12 @@ _SCHEMA_FAULTS = (
 )
 # And for receive, a column whose type cannot take what it writes (an integer or uuid
 # delivery_id, a varchar too short): install names a delivery_id that is not text.
-_RECEIVE_FAULTS = (*_SCHEMA_FAULTS, psycopg.errors.DataError, psycopg.errors.DatatypeMismatch)
+_RECEIVE_FAULTS = (
+    *_SCHEMA_FAULTS,
+    psycopg.errors.InvalidTextRepresentation,
+    psycopg.errors.StringDataRightTruncation,
+    psycopg.errors.DatatypeMismatch,
+)
 
 
 def _schema_error(exc: psycopg.Error) -> SchemaError:
