@@ -12,7 +12,6 @@ import argparse
 import importlib
 import logging
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -137,19 +136,6 @@ def _fatal(message: str, env: Mapping[str, str]) -> None:
     print(f"fluxora-webhooks: {message}", file=sys.stderr)
 
 
-# libpq's account of one host of a multi-host URL: "- host: 'h', port: 'p', ...: ...
-# failed: <why>".
-_HOST_FAILED = re.compile(r"- host: '([^']*)', port: '([^']*)'.*failed: (.*)$")
-
-
-def _each_host(text: str) -> str | None:
-    """For a multi-host URL whose hosts all failed, each host and why (the first line
-    alone names only the last one tried); None otherwise."""
-    found = [_HOST_FAILED.match(line.strip()) for line in text.splitlines()]
-    hosts = [f"{m[1]}:{m[2]} ({m[3].strip()})" for m in found if m]
-    return "every host failed: " + "; ".join(hosts) if len(hosts) > 1 else None
-
-
 def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
     """A one-line message for the failures a user can meet (database or port unavailable),
     naming the variable that chose the engine when one did (the demo's embedded engines
@@ -166,7 +152,9 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
 
         return f"the database is read-only{named('DATABASE_URL')}: {READ_ONLY_HINT}"
     if isinstance(exc, psycopg.OperationalError):
-        hosts = _each_host(str(exc))
+        from .migrations import each_host_failed
+
+        hosts = each_host_failed(str(exc))
         why = hosts or first_line or type(exc).__name__
         return f"cannot reach the database{named('DATABASE_URL')}: {why}"
     if isinstance(exc, psycopg.Error):

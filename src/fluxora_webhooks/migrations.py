@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from . import logs
 from .errors import SchemaError
 
 # Arbitrary but fixed: the advisory lock key for "fluxora-webhooks migrations".
@@ -181,6 +182,29 @@ async def read_only_reason(conn: psycopg.AsyncConnection[Any]) -> str | None:
     if row[0]:
         return "a standby in recovery"
     return "default_transaction_read_only is on" if row[1] else None
+
+
+# libpq's account of one host of a multi-host URL: "- host: 'h', port: 'p', ...: ...
+# failed: <why>".
+_HOST_FAILED = re.compile(r"- host: '([^']*)', port: '([^']*)'.*failed: (.*)$")
+
+
+def each_host_failed(text: str) -> str | None:
+    """For a multi-host URL whose hosts all failed (``text``: the connection error's),
+    each host and why, "every host failed: h1:p1 (why); h2:p2 (why)" (the error's first
+    line names only the last one tried); None otherwise."""
+    found = [_HOST_FAILED.match(line.strip()) for line in text.splitlines()]
+    hosts = [f"{m[1]}:{m[2]} ({m[3].strip()})" for m in found if m]
+    return "every host failed: " + "; ".join(hosts) if len(hosts) > 1 else None
+
+
+def unreachable_reason(exc: BaseException) -> str:
+    """/readyz's reason when no connection to the database was made: each host and why
+    when every host of a multi-host URL failed (during a failover with
+    target_session_attrs=read-write: one refused, another read-only), else the error's
+    kind. Hosts, ports and libpq's reasons only: never the URL or its password."""
+    hosts = each_host_failed(str(exc)) if isinstance(exc, psycopg.OperationalError) else None
+    return f"database unreachable ({logs.scrub(hosts) if hosts else type(exc).__name__})"
 
 
 async def check_schema(conn: psycopg.AsyncConnection[Any]) -> None:

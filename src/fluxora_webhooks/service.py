@@ -29,7 +29,7 @@ from .endpoints import DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
-from .migrations import READ_ONLY_HINT, check_schema, read_only_reason
+from .migrations import READ_ONLY_HINT, check_schema, read_only_reason, unreachable_reason
 from .ops import (
     BACKLOG_COUNT_CAP,
     METRIC_ENDPOINTS,
@@ -292,6 +292,9 @@ class Service:
         # them for all (see supervisor.py); the others set this to False.
         self.run_background = True
         self._breaker_redis: Any = None
+        # Set when a stop abandoned the in-flight batch (the drain bound, a second signal):
+        # a COMMIT that was waiting then ended by its cancellation, not by completing.
+        self.abandoned = False
 
     async def check(self) -> str | None:
         """/readyz's look at the database: raise :class:`SchemaError` on a missing, older or
@@ -404,6 +407,7 @@ class Service:
         if not task.done():
             why = "a second signal" if self._forced.is_set() else f"the {bound:.1f}s drain bound"
             log.error("%s: abandoning the in-flight batch (it will be delivered later)", why)
+            self.abandoned = True  # before the cancellation ends a commit's wait
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -460,8 +464,7 @@ class Service:
             return web.json_response({"status": "not ready", "reason": str(exc)}, status=503)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             return web.json_response(
-                {"status": "not ready", "reason": f"database unreachable ({type(exc).__name__})"},
-                status=503,
+                {"status": "not ready", "reason": unreachable_reason(exc)}, status=503
             )
         if read_only is not None:
             return web.json_response({"status": "not ready", "reason": read_only}, status=503)

@@ -45,7 +45,7 @@ from prometheus_client import (
 
 from . import logs, metrics
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
-from .migrations import check_schema, read_only_reason
+from .migrations import check_schema, read_only_reason, unreachable_reason
 from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
 from .queries import query
 from .service import (
@@ -438,8 +438,7 @@ class Supervisor:
         except SchemaError as exc:
             return _not_ready(str(exc), self._worker_counts())
         except (psycopg.Error, OSError, TimeoutError) as exc:
-            reason = f"database unreachable ({type(exc).__name__})"
-            return _not_ready(reason, self._worker_counts())
+            return _not_ready(unreachable_reason(exc), self._worker_counts())
         counts = self._worker_counts()
         if read_only is not None:
             return _not_ready(f"the database is read-only ({read_only})", counts)

@@ -83,7 +83,9 @@ async def _serve(service: Service, ready_fd: int, supervisor: int) -> int:
 async def _report_ready(service: Service, fd: int) -> None:
     """One line on the supervisor's pipe once the claim loops run (``ready``); then, as it
     changes, whether this process's commits complete: ``stuck <reason>`` when a COMMIT has
-    waited too long (the supervisor's /readyz is then 503), ``flowing`` once none has."""
+    waited too long (the supervisor's /readyz is then 503), ``flowing`` once none has. Not
+    ``flowing`` when the wait ended because a stop abandoned the batch: that commit was
+    cancelled, not completed (the supervisor would log that the commits complete again)."""
     try:
         while service.dispatcher is None:  # noqa: ASYNC110 - created inside Service.run
             await asyncio.sleep(0.02)
@@ -94,6 +96,8 @@ async def _report_ready(service: Service, fd: int) -> None:
         while True:
             await asyncio.sleep(COMMIT_CHECK_S)
             stuck = commits_stuck(dispatcher.commit_wait_s())
+            if stuck is None and said is not None and service.abandoned:
+                continue  # cancelled at the stop: nothing more to say until the exit
             if stuck != said:
                 os.write(fd, b"flowing\n" if stuck is None else f"stuck {stuck}\n".encode())
                 said = stuck

@@ -253,6 +253,54 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
     assert {i: len(r) for i, r in received.items() if len(r) > 1} == {}  # none sent again
 
 
+async def test_a_stop_while_a_commit_waits_does_not_say_the_commits_complete_again(
+    pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
+    redis_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while the synchronous standby does not answer: each worker's drain gives up
+    on the batch whose commit waits (WEBHOOK_TIMEOUT_MS plus the grace) and PostgreSQL
+    cancels that wait. The commits never completed again, so the supervisor must not log
+    that they did: the last it says of them is that one waits. Nothing is sent twice."""
+    primary, standby = pair
+    url = primary.url("fluxora")
+    port = free_port()
+    env = dispatcher_env(
+        url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_WORKERS="2", WEBHOOK_METRICS_PORT=str(port), WEBHOOK_TIMEOUT_MS="1000",
+    )  # fmt: skip
+    proc = await start_dispatcher(env, tmp_path / "supervisor.log")
+    try:
+        await wait_until(lambda: is_ready(port), timeout=30, what="dispatching")
+        standby.stop("fast")
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await conn.execute("SET synchronous_commit = local")
+            await conn.execute(
+                "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+                " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
+                " FROM generate_series(1, 5) g"
+            )
+        await receiver.wait_for(5, timeout=30)
+
+        async def stuck() -> bool:
+            status, body = await get_json(port, "/readyz")
+            return status == 503 and "a commit has waited" in str(body["reason"])
+
+        await wait_until(stuck, timeout=40, what="/readyz naming the waiting commit")
+        codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+    log = proc.log()
+    assert codes == [0], log
+    assert "abandoning the in-flight batch" in log, log  # the wait was cancelled
+    assert "a commit has waited" in log, log
+    assert "its commits complete again" not in log, log
+    assert tracebacks(log) == 0, log
+    assert {i: len(r) for i, r in receiver.by_delivery().items() if len(r) > 1} == {}
+
+
 async def test_without_target_session_attrs_a_standby_is_named_once_until_promoted(
     pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
     redis_url: str,

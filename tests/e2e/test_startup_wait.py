@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -290,3 +291,54 @@ async def test_a_database_that_turns_read_only_is_reported_not_ready_and_waited_
     assert codes == [0], proc.log()
     assert tracebacks(proc.log()) == 0, proc.log()
     assert "the database accepts writes again" in proc.log()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_readyz_names_each_host_when_every_host_of_the_url_fails(
+    workers: int,
+    database_url: str,
+    redis_url: str,
+    prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    """A failover seen through a multi-host URL with target_session_attrs=read-write: the
+    first host refuses connections, the other answers read-only, so no connection is made
+    at all. /readyz says why for each host, as the commands do ("every host failed: ..."),
+    not just "database unreachable (OperationalError)"; and no password."""
+    parts = urlsplit(database_url)
+    password = parts.password or "pw-not-shown"  # a server that trusts loopback ignores it
+    refused = free_port()
+    hosts = f"127.0.0.1:{refused},{parts.hostname}:{parts.port or 5432}"
+    url = urlunsplit(
+        parts._replace(
+            netloc=f"{parts.username or 'postgres'}:{password}@{hosts}",
+            query="target_session_attrs=read-write&connect_timeout=5",
+        )
+    )
+    port = free_port()
+    env = dispatcher_env(
+        url, redis_url, receiver.url, prefix,
+        WEBHOOK_METRICS_PORT=str(port), WEBHOOK_WORKERS=str(workers),
+    )  # fmt: skip
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await wait_ready(proc, timeout=30)
+        await wait_until(lambda: is_ready(port), timeout=30, what="ready")
+        await _read_only(database_url, True)
+        status, body = await get_json(port, "/readyz")
+        assert status == 503, body
+        assert body["reason"] == (
+            f"database unreachable (every host failed: 127.0.0.1:{refused} (Connection"
+            f" refused); {parts.hostname}:{parts.port or 5432} (session is read-only))"
+        ), body
+        assert password not in json.dumps(body), body
+        await _read_only(database_url, False)
+        await wait_until(lambda: is_ready(port), timeout=30, what="ready again")
+        codes = await stop_processes([proc])
+    finally:
+        await stop_processes([proc])
+        await _read_only(database_url, False)
+    assert codes == [0], proc.log()
+    assert tracebacks(proc.log()) == 0, proc.log()
+    assert password not in proc.log()

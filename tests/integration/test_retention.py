@@ -17,6 +17,7 @@ from fluxora_webhooks.queries import query
 from fluxora_webhooks.retention import RETENTION_LOCK_KEY, prune
 from fluxora_webhooks.service import Service
 from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
+from tests.support.procs import command_env, run_command
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -195,6 +196,47 @@ async def test_an_exclusive_prune_is_skipped_while_another_runs(database_url: st
         await other.execute("SELECT pg_advisory_unlock(%s)", (RETENTION_LOCK_KEY,))
         done = await prune(conn, older_than_ms=WEEK_MS, exclusive=True)
     assert not done.skipped and done.outbox_rows == 10
+
+
+async def test_a_prune_command_that_waits_for_the_lock_says_whose_it_may_be(
+    database_url: str,
+) -> None:
+    """`prune` takes the retention lock for its whole run, waiting for it when another
+    holds it: another `prune` as often as a dispatcher with WEBHOOK_RETENTION (the lock
+    does not say which). Its message names both, not a dispatcher only; once the lock is
+    free it prunes."""
+    await _seed_history(database_url, 10, 0)
+    env = command_env(DATABASE_URL=database_url)
+    async with await _connect(database_url) as other:
+        await other.execute("SELECT pg_advisory_lock(%s)", (RETENTION_LOCK_KEY,))
+        command = asyncio.create_task(run_command("prune", "--older-than", "7d", env=env))
+        try:
+            await wait_until(
+                lambda: _waits_for_the_retention_lock(database_url),
+                timeout=30,
+                what="prune waiting for the lock",
+            )
+        finally:
+            await other.execute("SELECT pg_advisory_unlock(%s)", (RETENTION_LOCK_KEY,))
+        code, out = await command
+    assert code == 0, out
+    assert (
+        "waiting for another retention run on this database to end (a prune command, or a"
+        " dispatcher with WEBHOOK_RETENTION)"
+    ) in out, out
+    assert "deleted 10 processed outbox row(s)" in out, out
+
+
+async def _waits_for_the_retention_lock(database_url: str) -> bool:
+    """A session waits for the retention lock (a bigint key: its high and low halves)."""
+    return bool(
+        await scalar(
+            database_url,
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+            " AND NOT granted AND classid::bigint = %s AND objid::bigint = %s)",
+            (RETENTION_LOCK_KEY >> 32, RETENTION_LOCK_KEY & 0xFFFFFFFF),
+        )
+    )
 
 
 def _sample(name: str, labels: dict[str, str]) -> float:

@@ -101,7 +101,12 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _say_waiting() -> None:
-    print("waiting for a retention run of a dispatcher to end", file=sys.stderr)
+    # The lock does not say whose it is: any of them may hold it.
+    print(
+        "waiting for another retention run on this database to end (a prune command, or a"
+        " dispatcher with WEBHOOK_RETENTION)",
+        file=sys.stderr,
+    )
 
 
 def report(result: PruneResult, opts: argparse.Namespace, dropped: Sequence[Dropped] = ()) -> None:
