@@ -396,6 +396,8 @@ class Batch:
                 queue = wait is not None and self.d.may_wait_for_slot(target)
                 if wait is not None and not queue:
                     self.completions.append(deferral(row, int(wait * 1000)))
+                    if target.load.slow:
+                        target.load.deferred(row.id, row.partition_at)
                     continue
                 if queue:
                     queued.add(row.id)
@@ -566,6 +568,7 @@ class Batch:
         if not send.queued:
             send.target.load.release()  # reserved by the plan, never sent
         self.completions.append(deferral(send.row, int(wait * 1000)))
+        send.target.load.deferred(send.row.id, send.row.partition_at)
         metrics.SHARE_DEFERRED.inc()
         return True
 

@@ -46,7 +46,7 @@ from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
 from .migrations import READ_ONLY_HINT, discard, read_only_reason
-from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome
+from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome, bring_forward
 from .pgtypes import read_far_timestamps
 from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
@@ -158,6 +158,7 @@ class Dispatcher:
         # When the next row deferred because the detached requests hold their share may
         # come back (slow_share_wait_s): the share frees as they end, whatever endpoint.
         self._share_pacing = Load()
+        self._background: set[asyncio.Task[None]] = set()  # bring_forward's
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
         self._clock = clock
@@ -642,6 +643,8 @@ class Dispatcher:
         timed_out = result.error == "timeout"
         if timed_out or result.status is not None:
             load.ended(self.settings.timeout_ms / 1000 if timed_out else result.duration_ms / 1000)
+            if load.early and not timed_out:
+                self._bring_forward(load)
         if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * PATIENCE_S:
             load.answered_fast()
         elif timed_out:
@@ -655,6 +658,29 @@ class Dispatcher:
             else:
                 self.completer.settled([send])  # its batch rolled back: claimed again
         return result
+
+    def _bring_forward(self, load: Load) -> None:
+        """The endpoint's first request was answered: its rows deferred before, each
+        waiting as if its requests ran to their timeout, are due now (on a connection of
+        their own, beside the batches). The turns they were paced by (a timeout's share
+        each) are void: the rows deferred from now on are paced by its answers."""
+        rows, load.early = load.early, {}
+        load.next_turn = self._share_pacing.next_turn = 0.0
+
+        async def forward() -> None:
+            async def work(conn: psycopg.AsyncConnection[Any]) -> int:
+                async with conn.transaction():
+                    return await bring_forward(conn, rows)
+
+            try:
+                if await self.with_connection(work):
+                    self._waker.wake_all()
+            except Exception as exc:  # they come back at their deferral as they would have
+                log.debug("deferred rows not brought forward (%s)", type(exc).__name__)
+
+        task = asyncio.create_task(forward(), name="fluxora-bring-forward")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _attempt(self, row: Claimed, target: Target) -> AttemptResult:
         tracer = self.tracer

@@ -399,6 +399,18 @@ async def relock_claimed(
     return {int(row[0]) for row in await cur.fetchall()}
 
 
+async def bring_forward(
+    conn: psycopg.AsyncConnection[Any], rows: Mapping[int, datetime | None]
+) -> int:
+    """Make those of ``rows`` (id: partition_at) that are still deferred due now; returns
+    how many (see the bring_forward query)."""
+    cur = await conn.execute(
+        query("bring_forward"),
+        {"ids": pgarray.ints(rows), "parts": pgarray.timestamps(rows.values())},
+    )
+    return cur.rowcount
+
+
 # The outcomes complete_batch's "done" and "held" parts write (their "r.outcome IN (...)"
 # filters): a batch with none of one set gets that part's empty form.
 _WRITES = frozenset({Outcome.DELIVERED, Outcome.RETRY, Outcome.DEAD_LETTER, Outcome.ROUTED})

@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -41,11 +42,9 @@ TYPICAL_WEIGHT = 0.25
 # A request running this many times its endpoint's typical time may hang: the endpoint's
 # requests are expected to last until their timeout again (Load.expected_s).
 OVERDUE_FACTOR = 4.0
-# Before any request to an endpoint has ended, one that has run t seconds is expected to
-# run about as long again, and this long at least: a first burst to an endpoint that
-# answers in half a second waits about that long, one that hangs backs off towards its
-# timeout.
-FIRST_GUESS_S = 0.5
+# Rows of an endpoint deferred before any request to it has ended (Load.early), made due
+# again at its first answer: at most this many are remembered per endpoint.
+EARLY_ROWS = 1000
 
 
 @dataclass
@@ -68,6 +67,11 @@ class Load:
     next_turn: float = 0.0  # monotonic: when the next deferred row of a slow endpoint may go
     deadlines: list[float] = field(default_factory=list)
     waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
+    # Its rows deferred while no request to it had ended (id: partition_at): each waits
+    # as if its requests ran to their timeout, as a hanging endpoint's do; made due again
+    # when its first request is answered (Dispatcher.send), as an endpoint that answers
+    # in half a second would otherwise have them wait a timeout.
+    early: dict[int, datetime | None] = field(default_factory=dict)
 
     async def acquire(self, limit: int) -> None:
         """Take a slot: at once if one of ``limit`` is free and nobody waits, else when
@@ -141,16 +145,23 @@ class Load:
         else:
             self.typical_s += TYPICAL_WEIGHT * (duration_s - self.typical_s)
 
+    def deferred(self, row_id: int, partition_at: datetime | None) -> None:
+        """One of its rows was deferred as a slow endpoint's: remembered while none of its
+        requests has ended (see ``early``)."""
+        if self.typical_s <= 0.0 and len(self.early) < EARLY_ROWS:
+            self.early[row_id] = partition_at
+
     def expected_end(self, started_at: float, timeout_s: float) -> float:
         """When a request to it that started at ``started_at`` is expected to end, at its
         timeout at the latest: after its typical time; once past that, after twice as long
         as it has run so far; once it has run OVERDUE_FACTOR times its typical time (it
-        may hang), at its timeout. Before any has ended, after twice as long as it has run
-        so far (FIRST_GUESS_S at least)."""
+        may hang), at its timeout. Before any has ended, at its timeout: nothing tells an
+        endpoint that answers slowly from one that hangs yet (its rows deferred meanwhile
+        are made due again at its first answer: ``early``)."""
         typical = self.typical_s
         elapsed = time.monotonic() - started_at
         if typical <= 0.0:
-            guess = max(2 * elapsed, FIRST_GUESS_S)
+            guess = timeout_s
         elif elapsed <= typical:
             guess = typical
         elif elapsed <= OVERDUE_FACTOR * typical:

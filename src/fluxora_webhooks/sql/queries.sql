@@ -504,6 +504,23 @@ JOIN webhook_outbox o ON o.id = c.id AND o.partition_at = c.partition_at
 WHERE o.processed = false
 FOR UPDATE OF o SKIP LOCKED;
 
+-- name: bring_forward
+-- Rows of an endpoint deferred before any request to it had ended (each expected to last
+-- until its timeout, as a hanging endpoint's does), due now once one was answered: the
+-- endpoint answers, only slowly. Those still deferred, unprocessed and not held by a
+-- batch right now (SKIP LOCKED: a batch that has one records its own outcome).
+WITH x AS (
+    SELECT o.id, o.partition_at
+    FROM unnest(%(ids)s::bigint[], %(parts)s::timestamptz[]) AS c(id, partition_at)
+    JOIN webhook_outbox o ON o.id = c.id AND o.partition_at = c.partition_at
+    WHERE o.processed = false AND o.hold IS NULL AND o.lease IS NULL
+      AND o.created_at > clock_timestamp()
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE webhook_outbox o SET created_at = clock_timestamp()
+FROM x
+WHERE o.id = x.id AND o.partition_at = x.partition_at;
+
 -- name: enqueue
 INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, traceparent, tracestate)
 VALUES (%(tenant)s, %(stream_id)s, %(event_type)s, %(payload)s, %(traceparent)s, %(tracestate)s)
