@@ -86,6 +86,24 @@ class Producer:
             await conn.close()
 
 
+async def insert_unwaited(url: str, n: int) -> None:
+    """``n`` events from a producer that does not wait for the standby (its own choice)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("SET synchronous_commit = local")
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
+            " FROM generate_series(1, %s) g",
+            (n,),
+        )
+
+
+async def commit_waits(port: int) -> bool:
+    """/readyz is 503 naming a commit that waits."""
+    status, body = await get_json(port, "/readyz")
+    return status == 503 and "a commit has waited" in str(body["reason"])
+
+
 async def test_dispatchers_follow_a_promoted_synchronous_standby_losing_nothing_acknowledged(
     pair: tuple[ReplicatedPostgres, ReplicatedPostgres],
     redis_url: str,
@@ -220,20 +238,12 @@ async def test_readyz_says_when_commits_do_not_complete_and_again_when_they_do(
         await wait_until(lambda: is_ready(port), timeout=30, what="dispatching")
         standby.stop("fast")
         # The producer does not wait for the standby (its own choice); the dispatchers do.
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute("SET synchronous_commit = local")
-            await conn.execute(
-                "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-                " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
-                " FROM generate_series(1, 20) g"
-            )
+        await insert_unwaited(url, 20)
         await receiver.wait_for(40, timeout=30)  # the built-in endpoint's and the other's
 
-        async def stuck() -> bool:
-            status, body = await get_json(port, "/readyz")
-            return status == 503 and "a commit has waited" in str(body["reason"])
-
-        await wait_until(stuck, timeout=40, what="/readyz naming the waiting commit")
+        await wait_until(
+            lambda: commit_waits(port), timeout=40, what="/readyz naming the waiting commit"
+        )
         await asyncio.sleep(5)  # past the session's lock timeout (10 s) for the later commits
         standby.start()
         await wait_until(lambda: is_ready(port), timeout=40, what="/readyz ready again")
@@ -275,20 +285,12 @@ async def test_a_stop_while_a_commit_waits_does_not_say_the_commits_complete_aga
     try:
         await wait_until(lambda: is_ready(port), timeout=30, what="dispatching")
         standby.stop("fast")
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute("SET synchronous_commit = local")
-            await conn.execute(
-                "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-                " SELECT 's-' || g, 'stream.updated', jsonb_build_object('n', g)"
-                " FROM generate_series(1, 5) g"
-            )
+        await insert_unwaited(url, 5)
         await receiver.wait_for(5, timeout=30)
 
-        async def stuck() -> bool:
-            status, body = await get_json(port, "/readyz")
-            return status == 503 and "a commit has waited" in str(body["reason"])
-
-        await wait_until(stuck, timeout=40, what="/readyz naming the waiting commit")
+        await wait_until(
+            lambda: commit_waits(port), timeout=40, what="/readyz naming the waiting commit"
+        )
         codes = await stop_processes([proc])
     finally:
         await stop_processes([proc])
