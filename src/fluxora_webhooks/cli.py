@@ -143,17 +143,15 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
     import psycopg
     import redis
 
+    from .migrations import READ_ONLY_HINT, each_host_failed
+
     def named(variable: str) -> str:
         return f" ({variable})" if env.get(variable, "").strip() else ""
 
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
-        from .migrations import READ_ONLY_HINT
-
         return f"the database is read-only{named('DATABASE_URL')}: {READ_ONLY_HINT}"
     if isinstance(exc, psycopg.OperationalError):
-        from .migrations import each_host_failed
-
         hosts = each_host_failed(str(exc))
         why = hosts or first_line or type(exc).__name__
         return f"cannot reach the database{named('DATABASE_URL')}: {why}"

@@ -153,8 +153,9 @@ async def enqueue_event(
     taken in the event's transaction, and the later one waits for it); the same key with
     another request raises :class:`IdempotencyKeyReused`. Keys are per tenant."""
     check_event_type(event_type)
-    digest = request_hash(tenant, stream_id, event_type, payload)
+    digest = ""  # only a key is bound to its request
     if idempotency_key is not None:
+        digest = request_hash(tenant, stream_id, event_type, payload)
         kept = await _kept_answer(conn, tenant, idempotency_key, digest)
         if kept is not None:
             return kept, True

@@ -52,7 +52,7 @@ from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer, standard_key
-from .targets import Load, Target, Targets
+from .targets import Load, Target, Targets, Turns
 from .telemetry import AttemptTracer
 from .tracing import passthrough
 from .urlpolicy import loopback_rule, validate_url
@@ -157,7 +157,7 @@ class Dispatcher:
         self.completer = Completer(self)
         # When the next row deferred because the detached requests hold their share may
         # come back (slow_share_wait_s): the share frees as they end, whatever endpoint.
-        self._share_pacing = Load()
+        self._share_turns = Turns()
         self._background: set[asyncio.Task[None]] = set()  # bring_forward's
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
@@ -520,7 +520,7 @@ class Dispatcher:
             return self.slow_share_wait_s(target)
         return None
 
-    def _paced(self, load: Load, first_s: float, *, turns: Load | None = None) -> float:
+    def _paced(self, load: Load, first_s: float, *, turns: Turns | None = None) -> float:
         """When a slow endpoint's row deferred now comes back: the first at ``first_s``,
         each later one a slot's share of its request time after the one before (its
         concurrency per request time, the rate at which it takes them; with ``turns``, the
@@ -532,7 +532,7 @@ class Dispatcher:
         endpoint that answers in half a second is not claimed over and over either."""
         timeout_s = self.settings.timeout_ms / 1000
         slots = self.settings.endpoint_concurrency if turns is None else self._slow_share()
-        return (turns or load).next_turn_in_s(
+        return (turns or load.turns).next_in_s(
             max(first_s, BUSY_DEFER_S),
             step=load.expected_s(timeout_s) / slots,
             horizon=SLOW_HORIZON_TIMEOUTS * timeout_s,
@@ -561,7 +561,7 @@ class Dispatcher:
         if self.completer.outstanding < self._slow_share():
             return None
         first = self.completer.next_end_in_s(self.settings.timeout_ms / 1000)
-        return self._paced(target.load, first, turns=self._share_pacing)
+        return self._paced(target.load, first, turns=self._share_turns)
 
     def may_wait_for_slot(self, target: Target) -> bool:
         """Whether a row for ``target``, whose slots are all taken, waits in this process for
@@ -620,8 +620,7 @@ class Dispatcher:
             await load.acquire(self.settings.endpoint_concurrency)
         send.started = True
         send.started_at = time.monotonic()
-        deadline = send.started_at + self.settings.timeout_ms / 1000
-        load.deadlines.append(deadline)
+        load.starts.append(send.started_at)
         self._in_flight += 1
         if send.lease is not None:
             # Left its batch before it started (detached at once, or while it waited for a
@@ -637,7 +636,7 @@ class Dispatcher:
             self._in_flight -= 1
             load.release()
             with contextlib.suppress(ValueError):
-                load.deadlines.remove(deadline)
+                load.starts.remove(send.started_at)
             if unseen:
                 self.show_in_flight()
         timed_out = result.error == "timeout"
@@ -665,7 +664,7 @@ class Dispatcher:
         their own, beside the batches). The turns they were paced by (a timeout's share
         each) are void: the rows deferred from now on are paced by its answers."""
         rows, load.early = load.early, {}
-        load.next_turn = self._share_pacing.next_turn = 0.0
+        load.turns.next = self._share_turns.next = 0.0
 
         async def forward() -> None:
             async def work(conn: psycopg.AsyncConnection[Any]) -> int:

@@ -48,6 +48,25 @@ EARLY_ROWS = 1000
 
 
 @dataclass
+class Turns:
+    """When rows deferred one after the other may come back, paced (a slow endpoint's,
+    Load.turns; those withheld by the detached requests' share, one for the process)."""
+
+    next: float = 0.0  # monotonic: when the next deferred row may go
+
+    def next_in_s(self, first_s: float, *, step: float, horizon: float) -> float:
+        """When a row deferred now may come back: the first at ``first_s``, each later one
+        ``step`` after the one before (the rate at which slots free), each jittered within
+        its step; past ``horizon`` anywhere between ``first_s`` and it."""
+        now = time.monotonic()
+        turn = max(self.next, now + first_s)
+        if turn + step > now + horizon:
+            return random.uniform(first_s, max(first_s, horizon))
+        self.next = turn + step
+        return turn - now + random.uniform(0.0, step)
+
+
+@dataclass
 class Load:
     """This process's requests to one endpoint: kept across reloads of the endpoint.
 
@@ -64,8 +83,8 @@ class Load:
     typical_s: float = 0.0
     slow_until: float = 0.0
     suspect_until: float = 0.0  # see detached_at_once
-    next_turn: float = 0.0  # monotonic: when the next deferred row of a slow endpoint may go
-    deadlines: list[float] = field(default_factory=list)
+    turns: Turns = field(default_factory=Turns)  # its deferred rows' (while it is slow)
+    starts: list[float] = field(default_factory=list)  # its requests in flight, monotonic
     waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
     # Its rows deferred while no request to it had ended (id: partition_at): each waits
     # as if its requests ran to their timeout, as a hanging endpoint's do; made due again
@@ -124,17 +143,6 @@ class Load:
     def answered_fast(self) -> None:
         self.slow_until = self.suspect_until = 0.0
 
-    def next_turn_in_s(self, first_s: float, *, step: float, horizon: float) -> float:
-        """When a row deferred now may come back: the first at ``first_s``, each later one
-        ``step`` after the one before (the rate at which the endpoint frees slots), each
-        jittered within its step; past ``horizon`` anywhere between ``first_s`` and it."""
-        now = time.monotonic()
-        turn = max(self.next_turn, now + first_s)
-        if turn + step > now + horizon:
-            return random.uniform(first_s, max(first_s, horizon))
-        self.next_turn = turn + step
-        return turn - now + random.uniform(0.0, step)
-
     def ended(self, duration_s: float) -> None:
         """A request to it was answered after ``duration_s``, or timed out (its timeout):
         what its requests take. Not a request that failed before an answer (a refused
@@ -176,17 +184,17 @@ class Load:
         endpoint is one whose request outlived a batch, which one that answers in half a
         second does at once: its rows are paced by the time its requests take, not by a
         timeout they never reach; one that hangs by its timeout."""
-        if not self.deadlines:
+        if not self.starts:
             return self.typical_s or timeout_s
-        started_at = min(self.deadlines) - timeout_s
+        started_at = min(self.starts)
         return self.expected_end(started_at, timeout_s) - started_at
 
     def next_free_in_s(self, timeout_s: float) -> float:
         """How long until one of its in-flight requests is expected to end (expected_end:
         its timeout at the latest)."""
-        if not self.deadlines:
+        if not self.starts:
             return 0.0
-        first = min(self.expected_end(d - timeout_s, timeout_s) for d in self.deadlines)
+        first = min(self.expected_end(started, timeout_s) for started in self.starts)
         return max(0.0, first - time.monotonic())
 
 

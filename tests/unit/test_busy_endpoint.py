@@ -36,7 +36,7 @@ def test_a_busy_fast_endpoint_defers_briefly_not_until_a_timeout() -> None:
     target = dispatcher.targets.get("default")
     assert target is not None
     target.load.in_flight = 2
-    target.load.deadlines = [time.monotonic() + 15.0, time.monotonic() + 15.0]
+    target.load.starts = [time.monotonic(), time.monotonic()]
     assert dispatcher.capacity_wait_s(target) == BUSY_DEFER_S
 
 
@@ -45,7 +45,7 @@ def test_a_busy_slow_endpoint_waits_for_its_next_request_to_end() -> None:
     target = dispatcher.targets.get("default")
     assert target is not None
     target.load.in_flight = 2
-    target.load.deadlines = [time.monotonic() + 12.0, time.monotonic() + 15.0]
+    target.load.starts = [time.monotonic() - 3.0, time.monotonic()]
     target.load.typical_s = 15.0  # its requests time out
     target.load.mark_slow()
     waits = [dispatcher.capacity_wait_s(target) for _ in range(200)]
@@ -92,7 +92,7 @@ def test_a_slow_endpoint_that_answers_is_paced_by_its_request_time_not_its_timeo
     assert load.typical_s == pytest.approx(0.4)
     now = time.monotonic()
     load.in_flight = 2
-    load.deadlines = [now - 0.1 + 15.0, now - 0.3 + 15.0]  # started 0.1 and 0.3 s ago
+    load.starts = [now - 0.1, now - 0.3]  # started 0.1 and 0.3 s ago
     load.mark_slow()
     assert load.expected_s(15.0) == pytest.approx(0.4)
     assert load.next_free_in_s(15.0) == pytest.approx(0.1, abs=0.05)
@@ -111,7 +111,7 @@ def test_a_request_running_past_its_endpoints_request_time_may_hang() -> None:
     load = target.load
     load.ended(0.1)
     now = time.monotonic()
-    load.deadlines = [now - 0.5 + 15.0]  # started 0.5 s ago: five times 0.1 s
+    load.starts = [now - 0.5]  # started 0.5 s ago: five times 0.1 s
     assert load.expected_s(15.0) == 15.0
     assert load.next_free_in_s(15.0) == pytest.approx(14.5, abs=0.05)
     # A timeout counts as the whole timeout in its request time.
@@ -129,7 +129,7 @@ def test_a_hanging_endpoint_first_seen_is_paced_by_its_timeout() -> None:
     load = target.load
     now = time.monotonic()
     load.in_flight = 2
-    load.deadlines = [now - 3.0 + 15.0, now + 15.0]  # started 3 s ago and just now
+    load.starts = [now - 3.0, now]  # started 3 s ago and just now
     load.mark_slow()
     assert load.expected_s(15.0) == 15.0
     waits = [dispatcher.capacity_wait_s(target) for _ in range(6)]
@@ -151,12 +151,12 @@ def test_a_request_past_its_typical_time_is_expected_to_run_as_long_again() -> N
     load = target.load
     load.ended(0.4)
     now = time.monotonic()
-    load.deadlines = [now - 1.0 + 15.0]  # 1 s in: past 0.4 s, not yet four times it
+    load.starts = [now - 1.0]  # 1 s in: past 0.4 s, not yet four times it
     assert load.expected_s(15.0) == pytest.approx(2.0, abs=0.05)
     assert load.next_free_in_s(15.0) == pytest.approx(1.0, abs=0.05)
     # Never past its timeout, whatever the guess.
     load.ended(14.0)
-    load.deadlines = [now - 10.0 + 15.0]
+    load.starts = [now - 10.0]
     assert load.expected_s(15.0) == 15.0
     # A request that ended at once still counts: 0 is "none ended yet" no more.
     fresh = dispatcher.targets.get("default")
