@@ -64,6 +64,19 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 # database unreachable, or the statement cancelled, timed out or deadlocked), a broken
 # connection, no connection to be had. Any other psycopg.Error is a statement refused.
 DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+# Among DB_ERRORS, what refuses one statement for what its rows hold (an index entry past
+# the btree's limit: a stream id written by SQL thousands of characters long): the rows are
+# at fault, not the database, so they are recorded one by one as after any other refused
+# statement. Taken for an outage, the batch would be claimed again, and fail, for ever.
+REFUSED_ERRORS = (psycopg.errors.ProgramLimitExceeded,)
+
+
+def outage(exc: BaseException) -> bool:
+    """Whether nothing more is to be tried on the connection after ``exc`` (one of
+    DB_ERRORS that is not among REFUSED_ERRORS)."""
+    return isinstance(exc, DB_ERRORS) and not isinstance(exc, REFUSED_ERRORS)
+
+
 # Errors among DB_ERRORS that undo only the statement's savepoint, not the connection.
 SAVEPOINT_ONLY_ERRORS = (
     psycopg.errors.DeadlockDetected,
@@ -245,6 +258,8 @@ class Batch:
         # next head to choose for them.
         self.fresh: frozenset[tuple[str, str]] = frozenset()
         self.route_failed = False
+        # Of the event rows the recording marked processed, those that matched no endpoint.
+        self.unrouted = 0
         # Filled when recorded: the attempts decided in the batch, and how many deliveries
         # of ordered streams became due.
         self.done: list[tuple[Send, AttemptResult, Decision]] = []
@@ -447,6 +462,19 @@ class Batch:
         else:
             found = await self._target(conn, row)
             if found is None:
+                return None
+            if found.tenant != row.tenant:
+                # A delivery row naming another tenant's endpoint (written by SQL past
+                # every check: the fan-out only ever writes the event's own tenant's): never
+                # sent across tenants.
+                self.completions.append(
+                    Completion(
+                        row.id,
+                        Outcome.DEAD_LETTER,
+                        error=f"endpoint {found.id} is not an endpoint of the row's tenant",
+                        reason="invalid_request",
+                    )
+                )
                 return None
             target = found
         if not target.enabled:
@@ -745,7 +773,7 @@ async def apply_effects(
     if after and candidates:
         cur = await conn.execute(
             "SELECT id FROM webhook_endpoints WHERE id = ANY(%s) AND state = 'enabled'"
-            " AND id <> 'operator' AND failing_since <= clock_timestamp()"
+            " AND id NOT IN ('operator', 'default') AND failing_since <= clock_timestamp()"
             " - %s * interval '1 millisecond'",
             (candidates, after),
         )
@@ -780,9 +808,9 @@ async def _disable(
         # keeps the row.
         log.error("endpoint %s: disabling it failed (%s)", endpoint_id, type(exc).__name__)
         return
-    except DB_ERRORS:
-        raise
     except (psycopg.Error, NotFoundError) as exc:
+        if outage(exc):
+            raise
         log.error("endpoint %s: disabling it failed (%s)", endpoint_id, type(exc).__name__)
         return
     if changed:  # not when another batch's 410 disabled it a moment before

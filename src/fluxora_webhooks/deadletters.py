@@ -6,6 +6,7 @@ a database URL open one for the command line.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from psycopg.rows import dict_row
 
 from .outbox import promote_heads
 from .queries import query
+from .settings import retry_rps
 
 
 async def list_on(
@@ -41,11 +43,15 @@ async def replay_or_purge_on(
     *,
     include_all: bool = False,
 ) -> tuple[list[str], list[str]]:
-    """``action`` is replay (back into the outbox, due now, same delivery id) or purge
+    """``action`` is replay (back into the outbox, same delivery id, an endpoint's due one
+    after another at its retry rate, the first now) or purge
     (kept as 'purged' until ``prune`` removes it), in one transaction. Returns (delivery ids
     done, the keys that matched no waiting dead letter)."""
     async with conn.transaction():
-        cur = await conn.execute(query(f"dlq_{action}"), {"keys": list(keys), "all": include_all})
+        cur = await conn.execute(
+            query(f"dlq_{action}"),
+            {"keys": list(keys), "all": include_all, "rps": retry_rps(os.environ)},
+        )
         rows = await cur.fetchall()
     if action == "replay":  # after the commit (docs/design.md, "Ordering")
         await promote_heads(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])

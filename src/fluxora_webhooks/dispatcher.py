@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
@@ -32,6 +34,7 @@ from .batch import (
     DB_ERRORS,
     LOCK_TIMEOUT_MS,
     PATIENCE_S,
+    REFUSED_ERRORS,
     STATEMENT_TIMEOUT_MS,
     Batch,
     ClaimFront,
@@ -39,6 +42,7 @@ from .batch import (
     Send,
     breaker_signal,
     gone_retried,
+    outage,
 )
 from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
@@ -205,7 +209,7 @@ class Dispatcher:
             self.conninfo,
             min_size=loops,
             max_size=loops + 2,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, **_named(self.conninfo)},
             configure=self._configure_connection,
             open=False,
             name="fluxora-claim",
@@ -316,21 +320,38 @@ class Dispatcher:
 
     async def _sync_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
         for endpoint_id, url in self._builtins():
-            await endpoints.sync_builtin(conn, endpoint_id, url)
+            if await endpoints.sync_builtin(conn, endpoint_id, url):
+                self._log_retired(endpoint_id)
 
     async def _restore_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """The built-in endpoints this dispatcher configures, put back if another one
-        started without their variables and removed them (a host missing a variable, a
-        `run` from a shell): otherwise deliveries to them would wait and operator events
-        would stop until this dispatcher restarts."""
+        """Every housekeeping period: the built-in endpoints this dispatcher configures are
+        said to be configured (endpoints.seen_builtin), and put back if they are missing
+        (removed while no dispatcher configuring them was seen: otherwise deliveries to
+        them would wait and operator events would stop until this dispatcher restarts);
+        those it does not configure are removed once no dispatcher has configured them for
+        endpoints.BUILTIN_SEEN_S (their variable gone from every host)."""
         for endpoint_id, url in self._builtins():
-            if url and await endpoints.restore_builtin(conn, endpoint_id, url):
+            if not url:
+                if await endpoints.retire_builtin(conn, endpoint_id):
+                    self._log_retired(endpoint_id)
+                continue
+            await endpoints.seen_builtin(conn, endpoint_id)
+            if await endpoints.restore_builtin(conn, endpoint_id, url):
                 log.warning(
-                    "the built-in endpoint %s was removed by a dispatcher without %s; "
-                    "put back as this dispatcher configures it",
+                    "the built-in endpoint %s was missing; put back as this dispatcher "
+                    "configures it (%s)",
                     endpoint_id,
                     _builtin_variable(endpoint_id),
                 )
+
+    @staticmethod
+    def _log_retired(endpoint_id: str) -> None:
+        log.warning(
+            "the built-in endpoint %s was removed: no running dispatcher has %s set; its "
+            "pending deliveries wait for one that has",
+            endpoint_id,
+            _builtin_variable(endpoint_id),
+        )
 
     async def _reload(self, endpoint_id: str) -> None:
         try:
@@ -347,7 +368,7 @@ class Dispatcher:
         while not self.stopping:
             try:
                 async with await psycopg.AsyncConnection.connect(
-                    self.conninfo, autocommit=True
+                    self.conninfo, autocommit=True, **_named(self.conninfo)
                 ) as conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     await conn.execute(f"LISTEN {ENDPOINTS_CHANNEL}")
@@ -408,6 +429,9 @@ class Dispatcher:
                 raise
             except psycopg.errors.ReadOnlySqlTransaction:
                 metrics.CLAIM_ERRORS.inc()  # logged once by _found_read_only
+            except REFUSED_ERRORS as exc:
+                metrics.CLAIM_ERRORS.inc()
+                log.error("claim loop %d: claim refused (%s); retrying", index, exc.sqlstate)
             except DB_ERRORS as exc:
                 metrics.CLAIM_ERRORS.inc()
                 if self.stopping:
@@ -474,10 +498,10 @@ class Dispatcher:
         batch = Batch(self, resume)
         try:
             return await batch.run(conn)
-        except DB_ERRORS:
-            self.after_rollback(batch)
-            raise
         except psycopg.Error as exc:
+            if outage(exc):
+                self.after_rollback(batch)
+                raise
             if not batch.completions and not batch.sends and not batch.route_failed:
                 self.after_rollback(batch)
                 raise  # nothing was sent: the claim itself failed
@@ -796,6 +820,9 @@ class Dispatcher:
         for completion in batch.completions:
             if completion.outcome in (Outcome.DEFERRED, Outcome.PARKED, Outcome.ROUTED):
                 tally[completion.outcome, None] += 1
+        if batch.unrouted:  # event rows that matched no endpoint: counted apart
+            tally[Outcome.ROUTED, None] -= batch.unrouted
+            tally[Outcome.UNROUTED, None] += batch.unrouted
         for (outcome, reason), n in tally.items():
             self.count(outcome, reason, n)
         if reports:
@@ -905,6 +932,23 @@ class Dispatcher:
                 endpoint_id,
                 _builtin_variable(endpoint_id),
             )
+
+
+# What the dispatcher's sessions are called in pg_stat_activity (and the server's logs):
+# an operator tells them from the producers' and the API's.
+APPLICATION_NAME = "fluxora-webhooks dispatcher"
+
+
+def _named(conninfo: str) -> dict[str, Any]:
+    """``application_name`` for a dispatcher's connection, unless the URL or PGAPPNAME
+    names the sessions already (the operator's choice stands)."""
+    try:
+        given = "application_name" in conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        given = False  # refused at connect time, with the reason
+    if given or os.environ.get("PGAPPNAME"):
+        return {}
+    return {"application_name": APPLICATION_NAME}
 
 
 def _builtin_variable(endpoint_id: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -32,11 +33,16 @@ from psycopg.types.json import Jsonb
 from .errors import ConfigError, ConflictError, EndpointError, NotFoundError
 from .outbox import TENANT
 from .queries import query
+from .settings import retry_rps
 from .urlpolicy import IPNetwork, check_url_address, validate_url
 
 DEFAULT_ID = "default"
 OPERATOR_ID = "operator"
 BUILTIN_IDS = frozenset({DEFAULT_ID, OPERATOR_ID})
+# How long after the last dispatcher configuring a built-in endpoint (its variable set) was
+# seen a dispatcher without the variable removes it: six housekeeping periods, so one
+# restarting or slow to reach the database is not taken for gone.
+BUILTIN_SEEN_S = 60
 # The tenant of the operator's own events and endpoint: a name no real tenant can have.
 OPERATOR_TENANT = "!operator"
 
@@ -602,7 +608,8 @@ async def recover(
 ) -> int:
     """Put every dead letter of the endpoint from ``[since, until)`` (until: now) back into
     the outbox (same delivery id, attempts counted afresh), ``batch`` per transaction, with
-    no cap on the total. Returns how many."""
+    no cap on the total, due one after another at the endpoint's retry rate (its
+    ``rate_limit``, else ``WEBHOOK_RETRY_RPS``), the first at once. Returns how many."""
     from .outbox import promote_heads
 
     await get(conn, endpoint_id, tenant=tenant)
@@ -616,12 +623,19 @@ async def recover(
     assert until is not None
     if until <= since:
         raise ConfigError("until", "must be later than since")
-    total = 0
+    total, rps = 0, retry_rps(os.environ)
     while True:
         async with conn.transaction():
             cur = await conn.execute(
                 query("recover_dead_letters"),
-                {"endpoint_id": endpoint_id, "since": since, "until": until, "batch": batch},
+                {
+                    "endpoint_id": endpoint_id,
+                    "since": since,
+                    "until": until,
+                    "batch": batch,
+                    "start": total,
+                    "rps": rps,
+                },
             )
             row = await cur.fetchone()
             assert row is not None
@@ -657,17 +671,34 @@ def _state_event(row: Mapping[str, Any], reason: str | None) -> dict[str, Any]:
 
 async def sync_builtin(
     conn: psycopg.AsyncConnection[Any], endpoint_id: str, url: str | None
-) -> None:
-    """Record a built-in endpoint as this service configures it: present with its URL, or
-    absent when its variable is unset. Its disabled state survives a restart: a disabled
-    built-in endpoint is not removed (its deliveries stay parked until it is enabled)."""
+) -> bool:
+    """Record a built-in endpoint as this service configures it: present with its URL (and
+    this dispatcher seen configuring it), or, when its variable is unset, removed if no
+    dispatcher has configured it for BUILTIN_SEEN_S (a host missing the variable beside
+    hosts that have it leaves it alone; see :func:`retire_builtin`). Its disabled state
+    survives a restart: a disabled built-in endpoint is not removed (its deliveries stay
+    parked until it is enabled). Returns whether it was removed."""
     tenant = _builtin_tenant(endpoint_id)
     if url:
         await conn.execute(
             query("builtin_upsert"), {"id": endpoint_id, "tenant": tenant, "url": url}
         )
-    else:
-        await conn.execute(query("builtin_delete"), {"id": endpoint_id})
+        await seen_builtin(conn, endpoint_id)
+        return False
+    return await retire_builtin(conn, endpoint_id)
+
+
+async def seen_builtin(conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> None:
+    """This dispatcher configures the built-in endpoint (every HOUSEKEEPING_S)."""
+    await conn.execute(query("builtin_seen"), {"id": endpoint_id})
+
+
+async def retire_builtin(conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> bool:
+    """Remove the built-in endpoint if no running dispatcher has configured it for
+    BUILTIN_SEEN_S (its variable is gone from every host); True if it was removed. Its
+    pending deliveries stay: they wait for a dispatcher that configures it again."""
+    cur = await conn.execute(query("builtin_retire"), {"id": endpoint_id, "seen_s": BUILTIN_SEEN_S})
+    return await cur.fetchone() is not None
 
 
 async def restore_builtin(conn: psycopg.AsyncConnection[Any], endpoint_id: str, url: str) -> bool:

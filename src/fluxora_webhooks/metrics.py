@@ -56,7 +56,16 @@ _IN_WORKER = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 IN_WORKER = _IN_WORKER
 
 # Every Outcome (outbox.Outcome): attempts' outcomes, and what a row got without one.
-OUTCOMES = ("delivered", "retry", "dead_letter", "deferred", "parked", "leased", "routed")
+OUTCOMES = (
+    "delivered",
+    "retry",
+    "dead_letter",
+    "deferred",
+    "parked",
+    "leased",
+    "routed",
+    "unrouted",
+)
 DEAD_LETTER_REASONS = (
     "attempts_exhausted",
     "http_4xx",
@@ -92,7 +101,8 @@ DELIVERIES = Counter(
     "fluxora_webhook_deliveries",
     "Claimed rows by outcome: attempts (delivered, retry, dead_letter) and rows handled "
     "without one (deferred, parked: endpoint disabled, leased: a request that outlived its "
-    "batch, routed: an event row fanned out with no default endpoint).",
+    "batch, routed: an event row fanned out with no default endpoint, unrouted: an event "
+    "row that matched no endpoint).",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -3,14 +3,26 @@
 Migrations are ``sql/migrations/NNNN_name.sql``; each runs in its own transaction together
 with its record in ``fluxora_schema_migrations``. Concurrent ``migrate`` commands serialize
 on one advisory lock, so each migration is applied exactly once.
+
+A migration whose first line is :data:`CONCURRENTLY_MARKER` runs outside a transaction, one
+statement at a time, and is recorded after its last statement: it builds indexes with
+``CREATE INDEX CONCURRENTLY IF NOT EXISTS``, which does not hold off the producers' INSERTs
+for the build as a transaction's ``CREATE INDEX`` does. Every statement of such a migration
+must be safe to run again: a run interrupted half-way is completed by the next one (an
+index an interrupted build left INVALID is dropped and built again). On a partitioned
+outbox, where PostgreSQL builds no index concurrently on the parent, the index is created
+on the parent alone (``ON ONLY``, no build), built concurrently on each partition and
+attached there, which makes the parent's valid.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
 import weakref
+import zlib
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -21,10 +33,32 @@ import psycopg
 from . import logs
 from .errors import SchemaError
 
+log = logging.getLogger(__name__)
+
 # Arbitrary but fixed: the advisory lock key for "fluxora-webhooks migrations".
 MIGRATION_LOCK_KEY = 0x666C75786F7261
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+# The first line of a migration that runs outside a transaction, statement by statement.
+CONCURRENTLY_MARKER = "-- fluxora: concurrently"
+# How often a ``migrate`` waiting for another one's lock asks again (seconds). It asks with
+# pg_try_advisory_lock rather than waiting in pg_advisory_lock: a statement waiting for the
+# lock holds a snapshot, which an index build of the lock's holder (CONCURRENTLY) waits for.
+LOCK_POLL_S = 0.5
+# Creating an index on a partitioned parent alone, and attaching a partition's index to it,
+# take short locks: each waits at most this long, then tries again (LOCK_RETRIES times),
+# rather than queue the producers' INSERTs behind a long transaction.
+BRIEF_LOCK_TIMEOUT = "2s"
+LOCK_RETRIES = 30
+
+# A statement of a concurrent migration that builds an index: its parts.
+_CONCURRENT_INDEX = re.compile(
+    r"^CREATE\s+(?P<unique>UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+"
+    r"(?P<name>[a-z_][a-z0-9_]*)\s+ON\s+(?P<table>[a-z_][a-z0-9_]*)\s+(?P<rest>.+)$",
+    re.IGNORECASE | re.DOTALL,
+)
+_ANY_CONCURRENT = re.compile(r"\bCONCURRENTLY\b", re.IGNORECASE)
 
 _CREATE_TABLE = """
 CREATE TABLE IF NOT EXISTS fluxora_schema_migrations (
@@ -45,6 +79,48 @@ class Migration:
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def concurrently(self) -> bool:
+        """Runs outside a transaction, statement by statement (its first line says so)."""
+        first = self.sql.lstrip("\ufeff").split("\n", 1)[0]
+        return first.strip() == CONCURRENTLY_MARKER
+
+    def statements(self) -> list[str]:
+        """The migration's statements, comments left out (for a concurrent migration)."""
+        return split_statements(self.sql)
+
+
+def split_statements(text: str) -> list[str]:
+    """SQL text as its statements: split at each ``;`` outside quotes, ``--`` comments
+    removed. Dollar quoting is not read: a concurrent migration holds no function body."""
+    statements: list[str] = []
+    current: list[str] = []
+    i = 0
+    quote: str | None = None
+    while i < len(text):
+        char = text[i]
+        if quote is not None:
+            current.append(char)
+            if char == quote:
+                quote = None
+        elif char in ("'", '"'):
+            quote = char
+            current.append(char)
+        elif text.startswith("--", i):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        elif text.startswith("$$", i):
+            raise SchemaError("a concurrent migration cannot hold dollar-quoted text")
+        elif char == ";":
+            statements.append("".join(current).strip())
+            current = []
+        else:
+            current.append(char)
+        i += 1
+    statements.append("".join(current).strip())
+    return [s for s in statements if s]
 
 
 @cache
@@ -98,7 +174,7 @@ async def migrate(conn: psycopg.AsyncConnection[Any]) -> list[Migration]:
     """
     applied: list[Migration] = []
     await check_encoding(conn)
-    await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+    await take_lock(conn)
     try:
         await conn.execute(_CREATE_TABLE)
         done = await applied_versions(conn)
@@ -106,17 +182,144 @@ async def migrate(conn: psycopg.AsyncConnection[Any]) -> list[Migration]:
         for migration in available():
             if migration.version in done:
                 continue
-            async with conn.transaction():
-                await conn.execute(migration.sql.encode())
-                await conn.execute(
-                    "INSERT INTO fluxora_schema_migrations (version, name, checksum)"
-                    " VALUES (%s, %s, %s)",
-                    (migration.version, migration.name, migration.checksum),
-                )
+            if migration.concurrently:
+                await _apply_concurrently(conn, migration)
+            else:
+                async with conn.transaction():
+                    await conn.execute(migration.sql.encode())
+                    await _record(conn, migration)
             applied.append(migration)
     finally:
         await conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
     return applied
+
+
+async def take_lock(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The migrations' advisory lock (session level), waited for without a statement in
+    progress (:data:`LOCK_POLL_S`)."""
+    while True:
+        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        row = await cur.fetchone()
+        if row and row[0]:
+            return
+        await asyncio.sleep(LOCK_POLL_S)
+
+
+async def _record(conn: psycopg.AsyncConnection[Any], migration: Migration) -> None:
+    await conn.execute(
+        "INSERT INTO fluxora_schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+        (migration.version, migration.name, migration.checksum),
+    )
+
+
+async def _apply_concurrently(conn: psycopg.AsyncConnection[Any], migration: Migration) -> None:
+    """Each statement in autocommit, then the record: interrupted, nothing is recorded and
+    the next ``migrate`` runs the whole migration again."""
+    for statement in migration.statements():
+        found = _CONCURRENT_INDEX.match(statement)
+        if found is None:
+            if _ANY_CONCURRENT.search(statement):
+                raise SchemaError(
+                    f"migration {migration.version:04d}_{migration.name}: an index built"
+                    " CONCURRENTLY must be CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS"
+                    " <name> ON <table> ..., to be run again after an interruption"
+                )
+            await conn.execute(statement.encode())
+            continue
+        unique = "UNIQUE " if found["unique"] else ""
+        name, table, rest = found["name"], found["table"], found["rest"]
+        if await _relkind(conn, table) == "p":
+            await _partitioned_index(conn, unique, name, table, rest)
+        else:
+            await _drop_if_invalid(conn, name)
+            await conn.execute(statement.encode())
+    await _record(conn, migration)
+
+
+async def _relkind(conn: psycopg.AsyncConnection[Any], name: str) -> str | None:
+    cur = await conn.execute(
+        "SELECT relkind::text FROM pg_class WHERE oid = to_regclass(%s)", (name,)
+    )
+    row = await cur.fetchone()
+    return str(row[0]) if row else None
+
+
+async def _index_valid(conn: psycopg.AsyncConnection[Any], name: str) -> bool | None:
+    """Whether the index is valid; None when there is none of that name."""
+    cur = await conn.execute(
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)", (name,)
+    )
+    row = await cur.fetchone()
+    return None if row is None else bool(row[0])
+
+
+async def _drop_if_invalid(conn: psycopg.AsyncConnection[Any], name: str) -> None:
+    """An index a build left INVALID (interrupted: cancelled, timed out, the connection
+    lost) is dropped, so that ``IF NOT EXISTS`` builds it again rather than keep it."""
+    if await _index_valid(conn, name) is False:
+        log.warning("index %s was left invalid by an interrupted build: building it again", name)
+        await conn.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"'.encode())
+
+
+async def _briefly(conn: psycopg.AsyncConnection[Any], statement: str) -> None:
+    """A statement that takes a short lock, waiting for it :data:`BRIEF_LOCK_TIMEOUT` at a
+    time: never a long queue in front of the producers' INSERTs."""
+    for attempt in range(LOCK_RETRIES):
+        try:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = '{BRIEF_LOCK_TIMEOUT}'")
+                await conn.execute(statement.encode())
+            return
+        except psycopg.errors.LockNotAvailable:
+            if attempt == LOCK_RETRIES - 1:
+                raise
+            await asyncio.sleep(min(5.0, 0.2 * (attempt + 1)))
+
+
+def partition_index_name(name: str, table: str, partition: str) -> str:
+    """The name of index ``name`` (of ``table``) on one of its partitions: the partition's
+    name and the index's own part, within PostgreSQL's 63 bytes."""
+    suffix = name.removeprefix(table + "_")
+    full = f"{partition}_{suffix}"
+    if len(full) <= 63:
+        return full
+    return f"{full[:54]}_{zlib.crc32(full.encode()):08x}"
+
+
+async def _partitioned_index(
+    conn: psycopg.AsyncConnection[Any], unique: str, name: str, table: str, rest: str
+) -> None:
+    """The index on a partitioned table: on the parent alone (no build, invalid until each
+    partition has its own attached), then built concurrently on each partition that has
+    none yet and attached. A partition created meanwhile gets it from the parent. Loops
+    until the parent's is valid."""
+    await _briefly(conn, f"CREATE {unique}INDEX IF NOT EXISTS {name} ON ONLY {table} {rest}")
+    for _ in range(LOCK_RETRIES):
+        if await _index_valid(conn, name):
+            return
+        cur = await conn.execute(
+            "SELECT c.relname::text, c.relkind::text FROM pg_inherits i"
+            " JOIN pg_class c ON c.oid = i.inhrelid"
+            " WHERE i.inhparent = to_regclass(%s)"
+            " AND NOT EXISTS (SELECT 1 FROM pg_inherits x JOIN pg_index ix"
+            "   ON ix.indexrelid = x.inhrelid"
+            "   WHERE x.inhparent = to_regclass(%s) AND ix.indrelid = c.oid)"
+            " ORDER BY c.relname",
+            (table, name),
+        )
+        for partition, kind in await cur.fetchall():
+            if kind == "p":
+                raise SchemaError(
+                    f"{partition} is partitioned in turn: index {name} cannot be built"
+                    " concurrently there"
+                )
+            own = partition_index_name(name, table, partition)
+            await _drop_if_invalid(conn, own)
+            build = f"CREATE {unique}INDEX CONCURRENTLY IF NOT EXISTS {own} ON {partition} {rest}"
+            await conn.execute(build.encode())
+            await _briefly(conn, f"ALTER INDEX {name} ATTACH PARTITION {own}")
+    if not await _index_valid(conn, name):
+        raise SchemaError(f"index {name} is not valid on every partition of {table}")
 
 
 def _check_known(done: dict[int, str]) -> None:

@@ -285,6 +285,13 @@ async def read_status(
                 if o in by_outcome
             },
             "last_at": (max(r["last_at"] for r in recent).isoformat() if recent else None),
+            # Events that matched no endpoint of their tenant (a misspelt tenant, a type
+            # nobody subscribes to): processed, sent nowhere.
+            "unrouted_events": (
+                int(by_outcome[Outcome.UNROUTED]["attempts"])
+                if Outcome.UNROUTED in by_outcome
+                else 0
+            ),
         },
         "endpoints": {
             "total": health.endpoints,

@@ -11,6 +11,7 @@ endpoint, a delivery id); a retry is a new delivery row due later, as before.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Awaitable, Collection, Mapping, Sequence
@@ -21,9 +22,11 @@ from functools import cache
 from typing import Any, overload
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from . import pgarray
+from .errors import SchemaError
 from .queries import native, query
 
 NOTIFY_CHANNEL = "webhook_outbox"
@@ -48,11 +51,24 @@ class Outcome(StrEnum):
     PARKED = "parked"
     LEASED = "leased"
     ROUTED = "routed"
+    UNROUTED = "unrouted"  # counted only: an event row recorded with no endpoint to go to
 
 
 # A tenant's name (SPEC 10): '' is the default tenant. The API, the CLI and enqueue() all
 # refuse any other: an event for "acme corp" would be recorded as unrouted, reaching no one.
 TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", re.ASCII)
+# The limits of an event, the API's (POST /api/v1/events) and enqueue's alike: the event
+# type is sent as a header as it is; the stream id is a key of the outbox's indexes (an
+# ordered endpoint's among them, whose entries PostgreSQL bounds at about 2,700 bytes: 500
+# characters are at most 2,000 bytes); the payload, as JSON, is the request body each
+# consumer receives, and the consumers' inbox glue refuses a body over 1 MiB.
+MAX_EVENT_TYPE = 200
+EVENT_TYPE = re.compile(rf"[ -~]{{1,{MAX_EVENT_TYPE}}}", re.ASCII)
+MAX_STREAM_ID = 500
+MAX_PAYLOAD_BYTES = 1 << 20
+# A NUL escaped in JSON text (after an even number of backslashes, which are escapes of
+# their own): PostgreSQL's jsonb cannot hold one.
+_JSON_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _check_names(tenant: str, stream_id: str, event_type: str) -> None:
@@ -60,17 +76,63 @@ def _check_names(tenant: str, stream_id: str, event_type: str) -> None:
         raise ValueError(
             "tenant must be empty (the default tenant) or 1-128 letters, digits and ._:@-"
         )
-    if not isinstance(stream_id, str) or not stream_id:
-        raise ValueError("stream_id must be a non-empty string")
-    if not isinstance(event_type, str) or not event_type:
-        raise ValueError("event_type must be a non-empty string")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in event_type) or not event_type.isascii():
-        raise ValueError("event_type must be printable ASCII (it is sent as a header)")
+    if not isinstance(stream_id, str) or not 1 <= len(stream_id) <= MAX_STREAM_ID:
+        shown = f" (is {len(stream_id)})" if isinstance(stream_id, str) else ""
+        raise ValueError(f"stream_id must be a string of 1 to {MAX_STREAM_ID} characters{shown}")
+    if "\x00" in stream_id or not _storable(stream_id):
+        raise ValueError(
+            "stream_id must be text PostgreSQL can store: no NUL character (\\u0000) and no"
+            " unpaired surrogate"
+        )
+    if not isinstance(event_type, str) or not EVENT_TYPE.fullmatch(event_type):
+        long = isinstance(event_type, str) and len(event_type) > MAX_EVENT_TYPE
+        shown = f" (is {len(event_type)} characters)" if long else ""
+        raise ValueError(
+            f"event_type must be 1 to {MAX_EVENT_TYPE} printable ASCII characters (it is sent"
+            f" as a header){shown}"
+        )
+
+
+def _storable(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (strictly: a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _payload_json(payload: Any) -> bytes:
+    """``payload`` as the JSON PostgreSQL is sent (UTF-8, as its jsonb text prints it), or a
+    ``ValueError`` naming what it cannot hold; before anything reaches the database, where
+    the same value would abort the caller's transaction."""
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:  # NaN or Infinity, or a circular reference
+        why = "NaN and Infinity are not JSON numbers" if "float" in str(exc) else str(exc)
+        raise ValueError(f"payload cannot be stored as JSON: {why}") from None
+    except TypeError as exc:
+        raise TypeError(f"payload must be JSON-serializable: {exc}") from None
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            "payload holds an unpaired surrogate: it is not valid Unicode text"
+        ) from None
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ValueError(
+            f"payload must be at most {MAX_PAYLOAD_BYTES} bytes (1 MiB) as JSON (is {len(data)})"
+        )
+    if b"\\u0000" in data and _JSON_NUL.search(data):
+        raise ValueError(
+            "payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot hold"
+        )
+    return data
 
 
 @overload
 def enqueue(
-    conn: psycopg.Connection[Any],
+    conn: psycopg.Connection[Any] | psycopg.Cursor[Any],
     *,
     stream_id: str,
     event_type: str,
@@ -81,7 +143,7 @@ def enqueue(
 
 @overload
 def enqueue(
-    conn: psycopg.AsyncConnection[Any],
+    conn: psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any],
     *,
     stream_id: str,
     event_type: str,
@@ -91,7 +153,10 @@ def enqueue(
 
 
 def enqueue(
-    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    conn: psycopg.Connection[Any]
+    | psycopg.AsyncConnection[Any]
+    | psycopg.Cursor[Any]
+    | psycopg.AsyncCursor[Any],
     *,
     stream_id: str,
     event_type: str,
@@ -108,13 +173,28 @@ def enqueue(
             conn.execute("UPDATE streams ...")
             enqueue(conn, stream_id="s1", event_type="stream.updated", payload={...})
 
+    ``conn`` is a psycopg 3 connection or cursor, sync or async (whatever its row factory).
     ``tenant`` is the customer the event belongs to ('' is the default tenant): it reaches
-    that tenant's endpoints only.
+    that tenant's endpoints only. ``payload`` is a Python value, stored as JSON.
+
+    Refused before anything reaches the database: a connection of another driver
+    (``TypeError``), a payload that is not JSON-serializable (``TypeError``), and with a
+    ``ValueError`` naming the field: an invalid tenant, a stream id not of 1 to 500
+    characters, an event type not of 1 to 200 printable ASCII characters, a payload over
+    1 MiB as JSON, with NaN or Infinity, a NUL character or an unpaired surrogate in text.
+    A database whose schema is older than the code raises :class:`SchemaError`.
     """
+    target = _connection(conn)
     params = _enqueue_params(tenant, stream_id, event_type, payload, _trace_context())
-    if isinstance(conn, psycopg.AsyncConnection):
-        return _enqueue_async(conn, params)
-    row = conn.execute(query("enqueue"), params).fetchone()
+    if isinstance(target, psycopg.AsyncConnection):
+        return _enqueue_async(target, params)
+    # A cursor of its own: the caller's row factory (dict_row, a class) may not index by
+    # position, and a failure after the INSERT ran would invite a retry that enqueues twice.
+    with target.cursor(row_factory=tuple_row) as cur:
+        try:
+            row = cur.execute(query("enqueue"), params).fetchone()
+        except _SCHEMA_FAULTS as exc:
+            raise _schema_error(exc) from exc
     assert row is not None
     return str(row[0])
 
@@ -135,6 +215,9 @@ async def enqueue_with_context(
     valid traceparent too); with none valid, the current span's context, as enqueue."""
     from .tracing import traceparent_header, tracestate_header
 
+    target = _connection(conn)
+    if not isinstance(target, psycopg.AsyncConnection):
+        raise TypeError("enqueue_with_context takes a psycopg AsyncConnection (await it)")
     parent = traceparent_header(traceparent)
     context = (
         {"traceparent": parent, "tracestate": tracestate_header(tracestate)}
@@ -142,7 +225,53 @@ async def enqueue_with_context(
         else _trace_context()
     )
     return await _enqueue_async(
-        conn, _enqueue_params(tenant, stream_id, event_type, payload, context)
+        target, _enqueue_params(tenant, stream_id, event_type, payload, context)
+    )
+
+
+# Hints for the connections of other libraries enqueue is handed most often, by the top
+# package of the object's type (none of them is imported to ask).
+_OTHER_DRIVERS = {
+    "django": "with Django, pass django.db.connection.connection inside"
+    " transaction.atomic(): the psycopg connection the atomic block's transaction runs on",
+    "asyncpg": "enqueue cannot run on asyncpg: use a psycopg AsyncConnection, or the plain"
+    " SQL INSERT INTO webhook_outbox in your transaction (examples/README.md)",
+    "sqlalchemy": "with SQLAlchemy (postgresql+psycopg), pass"
+    " session.connection().connection.driver_connection",
+    "psycopg2": "psycopg2 is not supported: use psycopg 3, or the plain SQL INSERT INTO"
+    " webhook_outbox in your transaction",
+    "psycopg_pool": "take a connection from the pool: with pool.connection() as conn",
+}
+
+
+def _connection(
+    conn: object,
+) -> psycopg.Connection[Any] | psycopg.AsyncConnection[Any]:
+    """The psycopg connection ``conn`` is or belongs to; a ``TypeError`` naming what was
+    passed otherwise (an asyncpg connection would fail only after a coroutine was made)."""
+    if isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        return conn
+    if isinstance(conn, psycopg.Cursor | psycopg.AsyncCursor):
+        return conn.connection
+    kind = type(conn)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    hint = _OTHER_DRIVERS.get(kind.__module__.split(".")[0])
+    raise TypeError(
+        "enqueue takes a psycopg 3 connection or cursor (psycopg.Connection, AsyncConnection,"
+        f" Cursor or AsyncCursor), not {name}" + (f"; {hint}" if hint else "")
+    )
+
+
+# What enqueue meets on a database older than the code: a column (tenant, traceparent...)
+# or the table itself missing. Told from the error, not asked per call (the hot path).
+_SCHEMA_FAULTS = (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable)
+
+
+def _schema_error(exc: psycopg.Error) -> SchemaError:
+    what = exc.diag.message_primary or type(exc).__name__
+    return SchemaError(
+        f"the outbox's schema is missing or older than this version of fluxora-webhooks"
+        f" ({what}): run `fluxora-webhooks migrate`"
     )
 
 
@@ -153,13 +282,14 @@ def _enqueue_params(
     payload: Any,
     context: dict[str, str | None],
 ) -> dict[str, Any]:
-    """The enqueue statement's parameters, the names checked first."""
+    """The enqueue statement's parameters, every value checked first."""
     _check_names(tenant, stream_id, event_type)
+    data = _payload_json(payload)
     return {
         "tenant": tenant,
         "stream_id": stream_id,
         "event_type": event_type,
-        "payload": Jsonb(payload),
+        "payload": Jsonb(payload, dumps=lambda _: data),  # serialized once, above
         **context,
     }
 
@@ -174,8 +304,12 @@ def _trace_context() -> dict[str, str | None]:
 
 
 async def _enqueue_async(conn: psycopg.AsyncConnection[Any], params: dict[str, Any]) -> str:
-    cur = await conn.execute(query("enqueue"), params)
-    row = await cur.fetchone()
+    async with conn.cursor(row_factory=tuple_row) as cur:  # as enqueue's
+        try:
+            await cur.execute(query("enqueue"), params)
+        except _SCHEMA_FAULTS as exc:
+            raise _schema_error(exc) from exc
+        row = await cur.fetchone()
     assert row is not None
     return str(row[0])
 
@@ -247,6 +381,7 @@ class Recorded:
     retries: int = 0
     dead_letters: int = 0
     routed: int = 0  # delivery rows fanned out from the event rows
+    unrouted: int = 0  # event rows that matched no endpoint (recorded ``unrouted``)
     # (endpoint, stream) pairs of ordered endpoints whose next head may now be chosen.
     ordered: list[tuple[str, str]] = field(default_factory=list)
 
@@ -492,7 +627,9 @@ async def complete(
     row = await cur.fetchone()
     assert row is not None
     pairs = list(zip(row[5] or [], row[6] or [], strict=True))
-    return Recorded(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4]), pairs)
+    return Recorded(
+        int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4]), int(row[9]), pairs
+    )
 
 
 def _pair_params(pairs: Collection[tuple[str, str]]) -> dict[str, str]:

@@ -77,6 +77,30 @@ _INDEXES = (
         "(endpoint_id, id) WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL"
         " AND endpoint_id <> 'default' AND endpoint_id <> 'operator'",
     ),
+    (
+        "webhook_outbox_tenant_deliveries_idx",
+        "(tenant, id) WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL"
+        " AND tenant <> '' AND tenant <> '!operator'",
+    ),
+    (
+        "webhook_outbox_stream_events_idx",
+        "(stream_id, tenant, id) WHERE event_id IS NULL AND tenant <> '!operator'",
+    ),
+    (
+        "webhook_outbox_stream_deliveries_idx",
+        "(stream_id, tenant, id) WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL",
+    ),
+    (
+        "webhook_outbox_tenant_type_events_idx",
+        "(tenant, event_type, id)"
+        " WHERE event_id IS NULL AND tenant <> '' AND tenant <> '!operator'",
+    ),
+    ("webhook_outbox_tenant_due_idx", "(tenant, created_at) WHERE NOT processed"),
+    (
+        "webhook_outbox_tenant_attempts_idx",
+        "(tenant, processed_at)"
+        " WHERE processed AND outcome IN ('delivered', 'retry', 'dead_letter')",
+    ),
     ("webhook_outbox_id_idx", "(id)"),
 )
 _AUTOVACUUM = (

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from .batch import (
-    DB_ERRORS,
     Batch,
     Effects,
     Send,
     apply_effects,
     breaker_signal,
     effects_of,
+    outage,
     outcome_of,
     promote_trying,
 )
@@ -85,14 +85,15 @@ class Recorder:
                         conn, batch.completions, batch.parts, route=route, prerouted=prerouted,
                         **_streaks(effects),
                     )  # fmt: skip
-            except DB_ERRORS:
-                raise
             except psycopg.Error as exc:
+                if outage(exc):
+                    raise
                 log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
                 batch.completions = await self._one_by_one(
                     conn, batch.completions, batch.parts, route=route, prerouted=prerouted
                 )
                 recorded = Recorded()
+        batch.unrouted = recorded.unrouted
         if batch.routed_ordered:
             recorded = replace(recorded, ordered=[*batch.routed_ordered, *recorded.ordered])
         batch.promoted = await self._effects(conn, recorded, effects, batch.busy, in_batch=True)
@@ -183,9 +184,9 @@ class Recorder:
         try:
             async with conn.transaction():
                 return await apply_effects(self.d, conn, recorded, effects, busy)
-        except DB_ERRORS:
-            raise
         except psycopg.Error as exc:
+            if outage(exc):
+                raise
             # The outcomes stand; a stream whose next head was not chosen is found by the
             # periodic sweep, an endpoint not disabled by its next failure.
             log.error("after recording: %s (%s)", type(exc).__name__, exc.sqlstate)
@@ -228,15 +229,19 @@ class Recorder:
         then the last two without (what failed may be the fan-out itself: rejected again
         on every claim, it would never end). Returns what was recorded (None: nothing
         could be; the row stays pending)."""
-        dead = Completion(
-            one.id,
-            Outcome.DEAD_LETTER,
-            status_code=one.status_code,
-            error=f"could not record outcome {one.outcome!r}: database rejected the row",
-            reason="internal_error",
-            endpoint_id=one.endpoint_id,
-            lease=one.lease,
-        )
+        refused = "database rejected the row"
+
+        def dead() -> Completion:
+            # Naming what the database said (an index entry too large names its index).
+            return Completion(
+                one.id,
+                Outcome.DEAD_LETTER,
+                status_code=one.status_code,
+                error=f"could not record outcome {one.outcome!r}: {refused}",
+                reason="internal_error",
+                endpoint_id=one.endpoint_id,
+                lease=one.lease,
+            )
 
         def later(routed: bool) -> Completion:
             # An event row whose fan-out is written (now or earlier in the batch) and that
@@ -248,10 +253,15 @@ class Recorder:
             )
 
         written = one.id in prerouted
-        tries = [(one, route), (dead, route), (later(bool(route) or written), route)]
+        tries: list[tuple[Callable[[], Completion], list[int]]] = [
+            (lambda: one, route),
+            (dead, route),
+            (lambda: later(bool(route) or written), route),
+        ]
         if route:
-            tries += [(dead, []), (later(written), [])]
-        for recording, routing in tries:
+            tries += [(dead, []), (lambda: later(written), [])]
+        for make, routing in tries:
+            recording = make()
             try:
                 async with conn.transaction():
                     done = await complete(
@@ -260,12 +270,14 @@ class Recorder:
                 if ordered is not None:
                     ordered.extend(done.ordered)
                 return recording
-            except DB_ERRORS:
-                raise
             except psycopg.Error as exc:
+                if outage(exc):
+                    raise
                 log.error(
                     "row %d: recording %s failed (%s)", one.id, recording.outcome, exc.sqlstate
                 )
+                said = (exc.diag.message_primary or type(exc).__name__)[:200]
+                refused = f"database rejected the row ({exc.sqlstate}: {said})"
         log.error("row %d: could not be completed at all; it stays pending", one.id)
         return None
 

@@ -524,6 +524,12 @@ _INTEGERS: dict[str, tuple[str, int, int]] = {
 }
 
 
+def retry_rps(env: Mapping[str, str]) -> int:
+    """``WEBHOOK_RETRY_RPS`` as ``run`` reads it: the rate at which the commands and the API
+    make a replayed or recovered endpoint's deliveries due (the gate admits no more)."""
+    return _int(env, "WEBHOOK_RETRY_RPS", _default("retry_rps"), low=1, high=MAX_RETRY_RPS)
+
+
 def _default(attr: str) -> int:
     value = Settings.__dataclass_fields__[attr].default
     assert isinstance(value, int)

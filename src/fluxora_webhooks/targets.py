@@ -45,6 +45,8 @@ OVERDUE_FACTOR = 4.0
 # Rows of an endpoint deferred before any request to it has ended (Load.early), made due
 # again at its first answer: at most this many are remembered per endpoint.
 EARLY_ROWS = 1000
+# Registry rows read and applied between two turns of the event loop (Targets.load_all).
+LOAD_SLICE = 1000
 
 
 @dataclass
@@ -258,6 +260,9 @@ class Targets:
         # endpoints.
         self._tenants: frozenset[str] | None = None
         self._ordered: dict[str, tuple[Target, ...]] = {}
+        # Each row as last applied, and when (load_all applies a row again only if it
+        # changed).
+        self._applied: dict[str, tuple[dict[str, Any], float]] = {}
         # Endpoints whose row cannot be used as it is (written by SQL past the checks of
         # the CLI and the API): why, by id.
         self._unusable: dict[str, str] = {}
@@ -311,21 +316,42 @@ class Targets:
         return self._tenants, self._ordered
 
     async def load_all(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Read the whole registry (at start, and as the periodic fallback)."""
+        """Read the whole registry (at start, and as the periodic fallback). A row as it
+        was when last applied is not checked and applied again: with tens of thousands of
+        endpoints that work (each URL's check above all) held the event loop for seconds
+        every period, stalling every request and the gate's calls. The rows are read a
+        slice at a time, the loop free between slices."""
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute("SELECT * FROM webhook_endpoints")
-        rows = await cur.fetchall()
-        seen = {str(r["id"]) for r in rows}
-        for row in rows:
-            self._apply_row(row)
+        seen: set[str] = set()
+        while rows := await cur.fetchmany(LOAD_SLICE):
+            for row in rows:
+                endpoint_id = str(row["id"])
+                seen.add(endpoint_id)
+                if not self._unchanged(endpoint_id, row):
+                    self._apply_row(row)
+            await asyncio.sleep(0)
         for endpoint_id in list(self._by_id):
             if endpoint_id not in seen and endpoint_id not in self._env:
                 del self._by_id[endpoint_id]
         for endpoint_id in list(self._unusable):
             if endpoint_id not in seen:  # removed: its deliveries say so (endpoint_removed)
                 del self._unusable[endpoint_id]
+        for endpoint_id in list(self._applied):
+            if endpoint_id not in seen:
+                del self._applied[endpoint_id]
         self.loaded = True
         self._tenants = None
+
+    def _unchanged(self, endpoint_id: str, row: Mapping[str, Any]) -> bool:
+        """Whether ``row`` is what was applied last, and applying it again would make
+        the same target: not while a rotated-out secret it signs with may have expired
+        since (its expiry is read when the row is applied)."""
+        applied = self._applied.get(endpoint_id)
+        if applied is None or applied[0] != row:
+            return False
+        until = row.get("previous_until")
+        return until is None or not row.get("secret_previous") or until.timestamp() <= applied[1]
 
     async def reload(self, conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> Target | None:
         """Read one endpoint again (after its NOTIFY); None when it no longer exists."""
@@ -333,6 +359,7 @@ class Targets:
         await cur.execute("SELECT * FROM webhook_endpoints WHERE id = %s", (endpoint_id,))
         row = await cur.fetchone()
         if row is None:
+            self._applied.pop(endpoint_id, None)
             if endpoint_id in self._env:
                 builtin = self._by_id[endpoint_id]
                 builtin.enabled, builtin.failing_since = True, None
@@ -354,6 +381,7 @@ class Targets:
         is not sent to; its deliveries become dead letters naming why (the batch asks
         :meth:`unusable`), and one bad row never stops the loading of the others."""
         endpoint_id = str(row.get("id"))
+        self._applied[endpoint_id] = (dict(row), time.time())
         try:
             endpoint = Endpoint.from_row(row)  # its headers made readable: checked as stored
             problem = _problem(endpoint, row["headers"])

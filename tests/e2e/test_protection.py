@@ -153,7 +153,7 @@ async def test_redis_outage_does_not_stop_deliveries_and_protection_resumes(
         try:
             async with dispatchers(2, env, tmp_path):
                 await enqueue_many(database_url, 20)
-                await receiver.wait_for(20)
+                await receiver.wait_for(20, timeout=60)  # six processes starting
                 assert await client.exists(key)  # the gate records attempts
 
                 await asyncio.to_thread(server.stop)  # the receiver's loop keeps answering

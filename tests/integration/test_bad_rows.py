@@ -6,6 +6,7 @@ other endpoint keeps receiving, and is sent to again once its row is fixed."""
 from __future__ import annotations
 
 import json
+import secrets
 
 import psycopg
 import pytest
@@ -140,3 +141,72 @@ async def test_the_api_lists_an_endpoint_whose_headers_sql_wrote_badly(database_
             "ep_number": {"X-Key": "5"},
         }
         assert (await api.get("/api/v1/endpoints/ep_number")).status == 200
+
+
+async def test_a_stream_id_too_long_for_an_ordered_endpoints_index_stops_nothing(
+    database_url: str, receiver: Receiver
+) -> None:
+    # Written by SQL (enqueue and the API refuse it): the event row fits its own indexes,
+    # its ordered endpoint's delivery does not fit the stream index. Refused for what it
+    # holds, the routing was taken for a database outage: every claim loop retried that
+    # batch for ever and nothing more was delivered, to any tenant.
+    stream_id = secrets.token_hex(1340)  # 2,680 characters that do not compress
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret, ordered)"
+            " VALUES ('ep_ordered', 'ord', %s, %s, true), ('ep_plain', 'plain', %s, %s, false)",
+            (receiver.url, SECRET, receiver.url, SECRET),
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            """ VALUES ('ord', %s, 'e', '{"n": "long"}')""",
+            (stream_id,),
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " SELECT t, 's', 'e', jsonb_build_object('n', t || g)"
+            " FROM unnest(ARRAY['ord', 'plain']) t, generate_series(1, 3) g"
+        )
+    settings = make_settings("", allowed_networks=LOOPBACK)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(6)
+
+        async def dead_lettered() -> bool:
+            return bool(await rows(database_url, "SELECT 1 FROM webhook_dead_letter"))
+
+        await wait_until(dead_lettered, what="the long stream's event dead-lettered")
+    assert sorted(json.loads(hit.body)["n"] for hit in receiver.received) == [
+        "ord1", "ord2", "ord3", "plain1", "plain2", "plain3"
+    ]  # fmt: skip
+    ((reason, error, stream),) = await rows(
+        database_url, "SELECT reason, last_error, stream_id FROM webhook_dead_letter"
+    )
+    assert (reason, stream) == ("internal_error", stream_id)
+    assert "54000" in error and "webhook_outbox_stream" in error, error
+
+
+async def test_a_delivery_row_naming_another_tenants_endpoint_is_never_sent_there(
+    database_url: str, receiver: Receiver
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret)"
+            " VALUES ('ep_bolt', 'bolt', %s, %s)",
+            (receiver.url, SECRET),
+        )
+        await conn.execute(  # acme's event, written straight at bolt's endpoint
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id)"
+            """ VALUES ('acme', 's', 'e', '{"t": "acme"}', 'ep_bolt'),"""
+            """ ('bolt', 's', 'e', '{"t": "bolt"}', 'ep_bolt')"""
+        )
+    async with running_dispatcher(make_settings("", allowed_networks=LOOPBACK), database_url):
+        await receiver.wait_for(1)
+
+        async def dead_lettered() -> bool:
+            return bool(await rows(database_url, "SELECT 1 FROM webhook_dead_letter"))
+
+        await wait_until(dead_lettered, what="acme's row dead-lettered")
+    assert [json.loads(hit.body)["t"] for hit in receiver.received] == ["bolt"]
+    assert await rows(
+        database_url, "SELECT tenant, reason, last_error FROM webhook_dead_letter"
+    ) == [("acme", "invalid_request", "endpoint ep_bolt is not an endpoint of the row's tenant")]

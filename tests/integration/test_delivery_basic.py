@@ -113,3 +113,26 @@ def test_enqueue_rejects_a_tenant_the_api_and_cli_refuse(database_url: str, tena
 
 async def _all_processed(database_url: str) -> bool:
     return await pending(database_url) == 0
+
+
+async def test_the_dispatchers_sessions_are_named_unless_the_url_names_them(
+    database_url: str, receiver: Receiver
+) -> None:
+    """An operator tells the dispatcher's sessions from the producers' in pg_stat_activity;
+    an application_name the URL gives stands."""
+
+    async def names() -> set[str]:
+        found = await rows(
+            database_url,
+            "SELECT application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        return {str(name) for (name,) in found}
+
+    async with running_dispatcher(make_settings(receiver.url), database_url):
+        assert "fluxora-webhooks dispatcher" in await names()
+    separator = "&" if "?" in database_url else "?"
+    named = f"{database_url}{separator}application_name=billing-webhooks"
+    async with running_dispatcher(make_settings(receiver.url), named):
+        seen = await names()
+    assert "billing-webhooks" in seen and "fluxora-webhooks dispatcher" not in seen

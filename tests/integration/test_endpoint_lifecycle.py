@@ -20,8 +20,8 @@ from aiohttp import web
 from standardwebhooks import Webhook
 
 from fluxora_webhooks import batch as batch_module
+from fluxora_webhooks import deadletters, endpoints, enqueue, verify
 from fluxora_webhooks import dispatcher as dispatcher_module
-from fluxora_webhooks import endpoints, enqueue, verify
 from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.errors import ConfigError, ConflictError, NotFoundError, VerificationError
 from fluxora_webhooks.metrics import REGISTRY
@@ -271,6 +271,32 @@ async def test_a_failure_streak_longer_than_disable_after_disables_it(
             assert (await endpoints.get(conn, ep.id)).failing_since is None
 
 
+async def test_the_built_in_default_endpoint_keeps_the_first_waves_rules_when_failing(
+    database_url: str, consumer: Receiver
+) -> None:
+    # SPEC 10: everything in sections 1-9 holds for it. A team upgrading from one
+    # WEBHOOK_URL keeps retrying and dead-lettering, as before: its consumer is never
+    # disabled behind its back with every new event parked until someone enables it.
+    consumer.respond = lambda r: web.Response(status=503)
+    tuned = dataclasses.replace(
+        make_settings(consumer.url, allowed_networks=LOOPBACK),
+        disable_after_ms=1000, retry_schedule_ms=(300,), max_attempts=6,
+    )  # fmt: skip
+    async with running_dispatcher(tuned, database_url):
+        await send(database_url, 2)
+
+        async def both_dead() -> bool:
+            return bool(await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter") == 2)
+
+        await wait_until(both_dead, timeout=30, what="both dead-lettered")
+        conn = await connect(database_url)
+        async with conn:
+            default = await endpoints.get(conn, "default")
+        assert default.state == "enabled" and default.failing_since is not None
+        assert await held(database_url, "default") == 0
+        assert len(consumer.received) == 12  # six attempts each, the streak past a second
+
+
 async def test_a_success_ends_the_streak_and_idle_time_alone_disables_nothing(
     database_url: str, consumer: Receiver
 ) -> None:
@@ -315,38 +341,79 @@ async def test_a_start_without_the_variables_costs_the_running_dispatchers_nothi
     database_url: str, consumer: Receiver, operator: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another dispatcher started without WEBHOOK_URL and WEBHOOK_OPERATOR_URL (a host
-    missing them, a `run` from a shell) removes the built-in endpoints it does not
-    configure; the running ones put them back, so events still reach them and the operator.
-    A disabled built-in endpoint is not removed: its parked deliveries wait for enable."""
+    missing them, a `run` from a shell) leaves the built-in endpoints alone while a running
+    dispatcher configures them: removed and put back, the default tenant's events routed
+    in between never reached `default`. A disabled built-in endpoint is never removed: its
+    parked deliveries wait for enable."""
     monkeypatch.setattr(dispatcher_module, "HOUSEKEEPING_S", 0.2)
+    # What the one without WEBHOOK_URL claims of `default`'s waits for the other one.
+    monkeypatch.setattr(batch_module, "UNKNOWN_ENDPOINT_DEFER_MS", 300)
     configured = dataclasses.replace(settings(operator), webhook_url=consumer.url, secret=SECRET)
     async with running_dispatcher(configured, database_url):
         conn = await connect(database_url)
         async with conn:
             for builtin in (endpoints.DEFAULT_ID, endpoints.OPERATOR_ID):
-                await endpoints.sync_builtin(conn, builtin, None)  # the other one's start
-            assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
-            await wait_until(
-                lambda: _eq(scalar(database_url, "SELECT count(*) FROM webhook_endpoints"), 2),
-                what="both built-in endpoints put back",
-            )
-            await send(database_url, 1)
-            await consumer.wait_for(1)
+                assert not await endpoints.sync_builtin(conn, builtin, None)  # the other's start
+            assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 2
+            async with running_dispatcher(settings(), database_url):  # and a real one
+                await send(database_url, 20)
+                await consumer.wait_for(20)
+            assert len({r.delivery_id for r in consumer.received}) == 20
             await endpoints.disable(conn, endpoints.DEFAULT_ID)
             await operator.wait_for(1)  # endpoint.disabled: the operator endpoint is there
             await send(database_url, 2)
             await wait_until(lambda: _eq(held(database_url, "default"), 2), what="2 parked")
-            await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, None)  # another start
+            await _forget_seen(database_url)
+            assert not await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, None)
             assert not (await endpoints.get(conn, endpoints.DEFAULT_ID)).enabled
             assert await held(database_url, "default") == 2
             await endpoints.enable(conn, endpoints.DEFAULT_ID)
-            await consumer.wait_for(3)
+            await consumer.wait_for(22)
             await operator.wait_for(2)
     assert [r.headers["x-fluxora-event"] for r in operator.received] == [
         "endpoint.disabled",
         "endpoint.enabled",
     ]
-    assert len({r.delivery_id for r in consumer.received}) == 3
+    assert len({r.delivery_id for r in consumer.received}) == 22
+
+
+async def _forget_seen(database_url: str) -> None:
+    """As if the last dispatcher configuring the built-in endpoints stopped long ago."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "UPDATE webhook_builtin_seen SET seen_at = now() - %s * interval '1 second'",
+            (endpoints.BUILTIN_SEEN_S + 1,),
+        )
+
+
+async def test_a_built_in_endpoint_no_dispatcher_configures_any_more_is_removed(
+    database_url: str, consumer: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WEBHOOK_URL gone from every host: a dispatcher without it removes `default` once
+    none that has it was seen for BUILTIN_SEEN_S, at its start or while it runs; the
+    default tenant's events are then unrouted, and a dispatcher that has it puts it back."""
+    monkeypatch.setattr(dispatcher_module, "HOUSEKEEPING_S", 0.2)
+    conn = await connect(database_url)
+    async with conn:
+        assert not await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, consumer.url)
+        assert not await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, None)  # seen now
+        await _forget_seen(database_url)
+        assert await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, None)
+        assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
+        configured = dataclasses.replace(settings(), webhook_url=consumer.url, secret=SECRET)
+        async with running_dispatcher(configured, database_url):
+            await wait_until(
+                lambda: _eq(scalar(database_url, "SELECT count(*) FROM webhook_endpoints"), 1),
+                what="default put back",
+            )
+        async with running_dispatcher(settings(), database_url):  # the variable gone
+            await asyncio.sleep(0.5)
+            assert (await endpoints.get(conn, endpoints.DEFAULT_ID)).enabled  # seen lately
+            await _forget_seen(database_url)
+            await wait_until(
+                lambda: _eq(scalar(database_url, "SELECT count(*) FROM webhook_endpoints"), 0),
+                what="default removed by the running dispatcher",
+            )
 
 
 async def test_a_dispatcher_without_webhook_url_leaves_the_default_endpoints_events_waiting(
@@ -452,6 +519,50 @@ async def test_recover_requeues_ten_thousand_dead_letters_in_one_call(
         await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter WHERE state = 'dead'")
         == 1
     )
+    # Due one after another at the rate the gate admits them (WEBHOOK_RETRY_RPS, 10 a
+    # second), across the batches of the one call: all due at once, each was refused and
+    # claimed again every second, ahead of every other endpoint's deliveries, for the
+    # quarter of an hour the last one waited.
+    ((spread, due_times, first_in),) = await rows(
+        database_url,
+        "SELECT EXTRACT(EPOCH FROM max(created_at) - min(created_at)),"
+        " count(DISTINCT created_at), EXTRACT(EPOCH FROM min(created_at) - now())"
+        " FROM webhook_outbox WHERE endpoint_id = %s",
+        (ep.id,),
+    )
+    # 9,999 gaps of a tenth of a second (each batch's transaction starts a moment later).
+    assert 999.9 <= float(spread) < 1010 and due_times == 10_000
+    assert float(first_in) < 1
+
+
+async def test_replayed_dead_letters_are_due_at_each_endpoints_rate(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEBHOOK_RETRY_RPS", "4")
+    conn = await connect(database_url)
+    async with conn:
+        fast, _ = await endpoints.create(
+            conn, url="https://fast.example.com/", tenant="t", rate_limit=50
+        )
+        plain, _ = await endpoints.create(conn, url="https://plain.example.com/", tenant="t")
+        await conn.execute(
+            "INSERT INTO webhook_dead_letter (delivery_id, tenant, stream_id, event_type,"
+            " payload, attempts, reason, enqueued_at, dead_at, endpoint_id)"
+            " SELECT gen_random_uuid(), 't', 's', 'e', '{}', 8, 'attempts_exhausted', now(),"
+            " now() - g * interval '1 second', e"
+            " FROM generate_series(1, 20) g, unnest(ARRAY[%s, %s]) e",
+            (fast.id, plain.id),
+        )
+    assert len(await deadletters.replay(database_url, [], include_all=True)) == 40
+    spreads = dict(
+        await rows(
+            database_url,
+            "SELECT endpoint_id, round(EXTRACT(EPOCH FROM max(created_at) - min(created_at)), 2)"
+            " FROM webhook_outbox GROUP BY endpoint_id",
+        )
+    )
+    # 19 gaps of 1/50 s and of 1/4 s (WEBHOOK_RETRY_RPS for an endpoint without its own).
+    assert {k: float(v) for k, v in spreads.items()} == {fast.id: 0.38, plain.id: 4.75}
 
 
 async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(

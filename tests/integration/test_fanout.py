@@ -18,7 +18,8 @@ import pytest
 import pytest_asyncio
 from standardwebhooks import Webhook
 
-from fluxora_webhooks import deadletters, endpoints, enqueue, outbox, verify
+from fluxora_webhooks import deadletters, endpoints, enqueue, ops, outbox, verify
+from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.settings import Settings
 from fluxora_webhooks.targets import Targets
 from tests.support.dispatch import SECRET, make_settings, rows, running_dispatcher, wait_until
@@ -125,6 +126,7 @@ async def test_an_event_without_a_default_endpoint_is_routed_and_recorded(
             await enqueue(
                 conn, tenant="nobody", stream_id="s", event_type="stream.created", payload={}
             )
+    before = {o: _counted(o) for o in ("routed", "unrouted")}
     async with running_dispatcher(settings_for(None), database_url):
         await target.wait_for(1)
         await wait_until(lambda: _settled(database_url), what="settled")
@@ -133,6 +135,15 @@ async def test_an_event_without_a_default_endpoint_is_routed_and_recorded(
         "SELECT tenant, outcome FROM webhook_outbox WHERE event_id IS NULL ORDER BY tenant",
     )
     assert found == [("", "routed"), ("nobody", "unrouted")]
+    # Counted apart (SPEC 10: visible, counted): a misspelt tenant shows in the metric and
+    # in `status`, not among the routed events.
+    assert {o: _counted(o) - n for o, n in before.items()} == {"routed": 1, "unrouted": 1}
+    status = await ops.read_status(database_url, minutes=5, webhook_url=None, redis_url=None)
+    assert status["recent"]["unrouted_events"] == 1
+
+
+def _counted(outcome: str) -> float:
+    return REGISTRY.get_sample_value("fluxora_webhook_deliveries_total", {"outcome": outcome}) or 0
 
 
 async def test_an_endpoint_receives_only_events_enqueued_after_it_was_created(
@@ -147,6 +158,27 @@ async def test_an_endpoint_receives_only_events_enqueued_after_it_was_created(
         await target.wait_for(1)
         await wait_until(lambda: _settled(database_url), what="settled")
     assert [x.body for x in target.received] == [b'{"n": "after"}']
+
+
+async def test_an_event_written_after_an_endpoint_was_created_reaches_it_whenever_begun(
+    database_url: str, receivers: list[Receiver]
+) -> None:
+    """A request-long producer transaction (Django's ATOMIC_REQUESTS, a session per
+    request) that began before the endpoint was created and wrote its event after: the
+    event is enqueued when its INSERT ran, after the endpoint was created."""
+    target = receivers[0]
+    async with (
+        await psycopg.AsyncConnection.connect(database_url) as producer,
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as admin,
+    ):
+        await producer.execute("SELECT 1")  # the transaction begins
+        await add(admin, target)
+        await admin.execute("SELECT pg_sleep(0.05)")
+        await enqueue(producer, stream_id="s", event_type="stream.created", payload={"n": 1})
+        await producer.commit()
+    async with running_dispatcher(settings_for(None), database_url):
+        await wait_until(lambda: _settled(database_url), what="settled")
+    assert [x.body for x in target.received] == [b'{"n": 1}']
 
 
 async def _settled(database_url: str) -> bool:

@@ -307,6 +307,8 @@ async def test_recovery_reads_one_endpoints_window(big_url: str) -> None:
         "since": now - timedelta(days=2),
         "until": now - timedelta(days=1),
         "batch": 500,
+        "start": 0,
+        "rps": 10,
     }
     async with await connect(big_url) as conn:
         plan = await explain(conn, query("recover_dead_letters"), params)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,19 @@ MAX_BODY_BYTES = 1 << 20
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+# The longest one statement of a read (a GET or HEAD request: the API's lists, the
+# statistics, the dashboard's pages) runs: a read that asks too much is stopped and
+# answered 422 (errors.py), rather than hold one of the pool's few connections while other
+# requests wait for one. Writes (POST, PUT, PATCH, DELETE) run with the session's own
+# setting: disabling an endpoint parks each of its pending deliveries in one statement.
+READ_STATEMENT_TIMEOUT_MS = 10_000
+# Whether the request being served reads (set by Guard, read when a connection is taken).
+_READING: ContextVar[bool] = ContextVar("fluxora_api_reading", default=False)
+# Each pool connection's statement_timeout: as it was set last (not set again while the
+# same), and the session's own (the server's, the role's or the URL's) for writes.
+_TIMEOUTS: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], tuple[str, str]] = (
+    weakref.WeakKeyDictionary()
 )
 SECURITY_HEADERS = (
     (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
@@ -78,7 +93,38 @@ async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     """A time a producer wrote that Python cannot hold (``-infinity``) is read, not a 500
     (pgtypes); in the one DateStyle psycopg reads."""
     read_far_timestamps(conn)
-    await conn.execute("SELECT set_config('DateStyle', 'ISO', false)")
+    cur = await conn.execute(
+        "SELECT set_config('DateStyle', 'ISO', false), current_setting('statement_timeout')"
+    )
+    row = await cur.fetchone()
+    own = str(row[1]) if row else "0"
+    _TIMEOUTS[conn] = (own, own)
+
+
+async def _statement_timeout(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A connection taken for a read stops a statement after
+    :data:`READ_STATEMENT_TIMEOUT_MS`; one taken for a write has the session's own
+    setting. Set in the session (the pool's connections are in autocommit), only when it
+    changes."""
+    current, own = _TIMEOUTS.get(conn, ("", "0"))
+    wanted = f"{READ_STATEMENT_TIMEOUT_MS}ms" if _READING.get() else own
+    if wanted != current:
+        await conn.execute("SELECT set_config('statement_timeout', %s, false)", (wanted,))
+        _TIMEOUTS[conn] = (wanted, own)
+
+
+class _Pool(AsyncConnectionPool[psycopg.AsyncConnection[Any]]):
+    """The API's pool: a connection is handed out with the statement timeout of the
+    request (:func:`_statement_timeout`)."""
+
+    async def getconn(self, timeout: float | None = None) -> psycopg.AsyncConnection[Any]:
+        conn = await super().getconn(timeout=timeout)
+        try:
+            await _statement_timeout(conn)
+        except BaseException:
+            await self.putconn(conn)
+            raise
+        return conn
 
 
 def _too_large() -> HTTPException:
@@ -106,6 +152,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         head = scope.get("method") == "HEAD"
+        reading = _READING.set(scope.get("method") in ("GET", "HEAD"))
         if head:
             # HEAD is answered as GET without the body (RFC 9110): the routes declare GET.
             scope = {**scope, "method": "GET"}
@@ -146,6 +193,8 @@ class Guard:
                 return
             log.exception("%s: unexpected error", where)
             await self._internal_error(scope, receive, watched)
+        finally:
+            _READING.reset(reading)
 
     async def _internal_error(
         self,
@@ -169,7 +218,7 @@ def create_app(config: ApiConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = _Pool(
             config.database_url,
             min_size=1,
             max_size=config.pool_max,
@@ -214,7 +263,11 @@ def create_app(config: ApiConfig) -> FastAPI:
                 "model": errors_model(),
                 "description": "a body sent without `Content-Type: application/json`",
             },
-            422: {"model": errors_model(), "description": "the request is not valid"},
+            422: {
+                "model": errors_model(),
+                "description": "the request is not valid; or a read that ran longer than the"
+                " API allows (`query_timeout`): narrow it with a filter",
+            },
             500: {"model": errors_model(), "description": "an unexpected error (in the log)"},
             503: {
                 "model": errors_model(),

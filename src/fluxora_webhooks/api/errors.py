@@ -172,6 +172,26 @@ def _nul_in_request(request: Request) -> tuple[int, str, str] | None:
     return None
 
 
+# How to narrow each read the statement timeout can stop (by the path under /api/v1).
+_NARROWING = (
+    ("/deliveries", "a filter such as endpoint_id, status, stream_id, event_type or tenant"),
+    ("/events", "a filter such as stream_id, event_type or tenant"),
+    ("/stats", "a shorter window, a smaller endpoints_limit or a tenant"),
+)
+
+
+def _too_long_message(request: Request) -> str:
+    """What a read stopped by the statement timeout is told: how long a read may take and
+    how to ask for less (never the query itself)."""
+    from .app import API_PREFIX as API_V1
+    from .app import READ_STATEMENT_TIMEOUT_MS
+
+    path = request.url.path.removeprefix(API_V1)
+    how = next((h for prefix, h in _NARROWING if path.startswith(prefix)), "a filter")
+    seconds = f"{READ_STATEMENT_TIMEOUT_MS / 1000:g}"
+    return f"the query took longer than {seconds} s and was stopped; narrow it with {how}"
+
+
 def install(app: FastAPI, html_error: Any) -> None:
     """Register the handlers; ``html_error(request, status, message)`` renders the
     dashboard's error page."""
@@ -212,6 +232,22 @@ def install(app: FastAPI, html_error: Any) -> None:
     @app.exception_handler(EndpointError)
     async def _refused(request: Request, exc: EndpointError) -> Response:
         return answer(request, 422, "validation_error", str(exc))
+
+    @app.exception_handler(psycopg.errors.QueryCanceled)
+    async def _too_long(request: Request, exc: psycopg.errors.QueryCanceled) -> Response:
+        # A read stopped by its statement timeout (api/app.py): the same request would be
+        # stopped again, so it is not answered 503 (which clients retry, each retry holding
+        # a connection for as long again) but 422, saying how to ask for less. Anything
+        # else cancelled (an operator's pg_cancel_backend) is the database's business: 503.
+        reason = str(getattr(exc.diag, "message_primary", "") or "")
+        if "statement timeout" not in reason or request.method not in ("GET", "HEAD"):
+            return await _database_unavailable(request, exc)
+        log.warning(
+            "%s %s: answered 422, the query ran past the statement timeout",
+            request.method,
+            request.url.path,
+        )
+        return answer(request, 422, "query_timeout", _too_long_message(request))
 
     @app.exception_handler(psycopg.OperationalError)
     @app.exception_handler(psycopg.InterfaceError)

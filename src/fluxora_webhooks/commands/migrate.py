@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     from .. import partitions
     from ..errors import ConfigError
-    from ..migrations import MIGRATION_LOCK_KEY, latest_version, migrate
+    from ..migrations import MIGRATION_LOCK_KEY, latest_version, migrate, take_lock
     from ..settings import format_ms, parse_duration_ms
 
     if args.partition_interval is not None and not args.partitioned:
@@ -58,7 +58,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             converted = False
             current: int | None = None
             if args.partitioned:
-                await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+                # Waited for by polling, as migrate() does: another migrate blocked in
+                # pg_advisory_lock holds a snapshot the conversion's concurrent index
+                # builds would wait for.
+                await take_lock(conn)
                 try:
                     converted = await partitions.convert(conn, interval_ms=interval_ms)
                     current = (await partitions.layout(conn)).interval_ms

@@ -157,6 +157,12 @@ def render(snapshot: dict[str, Any]) -> None:
             _num(times.get("p95")),
         )
     console.print(table)
+    unrouted = recent.get("unrouted_events", 0)
+    if unrouted:
+        console.print(
+            f"{unrouted:,} event(s) in the last {recent['minutes']} min matched no endpoint of"
+            " their tenant (recorded unrouted, sent nowhere)"
+        )
     if snapshot.get("endpoints") is not None:
         _render_endpoints(console, snapshot["endpoints"])
 

@@ -32,6 +32,7 @@ from typing import Any, TypeAlias, overload
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
 from ..errors import SchemaError, VerificationError
 from ..queries import query
@@ -137,11 +138,12 @@ def install(
     """
     if isinstance(conn, psycopg.AsyncConnection):
         return _created(install_report(conn))
-    with conn.transaction():
-        conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
-        shape = conn.execute(query("inbox_shape"), _SHAPE_PARAMS).fetchone()
+    # Its rows read by position, whatever the connection's row factory (dict_row...).
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
+        shape = cur.execute(query("inbox_shape"), _SHAPE_PARAMS).fetchone()
         for step in _install_steps(shape):
-            conn.execute(step)
+            cur.execute(step)
     return shape is None
 
 
@@ -166,11 +168,11 @@ def install_report(conn: psycopg.AsyncConnection[Any]) -> Coroutine[Any, Any, In
 
 
 async def _install_report(conn: psycopg.AsyncConnection[Any]) -> Installed:
-    async with conn.transaction():
-        await conn.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
-        shape = await (await conn.execute(query("inbox_shape"), _SHAPE_PARAMS)).fetchone()
+    async with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:  # as install's
+        await cur.execute(query("inbox_lock"), {"key": INBOX_LOCK_KEY})
+        shape = await (await cur.execute(query("inbox_shape"), _SHAPE_PARAMS)).fetchone()
         for step in _install_steps(shape):
-            await conn.execute(step)
+            await cur.execute(step)
     return Installed(created=True) if shape is None else Installed(False, tuple(shape[3]))
 
 
@@ -471,20 +473,27 @@ async def _prune(
         raise ValueError(f"batch_size must be between 1 and {MAX_PRUNE_BATCH}")
     if not conn.autocommit:
         raise ValueError("prune needs a connection in autocommit mode (one transaction a batch)")
+    async with conn.cursor(row_factory=tuple_row) as cur:  # as install's
+        return await _prune_batches(cur, older_than_ms, batch_size, dry_run)
+
+
+async def _prune_batches(
+    cur: psycopg.AsyncCursor[tuple[Any, ...]], older_than_ms: int, batch_size: int, dry_run: bool
+) -> InboxPruneResult:
     # One cutoff for the whole run, from the database's clock: the run ends even while
     # new ids keep ageing past the period.
-    cur = await conn.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
+    await cur.execute(query("retention_cutoff"), {"older_than_ms": older_than_ms})
     row = await cur.fetchone()
     assert row is not None
     cutoff: dt.datetime = row[0]
     try:
         if dry_run:
-            cur = await conn.execute(query("inbox_prune_count"), {"cutoff": cutoff})
+            await cur.execute(query("inbox_prune_count"), {"cutoff": cutoff})
             counted = await cur.fetchone()
             return InboxPruneResult(cutoff, int(counted[0]) if counted else 0, 0, dry_run=True)
         deleted = batches = 0
         while True:
-            cur = await conn.execute(query("inbox_prune"), {"cutoff": cutoff, "batch": batch_size})
+            await cur.execute(query("inbox_prune"), {"cutoff": cutoff, "batch": batch_size})
             done = await cur.fetchone()
             count = int(done[0]) if done else 0
             deleted += count

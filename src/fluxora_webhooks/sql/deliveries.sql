@@ -68,6 +68,89 @@ WHERE id = %(id)s AND event_id IS NULL
 -- A row dead-lettered with no request (its endpoint removed, or its row unusable: no
 -- status, no duration) is the delivery's end, not an attempt: as the dead letter's count
 -- has it.
+--
+-- Where the first rows come from depends on %(status)s: one of the four pages below is
+-- planned, the others fold away (the parameters are values when planned, not placeholders
+-- of a prepared statement: see api/app.py).
+-- - none, or delivered: the scope's deliveries newest first (the key, or one tenant's,
+--   endpoint's or stream's index), until a page of them matches;
+-- - pending: the first row is the current one, not processed yet: among the backlog's
+--   rows (the partial indexes on NOT processed);
+-- - retrying, parked: the deliveries with such a row not processed yet, from the
+--   backlog's rows, then their first rows (webhook_outbox_delivery_idx);
+-- - dead_letter: the deliveries of the scope's dead letters (in any state), then their
+--   first rows.
+-- So a status few deliveries have is found without reading every delivery of the scope;
+-- the current row's status is checked as always. (Not found this way: a delivery whose
+-- current row is a processed retry, as retrying: the retry's next row is written in the
+-- same statement; one whose dead letters were pruned while its rows were kept, as
+-- dead_letter.)
+SELECT * FROM (
+    (
+        -- use: delivery_list_select
+        FROM webhook_outbox f
+        -- use: delivery_list_current
+        WHERE (%(status)s::text IS NULL
+               OR %(status)s::text NOT IN ('pending', 'retrying', 'parked', 'dead_letter'))
+        -- use: delivery_list_filters
+    )
+    UNION ALL
+    (
+        -- use: delivery_list_select
+        FROM webhook_outbox f
+        -- use: delivery_list_current
+        WHERE %(status)s::text = 'pending' AND NOT f.processed AND f.hold IS DISTINCT FROM 'parked'
+        -- use: delivery_list_filters
+    )
+    UNION ALL
+    (
+        -- use: delivery_list_select
+        FROM (
+            -- The backlog's rows of the status that are first rows themselves (a delivery
+            -- parked before its first attempt), and the first rows of those that are not
+            -- (processed: a delivery has one row not processed at a time). Sorted first, so
+            -- that the current rows are read for one page only.
+            SELECT u.* FROM webhook_outbox u
+            WHERE u.attempt = 1 AND NOT u.replay
+            -- use: delivery_list_backlog
+            UNION ALL
+            SELECT o.* FROM webhook_outbox o
+            WHERE o.processed AND o.delivery_id IN (
+                SELECT u.delivery_id FROM webhook_outbox u
+                WHERE (u.attempt > 1 OR u.replay)
+                -- use: delivery_list_backlog
+            )
+            ORDER BY id DESC
+        ) f
+        -- use: delivery_list_current
+        WHERE %(status)s::text IN ('retrying', 'parked')
+        -- use: delivery_list_filters
+    )
+    UNION ALL
+    (
+        -- use: delivery_list_select
+        FROM (
+            SELECT o.* FROM webhook_outbox o
+            WHERE o.delivery_id IN (
+                SELECT d.delivery_id FROM webhook_dead_letter d
+                WHERE (NOT %(scoped)s OR d.tenant = %(tenant)s)
+                  AND (%(f_tenant)s::text IS NULL OR d.tenant = %(f_tenant)s)
+                  AND (%(endpoint_id)s::text IS NULL OR d.endpoint_id = %(endpoint_id)s)
+                  AND (%(stream_id)s::text IS NULL OR d.stream_id = %(stream_id)s)
+                  AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s)
+            )
+            ORDER BY id DESC
+        ) f
+        -- use: delivery_list_current
+        WHERE %(status)s::text = 'dead_letter'
+        -- use: delivery_list_filters
+    )
+) page
+ORDER BY seq DESC
+LIMIT %(limit)s;
+
+-- name: delivery_list_select
+-- A fragment of delivery_list: its columns.
 SELECT f.id AS seq, f.delivery_id::text AS delivery_id, COALESCE(f.event_id, f.id) AS event_id,
        f.endpoint_id, f.tenant, f.stream_id, f.event_type, f.enqueued_at AS created_at,
        s.attempt_count, s.last_attempt_at,
@@ -79,7 +162,9 @@ SELECT f.id AS seq, f.delivery_id::text AS delivery_id, COALESCE(f.event_id, f.i
             WHEN c.outcome = 'dead_letter' THEN 'dead_letter'
             ELSE 'retrying' END AS status,
        CASE WHEN NOT c.processed AND c.created_at < 'infinity' THEN c.created_at END AS next_attempt_at
-FROM webhook_outbox f
+
+-- name: delivery_list_current
+-- A fragment of delivery_list: the first row's attempts and its current row.
 CROSS JOIN LATERAL (
     SELECT max(a.id) AS current_id,
            count(*) FILTER (WHERE a.processed AND a.attempted) AS attempt_count,
@@ -95,7 +180,10 @@ CROSS JOIN LATERAL (
     ) a
 ) s
 JOIN webhook_outbox c ON c.id = s.current_id
-WHERE f.attempt = 1 AND NOT f.replay AND f.endpoint_id IS NOT NULL
+
+-- name: delivery_list_filters
+-- A fragment of delivery_list: which first rows, the status, the page.
+  AND f.attempt = 1 AND NOT f.replay AND f.endpoint_id IS NOT NULL
   AND f.outcome IS DISTINCT FROM 'routed' AND f.outcome IS DISTINCT FROM 'unrouted'
   AND (NOT %(scoped)s OR f.tenant = %(tenant)s)
   AND (%(event)s::bigint IS NULL OR f.event_id = %(event)s OR f.id = %(event)s)
@@ -113,7 +201,19 @@ WHERE f.attempt = 1 AND NOT f.replay AND f.endpoint_id IS NOT NULL
         WHEN c.outcome = 'dead_letter' THEN 'dead_letter'
         ELSE 'retrying' END)
 ORDER BY f.id DESC
-LIMIT %(limit)s;
+LIMIT %(limit)s
+
+-- name: delivery_list_backlog
+-- A fragment of delivery_list: the scope's rows not processed yet that make a delivery
+-- retrying or parked (%(status)s), as u.
+  AND NOT u.processed AND u.endpoint_id IS NOT NULL
+  AND CASE WHEN %(status)s::text = 'parked' THEN u.hold = 'parked'
+           ELSE u.hold IS DISTINCT FROM 'parked' AND (u.attempt > 1 OR u.replay) END
+  AND (NOT %(scoped)s OR u.tenant = %(tenant)s)
+  AND (%(f_tenant)s::text IS NULL OR u.tenant = %(f_tenant)s)
+  AND (%(endpoint_id)s::text IS NULL OR u.endpoint_id = %(endpoint_id)s)
+  AND (%(stream_id)s::text IS NULL OR u.stream_id = %(stream_id)s)
+  AND (%(event_type)s::text IS NULL OR u.event_type = %(event_type)s)
 
 -- name: delivery_rows
 -- Every row of one delivery, oldest first (webhook_outbox_delivery_idx); whether each was

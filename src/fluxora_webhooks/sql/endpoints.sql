@@ -161,14 +161,34 @@ VALUES (%(id)s, %(tenant)s, %(url)s)
 ON CONFLICT (id) DO NOTHING
 RETURNING id;
 
--- name: builtin_delete
--- A disabled one stays: its state and its parked deliveries outlive a start without it.
-DELETE FROM webhook_endpoints WHERE id = %(id)s AND state = 'enabled';
+-- name: builtin_seen
+-- A dispatcher that configures this built-in endpoint is running (at most one write a
+-- housekeeping period per dispatcher; none while another wrote it moments ago).
+INSERT INTO webhook_builtin_seen (endpoint_id, seen_at)
+VALUES (%(id)s, now())
+ON CONFLICT (endpoint_id) DO UPDATE SET seen_at = EXCLUDED.seen_at
+WHERE webhook_builtin_seen.seen_at < EXCLUDED.seen_at - interval '2 seconds';
+
+-- name: builtin_retire
+-- A built-in endpoint no running dispatcher configures any more: removed once none has
+-- said it does for %(seen_s)s seconds. A disabled one stays: its state and its parked
+-- deliveries outlive a start without it.
+DELETE FROM webhook_endpoints
+WHERE id = %(id)s AND state = 'enabled'
+  AND NOT EXISTS (
+      SELECT 1 FROM webhook_builtin_seen
+      WHERE endpoint_id = %(id)s AND seen_at > now() - %(seen_s)s * interval '1 second'
+  )
+RETURNING id;
 
 -- name: recover_dead_letters
 -- One bounded batch of an endpoint's dead letters from the window, back into the outbox:
 -- same delivery id, attempts counted afresh, gated as retries, parked if the endpoint is
 -- disabled, waiting behind its stream's head if it is ordered (promote_heads decides).
+-- Due one after another at the endpoint's retry rate (%(start)s: how many of this recovery
+-- the batches before queued), as the gate will admit them: all due at once, tens of
+-- thousands were each refused and claimed again every second, at the head of everyone's
+-- claim order, until the last went.
 WITH picked AS (
     UPDATE webhook_dead_letter
     SET state = 'replayed', state_changed_at = now()
@@ -192,7 +212,9 @@ queued AS (
            CASE WHEN ep.state = 'disabled' THEN 'parked'
                 WHEN ep.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
            CASE WHEN ep.state = 'disabled' OR (ep.ordered AND p.stream_seq IS NOT NULL)
-                THEN 'infinity'::timestamptz ELSE now() END,
+                THEN 'infinity'::timestamptz
+                ELSE now() + (%(start)s + row_number() OVER (ORDER BY p.dead_at, p.id) - 1)
+                             * interval '1 second' / COALESCE(ep.rate_limit, %(rps)s) END,
            p.traceparent, p.tracestate
     FROM picked p CROSS JOIN ep
     RETURNING stream_id, stream_seq

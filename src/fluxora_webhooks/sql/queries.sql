@@ -163,7 +163,8 @@ SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM held),
        ARRAY(SELECT stream_id FROM ordered_pairs ORDER BY endpoint_id, 1),
        (SELECT count(*) FROM told) + (SELECT count(*) FROM streak_ended)
        + (SELECT count(*) FROM streak_started),
-       set_config('lock_timeout', '0', true) || set_config('statement_timeout', '0', true);
+       set_config('lock_timeout', '0', true) || set_config('statement_timeout', '0', true),
+       (SELECT count(*) FROM done WHERE recorded = 'unrouted');
 
 -- name: complete_routing
 -- complete_batch's routing (ev, routed, ordered_pairs).
@@ -215,15 +216,15 @@ done AS (
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
       AND r.outcome IN ('delivered', 'retry', 'dead_letter', 'routed')
       AND o.processed IS FALSE AND (r.lease IS NULL OR o.lease = r.lease)
-    RETURNING o.id, r.outcome AS wanted, r.delay_ms, r.reason, r.status_code, r.error,
-              r.response_body, o.tenant, o.stream_id, o.event_type, o.payload, o.delivery_id,
-              o.attempt, o.enqueued_at, o.replay, o.endpoint_id, o.event_id, o.stream_seq,
-              o.traceparent, o.tracestate, r.duration_ms
+    RETURNING o.id, r.outcome AS wanted, o.outcome AS recorded, r.delay_ms, r.reason,
+              r.status_code, r.error, r.response_body, o.tenant, o.stream_id, o.event_type,
+              o.payload, o.delivery_id, o.attempt, o.enqueued_at, o.replay, o.endpoint_id,
+              o.event_id, o.stream_seq, o.traceparent, o.tracestate, r.duration_ms
 ),
 
 -- name: complete_done_none
 -- No row to mark processed (nor, then, a retry or a dead letter).
-done AS (SELECT NULL::bigint AS id WHERE false),
+done AS (SELECT NULL::bigint AS id, NULL::text AS recorded WHERE false),
 
 -- name: complete_held
 -- complete_batch's deferred, parked and leased rows.
@@ -552,6 +553,8 @@ ORDER BY dead_at DESC, id DESC;
 -- existed, or by plain SQL) when it is the default tenant's; another tenant's is an event
 -- whose fan-out the database rejected, and goes back as that event, to be routed again
 -- (under the same delivery ids). One of an endpoint removed since stays where it is.
+-- An endpoint's replays are due one after another at its retry rate, as the gate will
+-- admit them (see recover_dead_letters).
 WITH picked AS (
     UPDATE webhook_dead_letter d
     SET state = 'replayed', state_changed_at = now()
@@ -573,7 +576,9 @@ queued AS (
            CASE WHEN e.state = 'disabled' THEN 'parked'
                 WHEN e.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
            CASE WHEN e.state = 'disabled' OR (e.ordered AND p.stream_seq IS NOT NULL)
-                THEN 'infinity'::timestamptz ELSE now() END,
+                THEN 'infinity'::timestamptz
+                ELSE now() + (row_number() OVER (PARTITION BY p.target ORDER BY p.dead_at, p.id)
+                              - 1) * interval '1 second' / COALESCE(e.rate_limit, %(rps)s) END,
            p.traceparent, p.tracestate
     FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target
     RETURNING 1

@@ -1,0 +1,46 @@
+-- fluxora: concurrently
+-- The management API's reads of one tenant, one stream and the statistics read their own
+-- rows, however many other tenants' rows the outbox holds. Before this, a small tenant's
+-- list of deliveries, a search by stream or by event type and the statistics read the
+-- whole outbox (a parallel scan of every row) or walked it newest first.
+--
+-- Built CONCURRENTLY, outside a transaction (the marker line above; see migrations.py):
+-- the producers' INSERTs go on while each index is built. Each statement can run again: a
+-- run interrupted half-way is completed by the next `fluxora-webhooks migrate`.
+--
+-- As in 0008, the lists' indexes hold only the rows their list reads, and those of the
+-- default tenant ('') and the operator only where the list reads them.
+
+-- A tenant's deliveries, newest first (GET /deliveries of a tenant token, ?tenant=).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_deliveries_idx
+    ON webhook_outbox (tenant, id)
+    WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL
+      AND tenant <> '' AND tenant <> '!operator';
+
+-- Events and deliveries of one stream (?stream_id=, the dashboard's search), of one tenant
+-- or of every tenant.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_stream_events_idx
+    ON webhook_outbox (stream_id, tenant, id)
+    WHERE event_id IS NULL AND tenant <> '!operator';
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_stream_deliveries_idx
+    ON webhook_outbox (stream_id, tenant, id)
+    WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL;
+
+-- A tenant's events of one type (?event_type=).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_type_events_idx
+    ON webhook_outbox (tenant, event_type, id)
+    WHERE event_id IS NULL AND tenant <> '' AND tenant <> '!operator';
+
+-- A tenant's backlog (statistics, the deliveries not yet processed): its unprocessed rows,
+-- oldest due first. Holds the backlog only, as webhook_outbox_due_idx does.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_due_idx
+    ON webhook_outbox (tenant, created_at) WHERE NOT processed;
+
+-- A tenant's attempts in a window (statistics: recent outcomes, the series).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_attempts_idx
+    ON webhook_outbox (tenant, processed_at)
+    WHERE processed AND outcome IN ('delivered', 'retry', 'dead_letter');
+
+-- A tenant's dead letters in a window, whatever became of them since (the series).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_dead_letter_tenant_dead_at_idx
+    ON webhook_dead_letter (tenant, dead_at);
