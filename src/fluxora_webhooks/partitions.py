@@ -95,12 +95,6 @@ _INDEXES = (
         "(tenant, event_type, id)"
         " WHERE event_id IS NULL AND tenant <> '' AND tenant <> '!operator'",
     ),
-    ("webhook_outbox_tenant_due_idx", "(tenant, created_at) WHERE NOT processed"),
-    (
-        "webhook_outbox_tenant_attempts_idx",
-        "(tenant, processed_at)"
-        " WHERE processed AND outcome IN ('delivered', 'retry', 'dead_letter')",
-    ),
     ("webhook_outbox_id_idx", "(id)"),
 )
 _AUTOVACUUM = (

@@ -283,21 +283,15 @@ def test_a_tenants_events_of_one_type_read_that_type(volume_url: str) -> None:
     plan.check(uses=frozenset({"webhook_outbox_tenant_type_events_idx"}), max_examined=2_000)
 
 
-@pytest.mark.parametrize("tenant", [BIG_TENANT, SMALL_TENANT])
-def test_a_tenants_statistics_read_its_own_rows(volume_url: str, tenant: str) -> None:
-    backlog = explain(volume_url, "stats_backlog", {**_scoped(tenant), "cap": 100_000})
-    backlog.check(max_examined=1_000)
-    outcomes = explain(volume_url, "stats_outcomes", {**_scoped(tenant), "window_ms": 3_600_000})
-    assert not outcomes.seq_scans()
+def test_a_tenants_statistics_read_its_own_dead_letters(volume_url: str) -> None:
     series = explain(
         volume_url,
         "stats_series",
-        {**_scoped(tenant), "window_ms": 86_400_000, "buckets": 30},
+        {**_scoped(SMALL_TENANT), "window_ms": 86_400_000, "buckets": 30},
     )
-    # The day's attempts of the tenant, not the whole outbox; its dead letters of the day.
-    series.check(max_examined=ROWS // 2)
-    if tenant == SMALL_TENANT:
-        assert not series.seq_scans(("webhook_dead_letter",))
+    # Its dead letters of the day, not every tenant's (the outbox's part is read by time:
+    # no index by tenant over every row, migration 0015 says why).
+    assert not series.seq_scans(("webhook_dead_letter",))
 
 
 async def test_every_status_filter_finds_what_the_unfiltered_list_shows(

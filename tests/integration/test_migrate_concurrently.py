@@ -49,7 +49,7 @@ def test_the_read_indexes_migration_is_concurrent() -> None:
 
 async def test_an_interrupted_build_is_completed_by_the_next_migrate(database_url: str) -> None:
     migration = CONCURRENT[0]
-    name = "webhook_outbox_tenant_due_idx"
+    name = "webhook_outbox_tenant_deliveries_idx"
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await _forget(conn, migration)
         for _ in range(2):
@@ -61,7 +61,7 @@ async def test_an_interrupted_build_is_completed_by_the_next_migrate(database_ur
         # duplicates), as a cancelled or timed-out one does.
         with pytest.raises(psycopg.errors.UniqueViolation):
             await conn.execute(
-                f"CREATE UNIQUE INDEX CONCURRENTLY {name} ON webhook_outbox (tenant, created_at)"
+                f"CREATE UNIQUE INDEX CONCURRENTLY {name} ON webhook_outbox (tenant, stream_id)"
                 " WHERE NOT processed"
             )
         assert await _valid(conn, name) is False

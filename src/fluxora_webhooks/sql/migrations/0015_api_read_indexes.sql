@@ -31,15 +31,11 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_type_events_idx
     ON webhook_outbox (tenant, event_type, id)
     WHERE event_id IS NULL AND tenant <> '' AND tenant <> '!operator';
 
--- A tenant's backlog (statistics, the deliveries not yet processed): its unprocessed rows,
--- oldest due first. Holds the backlog only, as webhook_outbox_due_idx does.
-CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_due_idx
-    ON webhook_outbox (tenant, created_at) WHERE NOT processed;
-
--- A tenant's attempts in a window (statistics: recent outcomes, the series).
-CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_outbox_tenant_attempts_idx
-    ON webhook_outbox (tenant, processed_at)
-    WHERE processed AND outcome IN ('delivered', 'retry', 'dead_letter');
+-- Not here: a tenant's backlog and its attempts in a window (the statistics) by tenant.
+-- Two indexes over every pending and every processed row doubled the database's CPU per
+-- delivery at WEBHOOK_BATCH_SIZE=100 and cost a third of the throughput
+-- (docs/performance.md, twenty-second pass); a tenant's statistics read its share of the
+-- window's rows instead.
 
 -- A tenant's dead letters in a window, whatever became of them since (the series).
 CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_dead_letter_tenant_dead_at_idx
