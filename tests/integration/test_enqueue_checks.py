@@ -227,7 +227,8 @@ async def test_enqueue_on_an_unmigrated_database_says_to_migrate(
 def test_enqueue_names_what_it_was_given_instead_of_a_psycopg_connection(
     database_url: str,
 ) -> None:
-    django_db = pytest.importorskip("django.db")  # not configured: its connection untouched
+    import django.db as django_db  # not configured: its connection untouched
+
     with pytest.raises(TypeError, match=r"not django\.utils\.connection\.ConnectionProxy") as e:
         enqueue(django_db.connection, **EVENT)
     assert "django.db.connection.connection inside transaction.atomic()" in str(e.value)
@@ -238,7 +239,8 @@ def test_enqueue_names_what_it_was_given_instead_of_a_psycopg_connection(
 async def test_enqueue_on_an_asyncpg_connection_is_a_type_error_and_no_coroutine(
     database_url: str,
 ) -> None:
-    asyncpg = pytest.importorskip("asyncpg")
+    import asyncpg
+
     apg = await asyncpg.connect(database_url)
     try:
         with warnings.catch_warnings(record=True) as seen:
@@ -300,7 +302,6 @@ def test_the_django_recipe_enqueues_in_the_atomic_block(
 async def test_the_sqlalchemy_asyncpg_recipe_enqueues_in_the_session(
     conn: psycopg.Connection[Any], database_url: str
 ) -> None:
-    pytest.importorskip("asyncpg")
     if not database_url.startswith("postgresql://"):
         pytest.skip("a URL SQLAlchemy's asyncpg dialect takes is needed")
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
