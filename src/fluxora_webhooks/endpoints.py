@@ -540,7 +540,9 @@ async def enable(
         row = await _one(conn, "endpoint_enable", {"id": endpoint_id, **_scope(tenant)})
         if row is None:
             return await get(conn, endpoint_id, tenant=tenant)  # enabled already, or 404
-        cur = await conn.execute(query("endpoint_unpark"), {"id": endpoint_id})
+        cur = await conn.execute(
+            query("endpoint_unpark"), {"id": endpoint_id, "rps": retry_rps(os.environ)}
+        )
         streams = [str(r[0]) for r in await cur.fetchall()]
         await operator_event(
             conn, "endpoint.enabled", stream_id=endpoint_id, payload=_state_event(row, None)

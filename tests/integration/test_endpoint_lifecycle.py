@@ -535,6 +535,34 @@ async def test_recover_requeues_ten_thousand_dead_letters_in_one_call(
     assert float(first_in) < 1
 
 
+async def test_enabling_makes_parked_retries_due_at_the_endpoints_rate(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEBHOOK_RETRY_RPS", "4")
+    conn = await connect(database_url)
+    async with conn:
+        ep, _ = await endpoints.create(conn, url="https://parked.example.com/", tenant="t")
+        await endpoints.disable(conn, ep.id)
+        await conn.execute(  # a failing streak's retries, and first attempts, all parked
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id,"
+            " attempt, hold, created_at)"
+            " SELECT 't', 's', 'e', '{}', %s, CASE WHEN g <= 20 THEN 3 ELSE 1 END,"
+            " 'parked', 'infinity' FROM generate_series(1, 25) g",
+            (ep.id,),
+        )
+        await endpoints.enable(conn, ep.id)
+    due = dict(
+        await rows(
+            database_url,
+            "SELECT attempt, round(EXTRACT(EPOCH FROM max(created_at) - min(created_at)), 2)"
+            " FROM webhook_outbox WHERE endpoint_id = %s GROUP BY attempt",
+            (ep.id,),
+        )
+    )
+    # The retries one after another at 4 a second (19 gaps); the first attempts at once.
+    assert {k: float(v) for k, v in due.items()} == {3: 4.75, 1: 0.0}
+
+
 async def test_replayed_dead_letters_are_due_at_each_endpoints_rate(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -85,13 +85,28 @@ RETURNING *;
 
 -- name: endpoint_unpark
 -- Every parked delivery is due again; an ordered stream's deliveries wait for their head,
--- which promote_heads then chooses. Returns the streams to promote.
-WITH unparked AS (
-    UPDATE webhook_outbox
-    SET hold = CASE WHEN stream_seq IS NULL THEN NULL ELSE 'waiting' END,
-        created_at = CASE WHEN stream_seq IS NULL THEN now() ELSE 'infinity' END
-    WHERE endpoint_id = %(id)s AND NOT processed AND hold = 'parked'
-    RETURNING stream_id, stream_seq
+-- which promote_heads then chooses. Returns the streams to promote. First attempts are due
+-- now; those the gate admits as retries (a later attempt, a replay) one after another at
+-- the endpoint's retry rate, as recover_dead_letters does: an endpoint that failed for
+-- days has thousands of them, all refused and claimed again every second if due at once.
+WITH parked AS (
+    SELECT o.id, o.partition_at, o.attempt > 1 OR o.replay AS gated,
+           row_number() OVER (PARTITION BY o.attempt > 1 OR o.replay ORDER BY o.id) AS k
+    FROM webhook_outbox o
+    WHERE o.endpoint_id = %(id)s AND NOT o.processed AND o.hold = 'parked'
+),
+unparked AS (
+    UPDATE webhook_outbox o
+    SET hold = CASE WHEN o.stream_seq IS NULL THEN NULL ELSE 'waiting' END,
+        created_at = CASE
+            WHEN o.stream_seq IS NOT NULL THEN 'infinity'::timestamptz
+            WHEN p.gated THEN now() + (p.k - 1) * interval '1 second'
+                 / COALESCE((SELECT rate_limit FROM webhook_endpoints WHERE id = %(id)s),
+                            %(rps)s)
+            ELSE now() END
+    FROM parked p
+    WHERE o.id = p.id AND o.partition_at = p.partition_at
+    RETURNING o.stream_id, o.stream_seq
 )
 SELECT DISTINCT stream_id FROM unparked WHERE stream_seq IS NOT NULL;
 
