@@ -151,7 +151,10 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
         return f"the database is read-only{named('DATABASE_URL')}: {READ_ONLY_HINT}"
-    if isinstance(exc, psycopg.OperationalError):
+    if isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc,
+        psycopg.errors.ProgramLimitExceeded,  # a statement refused for what it holds
+    ):
         hosts = each_host_failed(str(exc))
         why = hosts or first_line or type(exc).__name__
         return f"cannot reach the database{named('DATABASE_URL')}: {why}"

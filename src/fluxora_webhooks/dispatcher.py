@@ -292,11 +292,16 @@ class Dispatcher:
         last_sweep = time.monotonic()
         while True:
             try:
-                if not synced:
-                    await self.with_connection(self._sync_builtins)
-                    synced = True
-                else:
-                    await self.with_connection(self._restore_builtins)
+                try:
+                    if not synced:
+                        await self.with_connection(self._sync_builtins)
+                        synced = True
+                    else:
+                        await self.with_connection(self._restore_builtins)
+                except psycopg.errors.ReadOnlySqlTransaction:
+                    # A standby, a server switched read-only: the registry is read all the
+                    # same (the claim loops say that the database refuses writes).
+                    pass
                 await self.with_connection(self.targets.load_all)
                 self.claim_since = await self.with_connection(partitions.pending_since)
                 if time.monotonic() - last_sweep >= SWEEP_S:
@@ -326,14 +331,15 @@ class Dispatcher:
     async def _restore_builtins(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Every housekeeping period: the built-in endpoints this dispatcher configures are
         said to be configured (endpoints.seen_builtin), and put back if they are missing
-        (removed while no dispatcher configuring them was seen: otherwise deliveries to
-        them would wait and operator events would stop until this dispatcher restarts);
-        those it does not configure are removed once no dispatcher has configured them for
-        endpoints.BUILTIN_SEEN_S (their variable gone from every host)."""
+        (removed by a dispatcher without the variable that started while none configuring
+        them was seen: otherwise deliveries to them would wait and operator events would
+        stop until this dispatcher restarts). Those it does not configure are removed only
+        at a start (sync_builtin), never here: a running dispatcher would otherwise remove
+        them whenever the hosts that configure them were away for a while (a stop-then-start
+        deploy, a crash loop), and the default tenant's events routed then never reach
+        `default`."""
         for endpoint_id, url in self._builtins():
             if not url:
-                if await endpoints.retire_builtin(conn, endpoint_id):
-                    self._log_retired(endpoint_id)
                 continue
             await endpoints.seen_builtin(conn, endpoint_id)
             if await endpoints.restore_builtin(conn, endpoint_id, url):
@@ -820,9 +826,10 @@ class Dispatcher:
         for completion in batch.completions:
             if completion.outcome in (Outcome.DEFERRED, Outcome.PARKED, Outcome.ROUTED):
                 tally[completion.outcome, None] += 1
-        if batch.unrouted:  # event rows that matched no endpoint: counted apart
-            tally[Outcome.ROUTED, None] -= batch.unrouted
-            tally[Outcome.UNROUTED, None] += batch.unrouted
+        unrouted = min(batch.unrouted, tally[Outcome.ROUTED, None])
+        if unrouted:  # event rows that matched no endpoint: counted apart
+            tally[Outcome.ROUTED, None] -= unrouted
+            tally[Outcome.UNROUTED, None] += unrouted
         for (outcome, reason), n in tally.items():
             self.count(outcome, reason, n)
         if reports:

@@ -84,11 +84,13 @@ _INDEXES = (
     ),
     (
         "webhook_outbox_stream_events_idx",
-        "(stream_id, tenant, id) WHERE event_id IS NULL AND tenant <> '!operator'",
+        "(stream_id, tenant, id) WHERE event_id IS NULL AND tenant <> '!operator'"
+        " AND octet_length(stream_id) <= 2000",
     ),
     (
         "webhook_outbox_stream_deliveries_idx",
-        "(stream_id, tenant, id) WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL",
+        "(stream_id, tenant, id) WHERE attempt = 1 AND NOT replay AND endpoint_id IS NOT NULL"
+        " AND octet_length(stream_id) <= 2000",
     ),
     (
         "webhook_outbox_tenant_type_events_idx",

@@ -105,6 +105,7 @@ class Recorder:
         still ours to record and record each on its own. A row another loop claimed
         meanwhile is skipped: that loop sends it again (at-least-once)."""
         completions = batch.completions
+        batch.unrouted = 0  # the rolled-back statement's count: its rows are recorded anew
         if batch.route_failed:  # rejected before anything was planned or sent
             # Routed one by one; an event the default endpoint delivers itself becomes that
             # delivery, due at once (marked routed, it would never reach the default).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 from typing import Any
 
 import psycopg
@@ -196,3 +197,26 @@ async def test_converting_to_partitions_keeps_the_read_indexes(database_url: str
                 (index,),
             )
             assert await cur.fetchone() == (table,), index
+
+
+async def test_a_stream_id_too_long_for_an_index_entry_does_not_fail_the_build(
+    database_url: str,
+) -> None:
+    """Rows a plain SQL INSERT (or the first release) wrote with a stream id of kilobytes,
+    processed long ago: the stream indexes leave them out, so the build succeeds, and a
+    search by such a stream finds nothing rather than failing."""
+    migration = CONCURRENT[0]
+    stream_id = secrets.token_hex(1700)  # 3,400 characters that do not compress
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await _forget(conn, migration)
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, processed,"
+            " outcome, endpoint_id, processed_at) VALUES ('t', %s, 'e', '{}', true,"
+            " 'delivered', NULL, now()), ('t', %s, 'e', '{}', true, 'delivered', 'ep_x', now())",
+            (stream_id, stream_id),
+        )
+        applied = await migrations.migrate(conn)
+        assert [m.version for m in applied] == [migration.version]
+        for index, _ in _indexes(migration):
+            assert await _valid(conn, index), index
+        await migrations.check_schema(conn)

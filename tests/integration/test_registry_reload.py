@@ -10,10 +10,15 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
+from fluxora_webhooks import dispatcher as dispatcher_module
+from fluxora_webhooks import endpoints, urlpolicy
 from fluxora_webhooks import targets as targets_module
-from fluxora_webhooks import urlpolicy
 from fluxora_webhooks.targets import Targets
+from tests.support.api import LOOPBACK
+from tests.support.dispatch import make_settings, running_dispatcher, wait_until
+from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
 
@@ -69,3 +74,44 @@ async def test_a_reload_checks_only_the_rows_that_changed(
         checked.clear()
         await registry.load_all(conn)
         assert checked == []
+
+
+async def test_the_registry_is_read_on_a_read_only_database(
+    database_url: str, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standby, a server switched read-only: writing the built-in endpoints fails, and the
+    registry is read all the same (it was not, for as long as the database refused)."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        ep, _ = await endpoints.create(conn, url=receiver.url, allowed_networks=LOOPBACK)
+        name = (await (await conn.execute("SELECT current_database()")).fetchone() or [""])[0]
+        await conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
+                sql.Identifier(name)
+            )
+        )
+    monkeypatch.setattr(dispatcher_module, "HOUSEKEEPING_S", 0.2)
+    try:
+        async with running_dispatcher(make_settings(receiver.url), database_url) as dispatcher:
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+                # Changed where no NOTIFY tells of it: only the periodic reload can see it.
+                await conn.execute("SET default_transaction_read_only = off")
+                await conn.execute("ALTER TABLE webhook_endpoints DISABLE TRIGGER USER")
+                await conn.execute(
+                    "UPDATE webhook_endpoints SET url = 'https://moved.example.com/' WHERE id = %s",
+                    (ep.id,),
+                )
+                await conn.execute("ALTER TABLE webhook_endpoints ENABLE TRIGGER USER")
+
+            async def moved() -> bool:
+                target = dispatcher.targets.get(ep.id)
+                return target is not None and target.url == "https://moved.example.com/"
+
+            await wait_until(moved, timeout=5, what="the registry read again")
+    finally:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("SET default_transaction_read_only = off")
+            await conn.execute(
+                sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(
+                    sql.Identifier(name)
+                )
+            )

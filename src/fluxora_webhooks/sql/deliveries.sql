@@ -48,7 +48,7 @@ FROM webhook_outbox
 WHERE event_id IS NULL AND tenant <> '!operator'
   AND (NOT %(scoped)s OR tenant = %(tenant)s)
   AND (%(f_tenant)s::text IS NULL OR tenant = %(f_tenant)s)
-  AND (%(stream_id)s::text IS NULL OR stream_id = %(stream_id)s)
+  AND (%(stream_id)s::text IS NULL OR (stream_id = %(stream_id)s AND octet_length(stream_id) <= 2000))
   AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s)
   AND (%(before)s::bigint IS NULL OR id < %(before)s)
 ORDER BY id DESC
@@ -136,7 +136,7 @@ SELECT * FROM (
                 WHERE (NOT %(scoped)s OR d.tenant = %(tenant)s)
                   AND (%(f_tenant)s::text IS NULL OR d.tenant = %(f_tenant)s)
                   AND (%(endpoint_id)s::text IS NULL OR d.endpoint_id = %(endpoint_id)s)
-                  AND (%(stream_id)s::text IS NULL OR d.stream_id = %(stream_id)s)
+                  AND (%(stream_id)s::text IS NULL OR (d.stream_id = %(stream_id)s AND octet_length(d.stream_id) <= 2000))
                   AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s)
             )
             ORDER BY id DESC
@@ -189,7 +189,7 @@ JOIN webhook_outbox c ON c.id = s.current_id
   AND (%(event)s::bigint IS NULL OR f.event_id = %(event)s OR f.id = %(event)s)
   AND (%(f_tenant)s::text IS NULL OR f.tenant = %(f_tenant)s)
   AND (%(endpoint_id)s::text IS NULL OR f.endpoint_id = %(endpoint_id)s)
-  AND (%(stream_id)s::text IS NULL OR f.stream_id = %(stream_id)s)
+  AND (%(stream_id)s::text IS NULL OR (f.stream_id = %(stream_id)s AND octet_length(f.stream_id) <= 2000))
   AND (%(event_type)s::text IS NULL OR f.event_type = %(event_type)s)
   AND (%(before)s::bigint IS NULL OR f.id < %(before)s)
   AND (%(status)s::text IS NULL OR %(status)s = CASE
@@ -212,7 +212,7 @@ LIMIT %(limit)s
   AND (NOT %(scoped)s OR u.tenant = %(tenant)s)
   AND (%(f_tenant)s::text IS NULL OR u.tenant = %(f_tenant)s)
   AND (%(endpoint_id)s::text IS NULL OR u.endpoint_id = %(endpoint_id)s)
-  AND (%(stream_id)s::text IS NULL OR u.stream_id = %(stream_id)s)
+  AND (%(stream_id)s::text IS NULL OR (u.stream_id = %(stream_id)s AND octet_length(u.stream_id) <= 2000))
   AND (%(event_type)s::text IS NULL OR u.event_type = %(event_type)s)
 
 -- name: delivery_rows

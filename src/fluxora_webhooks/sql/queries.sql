@@ -577,6 +577,7 @@ queued AS (
                 WHEN e.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
            CASE WHEN e.state = 'disabled' OR (e.ordered AND p.stream_seq IS NOT NULL)
                 THEN 'infinity'::timestamptz
+                WHEN p.target IS NULL THEN now()  -- an event, routed again: no one URL
                 ELSE now() + (row_number() OVER (PARTITION BY p.target ORDER BY p.dead_at, p.id)
                               - 1) * interval '1 second' / COALESCE(e.rate_limit, %(rps)s) END,
            p.traceparent, p.tracestate
