@@ -57,18 +57,8 @@ def template_db(pg_admin_url: str, worker_id: str) -> Iterator[str]:
 @pytest.fixture
 def database_url(pg_admin_url: str, template_db: str) -> Iterator[str]:
     """A migrated database of this test's own."""
-    name = f"fluxora_t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(template_db)
-            )
-        )
-    yield engines.with_dbname(pg_admin_url, name)
-    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
+    with engines.copied_database(pg_admin_url, template_db, "fluxora_t_") as url:
+        yield url
 
 
 @pytest.fixture

@@ -467,14 +467,7 @@ class Batch:
                 # A delivery row naming another tenant's endpoint (written by SQL past
                 # every check: the fan-out only ever writes the event's own tenant's): never
                 # sent across tenants.
-                self.completions.append(
-                    Completion(
-                        row.id,
-                        Outcome.DEAD_LETTER,
-                        error=f"endpoint {found.id} is not an endpoint of the row's tenant",
-                        reason="invalid_request",
-                    )
-                )
+                self._refuse(row, f"endpoint {found.id} is not an endpoint of the row's tenant")
                 return None
             target = found
         if not target.enabled:
@@ -486,6 +479,12 @@ class Batch:
             self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=endpoint_id))
             return None
         return target
+
+    def _refuse(self, row: Claimed, error: str) -> None:
+        """``row`` is a dead letter without a request (``invalid_request``, naming why)."""
+        self.completions.append(
+            Completion(row.id, Outcome.DEAD_LETTER, error=error, reason="invalid_request")
+        )
 
     async def _target(self, conn: psycopg.AsyncConnection[Any], row: Claimed) -> Target | None:
         """The row's endpoint. Unknown here: reloaded from the registry; an endpoint gone
@@ -506,14 +505,7 @@ class Batch:
                 return target
         problem = self.d.targets.unusable(row.endpoint_id)
         if problem is not None:
-            self.completions.append(
-                Completion(
-                    row.id,
-                    Outcome.DEAD_LETTER,
-                    error=f"endpoint {row.endpoint_id} cannot be used: {problem}",
-                    reason="invalid_request",
-                )
-            )
+            self._refuse(row, f"endpoint {row.endpoint_id} cannot be used: {problem}")
             return None
         if row.endpoint_id in (DEFAULT_ID, "operator"):
             self.d.warn_unconfigured(row.endpoint_id)

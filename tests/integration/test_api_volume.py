@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 import pytest_asyncio
-from psycopg import sql
 
 from fluxora_webhooks import deliveries
 from fluxora_webhooks.api import app as api_app
@@ -101,23 +99,10 @@ ROWS = 150_000  # events; as many deliveries, 90 % of them the big tenant's
 
 @pytest.fixture(scope="module")
 def volume_url(pg_admin_url: str, template_db: str) -> Iterator[str]:
-    name = f"fluxora_volume_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(template_db)
-            )
-        )
-    url = engines.with_dbname(pg_admin_url, name)
-    try:
+    with engines.copied_database(pg_admin_url, template_db, "fluxora_volume_") as url:
         with psycopg.connect(url, autocommit=True) as conn:
             _fill(conn)
         yield url
-    finally:
-        with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def _fill(conn: psycopg.Connection[Any]) -> None:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from fluxora_webhooks.outbox import Completion, Outcome, complete_statement
 from fluxora_webhooks.queries import query, variant
@@ -31,27 +29,14 @@ BIG = ("webhook_outbox", "webhook_dead_letter")
 
 @pytest.fixture(scope="module")
 def big_url(pg_admin_url: str, template_db: str) -> Iterator[str]:
-    name = f"fluxora_plans_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(template_db)
-            )
-        )
-    url = engines.with_dbname(pg_admin_url, name)
+    with engines.copied_database(pg_admin_url, template_db, "fluxora_plans_") as url:
 
-    async def fill() -> None:
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await bigoutbox.build(conn)
+        async def fill() -> None:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await bigoutbox.build(conn)
 
-    try:
         asyncio.run(fill())
         yield url
-    finally:
-        with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import uuid
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -72,3 +75,26 @@ def _embedded_redis_url() -> str:
     from fluxora_webhooks.embedded import embedded_redis_url
 
     return embedded_redis_url(EMBEDDED_HOME)
+
+
+@contextlib.contextmanager
+def copied_database(admin_url: str, template: str, prefix: str) -> Iterator[str]:
+    """A database of its own made from ``template`` (named ``prefix`` and a random part):
+    its URL, and it is dropped after."""
+    import psycopg
+    from psycopg import sql
+
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template)
+            )
+        )
+    try:
+        yield with_dbname(admin_url, name)
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
