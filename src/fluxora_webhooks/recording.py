@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -230,19 +230,16 @@ class Recorder:
         then the last two without (what failed may be the fan-out itself: rejected again
         on every claim, it would never end). Returns what was recorded (None: nothing
         could be; the row stays pending)."""
-        refused = "database rejected the row"
-
-        def dead() -> Completion:
-            # Naming what the database said (an index entry too large names its index).
-            return Completion(
-                one.id,
-                Outcome.DEAD_LETTER,
-                status_code=one.status_code,
-                error=f"could not record outcome {one.outcome!r}: {refused}",
-                reason="internal_error",
-                endpoint_id=one.endpoint_id,
-                lease=one.lease,
-            )
+        rejected = f"could not record outcome {one.outcome!r}: database rejected the row"
+        dead = Completion(
+            one.id,
+            Outcome.DEAD_LETTER,
+            status_code=one.status_code,
+            error=rejected,
+            reason="internal_error",
+            endpoint_id=one.endpoint_id,
+            lease=one.lease,
+        )
 
         def later(routed: bool) -> Completion:
             # An event row whose fan-out is written (now or earlier in the batch) and that
@@ -254,15 +251,17 @@ class Recorder:
             )
 
         written = one.id in prerouted
-        tries: list[tuple[Callable[[], Completion], list[int]]] = [
-            (lambda: one, route),
-            (dead, route),
-            (lambda: later(bool(route) or written), route),
+        # None: the dead letter, naming what the database said last (an index entry too
+        # large names its index).
+        tries: list[tuple[Completion | None, list[int]]] = [
+            (one, route),
+            (None, route),
+            (later(bool(route) or written), route),
         ]
         if route:
-            tries += [(dead, []), (lambda: later(written), [])]
-        for make, routing in tries:
-            recording = make()
+            tries += [(None, []), (later(written), [])]
+        for candidate, routing in tries:
+            recording = candidate or dead
             try:
                 async with conn.transaction():
                     done = await complete(
@@ -278,7 +277,7 @@ class Recorder:
                     "row %d: recording %s failed (%s)", one.id, recording.outcome, exc.sqlstate
                 )
                 said = (exc.diag.message_primary or type(exc).__name__)[:200]
-                refused = f"database rejected the row ({exc.sqlstate}: {said})"
+                dead = replace(dead, error=f"{rejected} ({exc.sqlstate}: {said})")
         log.error("row %d: could not be completed at all; it stays pending", one.id)
         return None
 
