@@ -68,6 +68,9 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 
 _BACKOFF_MAX_S = 5.0
 _POOL_RECONNECT_S = 5.0
+# What a detached request never sent returns (its row is put back by the completer; a
+# detached request's result is read by nobody else).
+NOT_SENT = AttemptResult(Kind.RETRYABLE, error="not sent")
 # The whole registry is read again this often (a fallback for a missed NOTIFY, and the end
 # of a rotated secret's overlap), and on a partitioned outbox, where pending rows start
 # (a row written before the last reading by a transaction older than a partition waits
@@ -648,6 +651,18 @@ class Dispatcher:
         if send.queued:
             # The request's timeout starts once it has its slot.
             await load.acquire(self.settings.endpoint_concurrency)
+            if self.stopping and send.lease is not None:
+                # Its batch has left it and this process stops: sent now, it could outlive
+                # the drain (each request ahead of it may take its whole timeout) and be
+                # recorded by nobody. Not sent; its row is due again at once.
+                load.release()
+                assert send.committed is not None  # made with the lease
+                await send.committed.wait()
+                if send.lease_written:
+                    self.completer.put_back(send)
+                else:
+                    self.completer.settled([send])  # its batch rolled back: claimed again
+                return NOT_SENT
         send.started = True
         send.started_at = time.monotonic()
         load.starts.append(send.started_at)

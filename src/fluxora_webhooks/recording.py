@@ -26,6 +26,7 @@ from .batch import (
     Send,
     apply_effects,
     breaker_signal,
+    deferral,
     effects_of,
     outage,
     outcome_of,
@@ -144,6 +145,9 @@ class Recorder:
         done: list[tuple[Send, AttemptResult, Decision]] = []
         completions = []
         for item in items:
+            if item.result is None:  # not sent: due again at once, while it holds its lease
+                completions.append(replace(deferral(item.send.row, 1), lease=item.send.lease))
+                continue
             completion, decision = outcome_of(self.d, item.send, item.result, lease=item.send.lease)
             completions.append(completion)
             done.append((item.send, item.result, decision))
@@ -298,10 +302,11 @@ class Prepared:
 
 @dataclass
 class Detached:
-    """A request that outlived its batch, done now."""
+    """A request that outlived its batch, done now; or (``result`` None) one never sent,
+    its row to put back due at once."""
 
     send: Send
-    result: AttemptResult
+    result: AttemptResult | None
 
 
 class Completer:
@@ -345,6 +350,10 @@ class Completer:
     def submit(self, send: Send, result: AttemptResult) -> None:
         self._queue.put_nowait(Detached(send, result))
 
+    def put_back(self, send: Send) -> None:
+        """A detached row that was not sent (the process stops): due again at once."""
+        self._queue.put_nowait(Detached(send, None))
+
     def settled(self, sends: Sequence[Send]) -> None:
         """Recorded, or given up (its row is sent again when its lease ends)."""
         for send in sends:
@@ -364,9 +373,17 @@ class Completer:
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) for the detached requests to end and be recorded."""
-        with contextlib.suppress(TimeoutError):
+        try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
+        except TimeoutError:
+            # Their rows are leased: sent again once the lease ends (at-least-once).
+            log.warning(
+                "%d detached request(s) not recorded within %.1fs of the stop;"
+                " their rows are sent again once their lease ends",
+                len(self._ends),
+                timeout_s,
+            )
 
     async def _write(self, group: list[Detached]) -> None:
         prepared = self.d.recorder.prepare_detached(group)
@@ -397,8 +414,9 @@ class Completer:
             self.d.count(decision.outcome, decision.reason)
         reports: dict[str, list[tuple[Any, bool | None]]] = {}
         for item in group:
-            reports.setdefault(item.send.target.url, []).append(
-                (item.send.admission, breaker_signal(item.result))
-            )
+            if item.result is not None:
+                reports.setdefault(item.send.target.url, []).append(
+                    (item.send.admission, breaker_signal(item.result))
+                )
         with contextlib.suppress(Exception):
             await self.d.report(reports)

@@ -21,7 +21,7 @@ from tests.support.chaos import (
     stop_processes,
     tracebacks,
 )
-from tests.support.dispatch import pending, rows, wait_until
+from tests.support.dispatch import pending, rows, scalar, wait_until
 from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -115,3 +115,61 @@ async def test_sigterm_during_a_busy_batch(
 
 async def _drained(database_url: str) -> bool:
     return await pending(database_url) == 0
+
+
+async def test_a_stop_starts_no_request_left_waiting_for_a_slot(
+    database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Requests their batch left waiting for a slot of their endpoint are not sent once the
+    process stops: each request ahead of them may take its whole timeout, so one started
+    then could outlive the drain and be recorded by nobody (the consumer would have it, the
+    outbox would send it again). Their rows are due again at once, for the next dispatcher,
+    not held for their lease."""
+    consumer = ChaosConsumer(lambda hit: Behaviour.SILENT if hit.attempt == 1 else Behaviour.OK)
+    await consumer.start()
+    env = dispatcher_env(
+        database_url, redis_url, consumer.url, redis_prefix,
+        WEBHOOK_TIMEOUT_MS="2000", WEBHOOK_BATCH_SIZE="4", WEBHOOK_CLAIM_LOOPS="1",
+        WEBHOOK_ENDPOINT_CONCURRENCY="1", WEBHOOK_RETRY_SCHEDULE="1h",
+    )  # fmt: skip
+    procs: list[DispatcherProcess] = []
+    try:
+        proc = await start_dispatcher(env, tmp_path / "first.log")
+        procs.append(proc)
+        await enqueue_events(database_url, ["silent"] * 4)
+        await consumer.wait_for(1)  # the first holds the one slot; three wait for it
+        await wait_until(lambda: _leased(database_url), timeout=10, what="leases")
+        assert await stop_processes([proc], 20) == [0], proc.log()
+        log = proc.log()
+        assert len(consumer.hits) == 1, [h.delivery_id for h in consumer.hits]
+        assert "not recorded within" not in log and tracebacks(log) == 0, log
+        [(outcome, error)] = await rows(
+            database_url, "SELECT outcome, error FROM webhook_outbox WHERE processed"
+        )
+        assert (outcome, error) == ("retry", "timeout")
+        # The three never sent are due now and free; the first's retry waits its hour.
+        assert await _count(database_url, "created_at <= now() AND lease IS NULL") == 3
+
+        second = await start_dispatcher(env, tmp_path / "second.log")
+        procs.append(second)
+        await wait_until(lambda: _sent_at_least(consumer, 4), timeout=30, what="the three sent")
+    finally:
+        await stop_processes(procs)
+        await consumer.stop()
+
+
+async def _count(database_url: str, where: str) -> int:
+    return int(
+        await scalar(
+            database_url, f"SELECT count(*) FROM webhook_outbox WHERE NOT processed AND {where}"
+        )
+    )
+
+
+async def _leased(database_url: str) -> bool:
+    """The batch has left its requests (each under a lease)."""
+    return await _count(database_url, "lease IS NOT NULL") > 0
+
+
+async def _sent_at_least(consumer: ChaosConsumer, n: int) -> bool:
+    return len(consumer.hits) >= n
