@@ -93,7 +93,7 @@ class SafeResolver(AbstractResolver):
         *,
         require_loopback: bool = False,
     ) -> None:
-        self.allow_loopback = allow_loopback or require_loopback
+        self.allow_loopback = allow_loopback
         self.require_loopback = require_loopback
         self.allowed_networks = tuple(allowed_networks)
         self._resolver = resolver
@@ -105,7 +105,10 @@ class SafeResolver(AbstractResolver):
 
         With ``require_loopback`` (a plain-http URL) only loopback addresses pass: http is
         allowed because the host is loopback, so a name that resolves elsewhere must not
-        get an unencrypted request, whatever ``WEBHOOK_ALLOWED_NETWORKS`` allows.
+        get an unencrypted request, whatever ``WEBHOOK_ALLOWED_NETWORKS`` allows. It does
+        not allow loopback by itself: a registered endpoint's plain-http loopback URL is
+        reached only while ``allow_loopback`` or ``allowed_networks`` allows its address
+        (the policy in force when it is sent, not the one it was registered under).
         """
         if self.require_loopback:
             address = parse_ip(ip)

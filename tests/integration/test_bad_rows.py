@@ -210,3 +210,43 @@ async def test_a_delivery_row_naming_another_tenants_endpoint_is_never_sent_ther
     assert await rows(
         database_url, "SELECT tenant, reason, last_error FROM webhook_dead_letter"
     ) == [("acme", "invalid_request", "endpoint ep_bolt is not an endpoint of the row's tenant")]
+
+
+async def test_a_plain_http_loopback_endpoint_is_sent_to_only_while_the_policy_allows_it(
+    database_url: str, receiver: Receiver
+) -> None:
+    """A registered endpoint's plain-http URL to a loopback address (registered under a
+    wider WEBHOOK_ALLOWED_NETWORKS, or written by SQL) is checked at the socket against the
+    policy of the dispatcher that sends it: refused while loopback is not allowed (plain
+    http is allowed to loopback only, which does not allow loopback), sent once it is."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret)"
+            " VALUES ('ep_loop', 'inside', %s, %s)",
+            (receiver.url, SECRET),
+        )
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " VALUES ('inside', 's', 'e', '{\"n\": 1}')"
+        )
+
+    async def settled() -> bool:
+        left = await rows(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")
+        return left == [(0,)]
+
+    async with running_dispatcher(make_settings(""), database_url):
+        await wait_until(settled, what="the delivery settled")
+    assert receiver.received == []
+    [(reason, error)] = await rows(
+        database_url, "SELECT reason, last_error FROM webhook_dead_letter"
+    )
+    assert reason == "endpoint_refused" and "loopback" in error, (reason, error)
+
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " VALUES ('inside', 's', 'e', '{\"n\": 2}')"
+        )
+    async with running_dispatcher(make_settings("", allowed_networks=LOOPBACK), database_url):
+        await receiver.wait_for(1)
+    assert [json.loads(hit.body)["n"] for hit in receiver.received] == [2]
