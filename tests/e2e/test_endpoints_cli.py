@@ -188,3 +188,33 @@ async def _dead_letters(database_url: str, endpoint_id: str, n: int) -> None:
         " FROM generate_series(1, %s) g RETURNING 1",
         (endpoint_id, n),
     )
+
+
+async def test_a_tenants_text_cannot_drive_the_operators_terminal(database_url: str) -> None:
+    """A description a tenant set through the API (which takes control characters) is
+    shown by `endpoints show`, `update` and `list` with its control characters escaped: a
+    clipboard write (OSC 52), a title change or a cursor move that redraws an earlier line
+    (a forged "state disabled") is text, as `dlq show` and `tail` show it."""
+    env = command_env(DATABASE_URL=database_url)
+    hostile = "\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[1A\x1b[2Kstate            disabled"
+    code, made = await cli(
+        env, "endpoints", "add", "--url", "https://a.example/", "--tenant", "t", "--json"
+    )
+    assert code == 0, made
+    await scalar(
+        database_url,
+        "UPDATE webhook_endpoints SET description = %s WHERE id = %s RETURNING 1",
+        (hostile, made["id"]),
+    )
+    code, shown = await run_command("endpoints", "show", made["id"], env=env)
+    assert code == 0 and "\x1b" not in shown and "\x07" not in shown, shown
+    assert "\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\x1b[1A\\x1b[2Kstate" in shown, shown
+    code, updated = await run_command(
+        "endpoints", "update", made["id"], "--rate-limit", "5", env=env
+    )
+    assert code == 0 and "\x1b" not in updated and "\\x1b[2K" in updated, updated
+    code, listed = await run_command("endpoints", "list", env=env)
+    assert code == 0 and "\x1b" not in listed, listed
+    # --json carries the text as it is stored (JSON escapes it).
+    code, as_json = await cli(env, "endpoints", "show", made["id"], "--json")
+    assert code == 0 and as_json["description"] == hostile, as_json

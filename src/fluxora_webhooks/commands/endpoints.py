@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
+from ..terminal import visible
 from .common import EXIT_CONFIG, as_options, connect, engines, positive_int, run_async
 
 NAME = "endpoints"
@@ -227,7 +228,9 @@ def _print_one(endpoint: dict[str, Any], as_json: bool) -> None:
         return
     for key, value in endpoint.items():
         shown = json.dumps(value) if isinstance(value, dict | list) else value
-        print(f"{key:16} {'' if shown is None else shown}")
+        # A tenant's text (a description, a header) may hold a terminal's control
+        # sequences: shown as escapes, never run by the operator's terminal.
+        print(f"{key:16} {'' if shown is None else visible(str(shown))}")
 
 
 def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
@@ -248,7 +251,7 @@ def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
         state = item["state"] + (f" ({item['disabled_reason']})" if item["disabled_reason"] else "")
         table.add_row(
             *(
-                Text(str(v))  # stored text is shown as text, never as markup
+                Text(visible(str(v)))  # stored text as text: no markup, no control codes
                 for v in (
                     item["id"],
                     item["tenant"] if item["tenant"] is not None else "(operator)",
