@@ -21,6 +21,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -173,6 +174,10 @@ def verify_request(
         raise ValueError("tolerance must be a whole number of seconds, 0 or more")
     if scheme not in ("auto", "standard", "fluxora"):
         raise ValueError("scheme must be 'auto', 'standard' or 'fluxora'")
+    if now is not None and (
+        isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now)
+    ):
+        raise ValueError("now must be a finite number of unix seconds (or None: the clock)")
     found = _lowercase_headers(headers)
     current = time.time() if now is None else now
     if scheme == "standard" or (scheme == "auto" and "webhook-signature" in found):

@@ -81,6 +81,11 @@ async def test_values_the_database_cannot_store_are_refused_with_422(
         cursor = encode(kind, 2**63)
         reply = await api.get(f"/api/v1/{kind}", params={"cursor": cursor})
         refused(reply, 400, "invalid_cursor")
+        # Characters outside the cursor's alphabet refuse it (they were skipped: the rest
+        # read as another cursor).
+        for extra in ("\u0000", " ", "!", "."):
+            reply = await api.get(f"/api/v1/{kind}", params={"cursor": encode(kind, 7) + extra})
+            refused(reply, 400, "invalid_cursor")
     # An event type the x-fluxora-event header cannot carry as it is.
     for event_type in ("caf\u00e9", "tab\there"):
         reply = await api.post(EVENTS, json=event({}, event_type=event_type))

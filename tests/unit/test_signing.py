@@ -350,6 +350,14 @@ def test_caller_mistakes_are_programming_errors_not_verification_failures() -> N
         verify(BODY.decode(), h, SECRET, now=NOW)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         verify(BODY, h, SECRET, now=NOW, tolerance=-1)
+    # A clock that is not a time: an hour-old signature verified against NaN (every
+    # comparison with NaN is false, so no timestamp was too old or too new).
+    stale = signed(timestamp=NOW - 3600)
+    for now in (float("nan"), float("inf"), "1700000000", True):
+        with pytest.raises(ValueError, match="now must be a finite number"):
+            verify(BODY, stale, SECRET, now=now)  # type: ignore[arg-type]
+    assert reason_of(BODY, stale) == "timestamp_too_old"
+    assert verify(BODY, signed(), SECRET, now=float(NOW)) == DELIVERY_ID
 
 
 # whsec_ secrets whose rest is not strict, padded base64: the sender refuses each one.

@@ -30,7 +30,10 @@ def decode(kind: str, cursor: str | None) -> str | None:
     if cursor is None or cursor == "":
         return None
     try:
-        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        # validate: characters outside the alphabet (a NUL, a space) refuse the cursor,
+        # not skipped to read as another one.
+        padded = cursor + "=" * (-len(cursor) % 4)
+        text = base64.b64decode(padded, altchars=b"-_", validate=True).decode()
     except (binascii.Error, ValueError):
         text = ""
     found, sep, key = text.partition(":")
