@@ -217,16 +217,21 @@ WITH picked AS (
     )
     RETURNING *
 ),
-ep AS (SELECT * FROM webhook_endpoints WHERE id = %(endpoint_id)s),
+-- Parked only while the endpoint stays disabled (migration 0016: asked under its lock).
+ep AS (
+    SELECT *, CASE WHEN state = 'disabled' THEN webhook_endpoint_parks(id) ELSE false END
+              AS parks
+    FROM webhook_endpoints WHERE id = %(endpoint_id)s
+),
 queued AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
          endpoint_id, event_id, stream_seq, hold, created_at, traceparent, tracestate)
     SELECT p.tenant, p.stream_id, p.event_type, p.payload, p.delivery_id, p.enqueued_at, true,
            p.endpoint_id, p.event_id, CASE WHEN ep.ordered THEN p.stream_seq END,
-           CASE WHEN ep.state = 'disabled' THEN 'parked'
+           CASE WHEN ep.parks THEN 'parked'
                 WHEN ep.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
-           CASE WHEN ep.state = 'disabled' OR (ep.ordered AND p.stream_seq IS NOT NULL)
+           CASE WHEN ep.parks OR (ep.ordered AND p.stream_seq IS NOT NULL)
                 THEN 'infinity'::timestamptz
                 ELSE now() + (%(start)s + row_number() OVER (ORDER BY p.dead_at, p.id) - 1)
                              * interval '1 second' / COALESCE(ep.rate_limit, %(rps)s) END,
