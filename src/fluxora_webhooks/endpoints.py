@@ -33,7 +33,7 @@ from psycopg.types.json import Jsonb
 from .errors import ConfigError, ConflictError, EndpointError, NotFoundError
 from .outbox import TENANT
 from .queries import query
-from .settings import retry_rps
+from .settings import looks_like_duration, parse_duration_ms, retry_rps
 from .urlpolicy import IPNetwork, check_url_address, validate_url
 
 DEFAULT_ID = "default"
@@ -455,6 +455,13 @@ async def update(
     return Endpoint.from_row(row)
 
 
+def keep_previous_ms(text: str, name: str = "keep_previous") -> int:
+    """How long a rotated-out secret keeps signing, as the CLI, the API and the dashboard
+    take it: ``0`` (it stops at once: after a leak) or a duration up to 30 days."""
+    keep = text.strip()
+    return 0 if keep == "0" else parse_duration_ms(keep, name, high_ms=MAX_KEEP_PREVIOUS_MS)
+
+
 async def rotate_secret(
     conn: psycopg.AsyncConnection[Any],
     endpoint_id: str,
@@ -578,8 +585,6 @@ RECOVER_BATCH = 1000
 async def moment(conn: psycopg.AsyncConnection[Any], text: str, name: str) -> datetime:
     """A point in time given as ISO 8601 (UTC unless it says otherwise) or as a duration
     ago (``2h``, on the database's clock)."""
-    from .settings import looks_like_duration, parse_duration_ms
-
     value = (text or "").strip()
     if not value:
         raise ConfigError(name, "is empty; give an ISO 8601 time or a duration ago such as 2h")

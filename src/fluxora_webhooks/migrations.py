@@ -46,6 +46,8 @@ CONCURRENTLY_MARKER = "-- fluxora: concurrently"
 # pg_try_advisory_lock rather than waiting in pg_advisory_lock: a statement waiting for the
 # lock holds a snapshot, which an index build of the lock's holder (CONCURRENTLY) waits for.
 LOCK_POLL_S = 0.5
+# While waiting for it, said this often.
+LOCK_WAIT_LOG_S = 30.0
 # Creating an index on a partitioned parent alone, and attaching a partition's index to it,
 # take short locks: each waits at most this long, then tries again (LOCK_RETRIES times),
 # rather than queue the producers' INSERTs behind a long transaction.
@@ -197,11 +199,27 @@ async def migrate(conn: psycopg.AsyncConnection[Any]) -> list[Migration]:
 async def take_lock(conn: psycopg.AsyncConnection[Any]) -> None:
     """The migrations' advisory lock (session level), waited for without a statement in
     progress (:data:`LOCK_POLL_S`)."""
+    loop = asyncio.get_running_loop()
+    started = next_said = loop.time()
+    waited = False
     while True:
         cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
         row = await cur.fetchone()
         if row and row[0]:
+            if waited:
+                log.info("took the migration lock after %.0fs", loop.time() - started)
             return
+        now = loop.time()
+        if now >= next_said:
+            # A migrate that seems to hang is waiting for another (a concurrent index
+            # build on a big outbox takes minutes): said at once, and again now and then.
+            log.warning(
+                "waiting for the migration lock: another migrate (or --partitioned"
+                " conversion) is running on this database (%.0fs so far)",
+                now - started,
+            )
+            next_said = now + LOCK_WAIT_LOG_S
+        waited = True
         await asyncio.sleep(LOCK_POLL_S)
 
 

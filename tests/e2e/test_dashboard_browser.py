@@ -287,9 +287,22 @@ async def test_replay_disable_enable_rotate_and_recover(admin: Tab, site: Site) 
         database_url, "SELECT secret FROM webhook_endpoints WHERE id = %s", (site.acme,)
     )
     assert secret == stored != before and secret.startswith("whsec_")
+    assert await page.locator("#kept").inner_text() == "24h"  # the default, as the API's
     await admin.shot("secret")
     await admin.open(f"/endpoints/{site.acme}")
     assert secret not in await page.content()  # shown once
+    # After a leak: the old secret stops signing at once.
+    await page.select_option("#keep-previous", "0")
+    await page.click("button[data-action=rotate]")
+    await page.wait_for_selector("#new-secret")
+    assert await page.locator("#kept").inner_text() == "stopped signing now"
+    ended = await scalar(
+        database_url,
+        "SELECT previous_until <= now() AND secret_previous = %s FROM webhook_endpoints"
+        " WHERE id = %s",
+        (secret, site.acme),
+    )
+    assert ended is True
 
     await admin.open(f"/endpoints/{site.acme_failing}")
     await page.fill("#since", "1h")

@@ -220,3 +220,27 @@ async def test_a_stream_id_too_long_for_an_index_entry_does_not_fail_the_build(
         for index, _ in _indexes(migration):
             assert await _valid(conn, index), index
         await migrations.check_schema(conn)
+
+
+async def test_a_migrate_waiting_for_another_says_so(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A migrate behind another one (a concurrent build on a big outbox takes minutes)
+    says at once that it waits for the migration lock, and when it took it: it looked
+    hung, with nothing printed."""
+    caplog.set_level("INFO", logger="fluxora_webhooks.migrations")
+    async with (
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as holder,
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as waiter,
+    ):
+        await holder.execute("SELECT pg_advisory_lock(%s)", (migrations.MIGRATION_LOCK_KEY,))
+        waiting = asyncio.create_task(migrations.migrate(waiter))
+        for _ in range(100):
+            if "waiting for the migration lock" in caplog.text:
+                break
+            await asyncio.sleep(0.05)
+        assert "waiting for the migration lock: another migrate" in caplog.text
+        assert not waiting.done()
+        await holder.execute("SELECT pg_advisory_unlock(%s)", (migrations.MIGRATION_LOCK_KEY,))
+        assert await asyncio.wait_for(waiting, 30) == []  # nothing left to apply
+    assert "took the migration lock after" in caplog.text

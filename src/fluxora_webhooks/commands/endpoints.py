@@ -103,7 +103,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .. import endpoints
-    from ..settings import Settings, parse_duration_ms
+    from ..settings import Settings
 
     action = args.endpoints_action
     if action == "list":
@@ -111,12 +111,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     allowed = Settings.from_env(env).allowed_networks if action in ("add", "update") else ()
     keep_ms = 0
     if action == "rotate-secret":
-        keep = args.keep_previous.strip()
-        keep_ms = (
-            0
-            if keep == "0"
-            else parse_duration_ms(keep, "--keep-previous", high_ms=endpoints.MAX_KEEP_PREVIOUS_MS)
-        )
+        keep_ms = endpoints.keep_previous_ms(args.keep_previous, "--keep-previous")
     if action == "update" and all(
         value is None
         for value in (

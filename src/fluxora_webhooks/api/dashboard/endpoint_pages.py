@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -15,6 +16,8 @@ from ..deps import api_state
 from ..pagination import decode, encode
 from ..routes.stats import with_breakers
 from .render import Viewer, back_to, posted, render, viewer
+
+log = logging.getLogger("fluxora_webhooks.api")
 
 router = APIRouter(include_in_schema=False)
 WINDOW_MS = 3_600_000
@@ -113,11 +116,23 @@ async def enable(request: Request, endpoint_id: str) -> Response:
 
 @router.post("/endpoints/{endpoint_id}/rotate", response_class=HTMLResponse)
 async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
-    """The new secret is in this response only (not cached: no-store), never again."""
-    who, _ = await posted(request)
+    """The new secret is in this response only (not cached: no-store), never again. The
+    old one keeps signing as long as the form says (``keep_previous``: 24h, as the API and
+    the CLI, unless chosen; ``0`` ends it at once, after a leak)."""
+    who, form = await posted(request)
+    keep_text = form.get("keep_previous", "").strip() or "24h"
+    keep_ms = endpoints.keep_previous_ms(keep_text)
     async with api_state(request).connection() as conn:
-        endpoint, secret = await endpoints.rotate_secret(conn, endpoint_id, tenant=who.tenant)
-    return render(request, "secret.html", who, endpoint=endpoint.as_json(), secret=secret)
+        endpoint, secret = await endpoints.rotate_secret(
+            conn, endpoint_id, keep_previous_ms=keep_ms, tenant=who.tenant
+        )
+    # The same audit line as the API's; never the secret itself.
+    name = who.principal.name
+    log.info("secret of endpoint %s rotated from the dashboard by %r", endpoint.id, name)
+    return render(
+        request, "secret.html", who, endpoint=endpoint.as_json(), secret=secret,
+        kept=keep_text if keep_ms else None,
+    )  # fmt: skip
 
 
 @router.post("/endpoints/{endpoint_id}/recover")

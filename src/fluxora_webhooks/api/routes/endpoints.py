@@ -9,7 +9,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request, Response
 
 from ... import endpoints
-from ...settings import parse_duration_ms
 from ..deps import Conn, Reader, Writer, api_state, scoped
 from ..models import (
     Endpoint,
@@ -149,12 +148,7 @@ async def rotate_secret(
 ) -> dict[str, Any]:
     """A new secret, shown this once; the old one keeps signing for `keep_previous`."""
     wanted = body or RotateIn.model_validate({})
-    keep = wanted.keep_previous.strip()
-    keep_ms = (
-        0
-        if keep == "0"
-        else parse_duration_ms(keep, "keep_previous", high_ms=endpoints.MAX_KEEP_PREVIOUS_MS)
-    )
+    keep_ms = endpoints.keep_previous_ms(wanted.keep_previous)
     endpoint, secret = await endpoints.rotate_secret(
         conn, endpoint_id, secret=wanted.secret, keep_previous_ms=keep_ms, tenant=who.tenant
     )
