@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ from .ops import (
 from .queries import session_lock
 from .redis_gate import gate_for
 from .settings import Settings, cannot_listen, register_engine_secrets
-from .telemetry import AttemptTracer
+from .telemetry import FLUSH_TIMEOUT_MS, AttemptTracer
 from .telemetry import from_env as tracer_from_env
 
 if TYPE_CHECKING:
@@ -143,6 +144,41 @@ SELECT lower(coalesce(current_setting('fluxora.notify', true), '')) IN ('off', '
                 0, (SELECT oid FROM pg_database WHERE datname = current_database()))
           AND lower(replace(c, ' ', ''))
               IN ('fluxora.notify=off', 'fluxora.notify=false', 'fluxora.notify=0'))
+"""
+
+
+async def warn_if_not_vacuumed(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Every delivery leaves a dead row version in the outbox (the claim's, the
+    completion's): without autovacuum they are never reclaimed, each claim reads more of
+    them, and deliveries slow down by the hour (a soak run at 50 events/s: the claim from
+    0.1 to 50 ms and the commit-to-receipt p50 from 8 to 230 ms in 15 minutes). Says so
+    when the server's autovacuum or the outbox's is off. Returns whether it warned."""
+    cur = await conn.execute(_NOT_VACUUMED)
+    row = await cur.fetchone()
+    if row is None or not row[0]:
+        return False
+    log.warning(
+        "autovacuum is off (%s): the outbox's dead row versions are never reclaimed, so every"
+        " claim reads more of them and deliveries slow down hour by hour; turn it on, or run"
+        " VACUUM webhook_outbox every few minutes",
+        row[0],
+    )
+    return True
+
+
+# Why the outbox is not vacuumed automatically ('' when it is): the server's setting (or
+# the statistics autovacuum needs), or the table's own storage parameter.
+_NOT_VACUUMED = """
+SELECT concat_ws(', ',
+    CASE WHEN current_setting('autovacuum') = 'off' THEN 'autovacuum = off' END,
+    CASE WHEN current_setting('track_counts') = 'off' THEN 'track_counts = off' END,
+    CASE WHEN EXISTS (
+        SELECT 1 FROM pg_class c, unnest(c.reloptions) AS o(option)
+        WHERE c.oid = to_regclass('webhook_outbox')
+          AND lower(replace(o.option, ' ', ''))
+              IN ('autovacuum_enabled=false', 'autovacuum_enabled=off',
+                  'autovacuum_enabled=0', 'autovacuum_enabled=no'))
+    THEN 'webhook_outbox has autovacuum_enabled = false' END)
 """
 
 
@@ -338,6 +374,7 @@ class Service:
                 if self.run_background:  # one worker of a supervisor says it for all
                     await warn_if_wake_up_off(conn, self.settings.poll_interval_ms)
                     await warn_if_nowhere_to_deliver(conn, self.settings)
+                    await warn_if_not_vacuumed(conn)
             if self.redis_url:
                 gate = await gate_for(self.settings, self.redis_url)
             self.dispatcher = Dispatcher(
@@ -413,12 +450,37 @@ class Service:
                 await task
 
     async def _flush_spans(self, tracer: AttemptTracer) -> None:
-        """The last spans go out (bounded: an exporter that cannot reach its collector
-        does not hold the exit), in a thread: the exporters block."""
+        """The last spans go out, in a thread of their own (the exporters block), waited
+        for at most FLUSH_TIMEOUT_MS, and not at all after a second signal: an export in
+        progress to a collector that does not answer ends only at the exporter's own
+        timeout (10 s by default), and a daemon thread does not hold the exit."""
+        loop = asyncio.get_running_loop()
+        finished = asyncio.Event()
+        failed: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                tracer.shutdown()
+            except BaseException as exc:  # reported below, never raised in the thread
+                failed.append(exc)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(finished.set)
+
+        threading.Thread(target=flush, name="fluxora-span-flush", daemon=True).start()
+        waits = {asyncio.ensure_future(finished.wait()), asyncio.ensure_future(self._forced.wait())}
         try:
-            await asyncio.to_thread(tracer.shutdown)
-        except Exception as exc:
-            log.warning("spans not flushed (%s)", type(exc).__name__)
+            await asyncio.wait(
+                waits, timeout=FLUSH_TIMEOUT_MS / 1000, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        if not finished.is_set():
+            why = "a second signal" if self._forced.is_set() else f"{FLUSH_TIMEOUT_MS} ms"
+            log.warning("spans not flushed after %s (is the collector reachable?)", why)
+        elif failed:
+            log.warning("spans not flushed (%s)", type(failed[0]).__name__)
         self.tracer = None
 
     def stop(self) -> None:

@@ -122,7 +122,10 @@ def _provider(exporters: tuple[str, ...], protocol: str) -> Any:
         resource = resource.merge(Resource({SERVICE_NAME: "fluxora-webhooks"}))
     # The sampler comes from OTEL_TRACES_SAMPLER (parent-based by default: a producer's
     # unsampled trace stays unsampled), the batch processor's limits from OTEL_BSP_*.
-    provider = TracerProvider(resource=resource)
+    # No exit hook of its own: the service flushes at its stop, bounded (AttemptTracer
+    # .shutdown); the SDK's hook would wait at exit for an export to a collector that does
+    # not answer (the exporter's own timeout, 10 s by default, per process).
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     for name in exporters:
         exporter: Any
         if name == "console":

@@ -39,13 +39,15 @@ _MAX_TRACEPARENT_CHARS = 512
 
 
 def current_context() -> tuple[str | None, str | None]:
-    """(traceparent, tracestate) of the caller's current span, or (None, None)."""
+    """(traceparent, tracestate) of the caller's current span, or (None, None). Always in
+    the W3C form the column and the request carry, whatever propagators the producer's
+    OTEL_PROPAGATORS installs globally (b3 or baggage alone stored nothing)."""
     if "opentelemetry.trace" not in sys.modules:
         return None, None
-    from opentelemetry import propagate
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    TraceContextTextMapPropagator().inject(carrier)
     return carrier.get("traceparent"), carrier.get("tracestate") or None
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +245,88 @@ async def test_without_the_extra_the_service_delivers_and_imports_no_opentelemet
         assert "traceparent" not in got[stream][0].headers
         assert "tracestate" not in got[stream][0].headers
     assert exported_spans(log) == []
+
+
+def test_enqueue_stores_the_w3c_context_whatever_the_global_propagator(
+    database_url: str,
+) -> None:
+    """A producer whose OTEL_PROPAGATORS installs only baggage (or b3) still stores its
+    trace context: the column and the consumer's request are W3C (it stored nothing)."""
+    from opentelemetry import propagate
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(W3CBaggagePropagator())
+    try:
+        tracer = TracerProvider().get_tracer("producer")
+        with (
+            tracer.start_as_current_span("api request") as span,
+            psycopg.connect(database_url) as conn,
+        ):
+            with conn.transaction():
+                enqueue(conn, stream_id="baggage-only", event_type="stream.updated", payload={})
+            context = span.get_span_context()
+    finally:
+        propagate.set_global_textmap(before)
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT traceparent FROM webhook_outbox WHERE stream_id = 'baggage-only'"
+        ).fetchone()
+    trace_id, span_id = (
+        trace.format_trace_id(context.trace_id),
+        trace.format_span_id(context.span_id),
+    )
+    assert row is not None and row[0] is not None
+    match = TRACEPARENT.fullmatch(row[0])
+    assert match is not None and match.groups() == (trace_id, span_id), row
+
+
+async def test_a_collector_that_never_answers_holds_the_stop_only_the_flush_bound(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """Spans for a collector that takes the connection and never answers: the stop waits
+    for them at most the flush bound (5 s) and says they were not flushed; the exporter's
+    own timeout (30 s here) held the exit before, past a container's stop timeout."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read()
+
+    collector = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = collector.sockets[0].getsockname()[1]
+    insert_plain(database_url, "spanned", STORED, None)
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+        OTEL_EXPORTER_OTLP_TIMEOUT="30", OTEL_BSP_SCHEDULE_DELAY="100",
+    )  # fmt: skip
+    log_path = tmp_path / "service.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fluxora_webhooks", "run",
+            env=env, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+    service = DispatcherProcess(proc, log_path)
+    try:
+        await receiver.wait_for(1, timeout=30)
+        for _ in range(100):  # the span's export has reached the collector, and hangs
+            if held:
+                break
+            await asyncio.sleep(0.05)
+        assert held, service.log()
+        started = time.monotonic()
+        service.terminate()
+        code = await service.wait(25)
+        took = time.monotonic() - started
+    finally:
+        if proc.returncode is None:
+            service.kill()
+            await service.wait(10)
+        for writer in held:
+            writer.close()
+        collector.close()
+    log = service.log()
+    assert code == 0, log
+    assert "spans not flushed after 5000 ms" in log, log
+    assert took < 20, (took, log)  # the bound is 5 s; the exporter would have held 30

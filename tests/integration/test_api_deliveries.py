@@ -249,8 +249,10 @@ async def test_an_events_trace_context_over_http_reaches_its_consumer(
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     sent = {}
     for name, headers in {
-        "traced": {"traceparent": parent, "tracestate": "vendor=abc"},
-        "garbled": {"traceparent": "00-not-a-trace-01", "tracestate": "vendor=abc"},
+        "traced": [("traceparent", parent), ("tracestate", "vendor=abc")],
+        "garbled": [("traceparent", "00-not-a-trace-01"), ("tracestate", "vendor=abc")],
+        # Repeated tracestate headers are one list (W3C): combined in their order.
+        "split": [("traceparent", parent), ("tracestate", "a=1"), ("tracestate", "b=2")],
     }.items():
         reply = await api.post(
             "/api/v1/events",
@@ -266,13 +268,17 @@ async def test_an_events_trace_context_over_http_reaches_its_consumer(
             (list(sent.values()),),
         )
         stored = {r[0]: r[1:] for r in await cur.fetchall()}
-    assert stored == {"traced": (parent, "vendor=abc"), "garbled": (None, None)}
+    assert stored == {
+        "traced": (parent, "vendor=abc"),
+        "garbled": (None, None),
+        "split": (parent, "a=1,b=2"),
+    }
     async with running_dispatcher(dispatcher_settings(), database_url):
-        await receiver.wait_for(2)
-    assert len(receiver.received) == 2
+        await receiver.wait_for(3)
+    assert len(receiver.received) == 3
     traced = [r for r in receiver.received if r.headers.get("traceparent") == parent]
-    assert len(traced) == 1 and traced[0].headers["tracestate"] == "vendor=abc"
-    assert sum("traceparent" in r.headers for r in receiver.received) == 1
+    assert sorted(r.headers["tracestate"] for r in traced) == ["a=1,b=2", "vendor=abc"]
+    assert sum("traceparent" in r.headers for r in receiver.received) == 2
 
 
 async def test_removing_an_endpoint_adds_no_attempt_and_a_410_shows_as_parked(

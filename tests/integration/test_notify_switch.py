@@ -6,6 +6,7 @@ their commits' flushes; idle dispatchers then find the events at their poll."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import psycopg
@@ -14,7 +15,11 @@ from psycopg.conninfo import make_conninfo
 
 from fluxora_webhooks import endpoints
 from fluxora_webhooks.outbox import enqueue
-from fluxora_webhooks.service import warn_if_nowhere_to_deliver, warn_if_wake_up_off
+from fluxora_webhooks.service import (
+    warn_if_not_vacuumed,
+    warn_if_nowhere_to_deliver,
+    warn_if_wake_up_off,
+)
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import make_settings, running_dispatcher
 from tests.support.receiver import Receiver
@@ -148,3 +153,26 @@ async def test_run_warns_when_it_has_no_endpoint_to_deliver_to(
             conn, url="http://127.0.0.1:9/hook", tenant="acme", allowed_networks=LOOPBACK
         )
         assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is False
+
+
+async def test_run_says_when_the_outbox_is_not_vacuumed(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without autovacuum the outbox's dead row versions pile up and every claim slows
+    (a soak run: p50 from 8 to 230 ms in 15 minutes); run says so at its start, naming why:
+    the server's setting, or the table's own."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT current_setting('autovacuum') = 'off'")
+        server_off = (await cur.fetchone()) == (True,)
+        with caplog.at_level(logging.WARNING, logger="fluxora_webhooks"):
+            assert await warn_if_not_vacuumed(conn) is server_off
+            assert ("autovacuum = off" in caplog.text) is server_off
+            caplog.clear()
+            await conn.execute("ALTER TABLE webhook_outbox SET (autovacuum_enabled = false)")
+            assert await warn_if_not_vacuumed(conn) is True
+            assert "webhook_outbox has autovacuum_enabled = false" in caplog.text
+            assert "VACUUM webhook_outbox" in caplog.text
+            caplog.clear()
+            await conn.execute("ALTER TABLE webhook_outbox RESET (autovacuum_enabled)")
+            assert await warn_if_not_vacuumed(conn) is server_off
+            assert "autovacuum_enabled" not in caplog.text

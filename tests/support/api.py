@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import psycopg
+from multidict import CIMultiDict
 
 from fluxora_webhooks import tokens
 from fluxora_webhooks.api import ApiConfig, ApiServer
@@ -54,9 +55,9 @@ class Api:
         json: Any = None,
         params: dict[str, Any] | None = None,
         data: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: dict[str, str] | list[tuple[str, str]] | None = None,
     ) -> Reply:
-        sent = dict(headers or {})
+        sent = CIMultiDict(headers or {})  # a list: a header repeated
         if token is not None:
             sent["Authorization"] = f"Bearer {self.tokens.get(token, token)}"
         if data is not None:

@@ -63,7 +63,11 @@ async def enqueue_event(
         ),
     ] = None,
     tracestate: Annotated[
-        str | None, Header(description="W3C tracestate, passed on with a valid traceparent")
+        list[str] | None,
+        Header(
+            description="W3C tracestate, passed on with a valid traceparent (repeated"
+            " headers are one list, combined in their order, as W3C says)"
+        ),
     ] = None,
 ) -> dict[str, Any]:
     """For producers outside the database: the event is committed to the outbox and
@@ -76,7 +80,7 @@ async def enqueue_event(
         event_type=body.event_type,
         payload=body.payload,
         traceparent=traceparent,
-        tracestate=tracestate,
+        tracestate=",".join(tracestate) if tracestate else None,
         idempotency_key=idempotency_key,
     )
     if replayed:
