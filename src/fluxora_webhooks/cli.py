@@ -9,6 +9,7 @@ than this version (the message says what to run), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -75,6 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): what it took was written; nothing to report.
+        # Standard output goes nowhere from now on, so the exit's own flush is quiet too.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # the layer below, translated in one place: no traceback
         message = _describe_failure(exc, env)
         if message is None:

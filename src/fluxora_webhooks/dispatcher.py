@@ -18,7 +18,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -26,7 +25,6 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from . import endpoints, metrics, partitions
@@ -51,7 +49,7 @@ from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
 from .migrations import READ_ONLY_HINT, discard, read_only_reason
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome, bring_forward
-from .pgtypes import read_far_timestamps
+from .pgtypes import read_far_timestamps, session_name
 from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
@@ -962,15 +960,8 @@ APPLICATION_NAME = "fluxora-webhooks dispatcher"
 
 
 def _named(conninfo: str) -> dict[str, Any]:
-    """``application_name`` for a dispatcher's connection, unless the URL or PGAPPNAME
-    names the sessions already (the operator's choice stands)."""
-    try:
-        given = "application_name" in conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        given = False  # refused at connect time, with the reason
-    if given or os.environ.get("PGAPPNAME"):
-        return {}
-    return {"application_name": APPLICATION_NAME}
+    """``application_name`` for a dispatcher's connection (see pgtypes.session_name)."""
+    return session_name(conninfo, APPLICATION_NAME)
 
 
 def _builtin_variable(endpoint_id: str) -> str:

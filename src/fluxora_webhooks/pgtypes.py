@@ -11,10 +11,12 @@ due).
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 from psycopg.adapt import Loader
 from psycopg.pq import Format
 
@@ -54,3 +56,16 @@ def read_far_timestamps(conn: psycopg.AsyncConnection[Any]) -> None:
         {"inner": inner, "__module__": __name__},
     )
     conn.adapters.register_loader(oid, lenient)
+
+
+def session_name(conninfo: str, name: str) -> dict[str, Any]:
+    """``application_name`` for our sessions (``pg_stat_activity`` tells the dispatcher's
+    and the API's from the producers'), unless the URL or PGAPPNAME names them already (the
+    operator's choice stands). Connection options for psycopg."""
+    try:
+        given = "application_name" in psycopg.conninfo.conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        given = False  # refused at connect time, with the reason
+    if given or os.environ.get("PGAPPNAME"):
+        return {}
+    return {"application_name": name}

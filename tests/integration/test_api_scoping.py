@@ -194,6 +194,9 @@ async def test_no_secret_or_token_in_any_list_page_or_log(
     api = world.api
     rotated = await api.post(f"/api/v1/endpoints/{world.endpoint['acme']}/rotate-secret")
     secrets = [*world.secret.values(), rotated.body["secret"], *api.tokens.values()]
+    for change in ("disable", "enable"):
+        reply = await api.post(f"/api/v1/endpoints/{world.endpoint['acme']}/{change}")
+        assert reply.status == 200, reply.text
     api.seen.clear()
     for token in ("admin", "acme"):
         for path in ("/api/v1/endpoints", "/api/v1/events", "/api/v1/deliveries", "/api/v1/stats"):
@@ -210,7 +213,11 @@ async def test_no_secret_or_token_in_any_list_page_or_log(
     # earlier test in this process left the logging configuration.
     records = [*caplog.get_records("setup"), *caplog.get_records("call")]
     logged = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in records)
-    assert f"secret of endpoint {world.endpoint['acme']} rotated" in logged
+    # Audit lines: what changed in the registry, by which token (its name only).
+    acme = world.endpoint["acme"]
+    for line in (f"secret of endpoint {acme} rotated", f"endpoint {acme} disabled by token"):
+        assert line in logged
+    assert f"endpoint {acme} enabled by token" in logged and "created for tenant" in logged
     for value in secrets:
         assert value not in seen
         assert value not in logged

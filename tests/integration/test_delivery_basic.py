@@ -13,6 +13,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from fluxora_webhooks.outbox import enqueue
+from tests.support.api import serving
 from tests.support.dispatch import (
     SECRET,
     make_settings,
@@ -136,3 +137,7 @@ async def test_the_dispatchers_sessions_are_named_unless_the_url_names_them(
     async with running_dispatcher(make_settings(receiver.url), named):
         seen = await names()
     assert "billing-webhooks" in seen and "fluxora-webhooks dispatcher" not in seen
+    # The management API's sessions too (they were unnamed beside the dispatcher's).
+    async with serving(database_url) as api:
+        assert (await api.get("/api/v1/endpoints")).status == 200
+        assert "fluxora-webhooks api" in await names()

@@ -222,15 +222,21 @@ async def test_an_endpoint_gone_to_several_batches_at_once_is_disabled_counted_a
     caplog.set_level(logging.WARNING, logger="fluxora_webhooks")
     metric = ("fluxora_webhook_endpoints_disabled_total", {"reason": "gone"})
     before = REGISTRY.get_sample_value(*metric) or 0.0
-    consumer.respond = lambda r: web.Response(status=410)
     async with running_dispatcher(settings(operator), database_url):
         conn = await connect(database_url)
         async with conn:
             ep, _ = await endpoints.create(conn, url=consumer.url, allowed_networks=LOOPBACK)
-            await send(database_url, 20)
+            # Known to answer (its rows are no longer held back for its first answer), then
+            # gone: twenty committed at once go out in batches together.
+            await send(database_url, 1)
+            await consumer.wait_for(1)
+            consumer.respond = lambda r: web.Response(status=410)
+            async with conn.transaction():
+                for i in range(20):
+                    await enqueue(conn, stream_id=f"g{i}", event_type="stream.updated", payload={})
             await wait_until(lambda: _eq(held(database_url, ep.id), 20), what="20 parked")
             await operator.wait_for(1)
-            assert len(consumer.received) > 1  # more than one request met the 410
+            assert len(consumer.received) > 2  # more than one request met the 410
             await asyncio.sleep(0.3)
             _, changed = await endpoints.disable_once(conn, ep.id, reason="manual")
             assert not changed  # disabled already: nothing to count

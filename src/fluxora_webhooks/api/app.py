@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 
 from .._version import __version__
-from ..pgtypes import read_far_timestamps
+from ..pgtypes import read_far_timestamps, session_name
 from ..settings import Settings
 from . import errors
 from .deps import ApiState
@@ -224,7 +224,11 @@ def create_app(config: ApiConfig) -> FastAPI:
             max_size=config.pool_max,
             # Unprepared statements get plans for their actual parameters: the optional
             # filters (`%(x)s IS NULL OR ...`) then fold away.
-            kwargs={"autocommit": True, "prepare_threshold": None},
+            kwargs={
+                "autocommit": True,
+                "prepare_threshold": None,
+                **session_name(config.database_url, "fluxora-webhooks api"),
+            },
             open=False,
             name="fluxora-api",
             configure=_configure,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -14,10 +13,11 @@ from ... import deliveries, endpoints
 from ...errors import ConfigError
 from ..deps import api_state
 from ..pagination import decode, encode
+from ..routes.endpoints import audit
 from ..routes.stats import with_breakers
 from .render import Viewer, back_to, posted, render, viewer
 
-log = logging.getLogger("fluxora_webhooks.api")
+FROM_DASHBOARD = " from the dashboard"
 
 router = APIRouter(include_in_schema=False)
 WINDOW_MS = 3_600_000
@@ -99,6 +99,7 @@ async def _state_change(request: Request, endpoint_id: str, action: str) -> Resp
         change = endpoints.disable if action == "disable" else endpoints.enable
         await change(conn, endpoint_id, tenant=who.tenant)
     done = "disabled" if action == "disable" else "enabled"
+    audit(f"endpoint %s {done}", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
     target = back_to(form.get("next", ""), f"/endpoints/{endpoint_id}")
     joiner = "&" if "?" in target else "?"
     return RedirectResponse(f"{target}{joiner}done={done}", status_code=303)
@@ -126,9 +127,8 @@ async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
         endpoint, secret = await endpoints.rotate_secret(
             conn, endpoint_id, keep_previous_ms=keep_ms, tenant=who.tenant
         )
-    # The same audit line as the API's; never the secret itself.
-    name = who.principal.name
-    log.info("secret of endpoint %s rotated from the dashboard by %r", endpoint.id, name)
+    name = who.principal.name  # never the secret
+    audit("secret of endpoint %s rotated", endpoint.id, who=name, where=FROM_DASHBOARD)
     return render(
         request, "secret.html", who, endpoint=endpoint.as_json(), secret=secret,
         kept=keep_text if keep_ms else None,
@@ -149,6 +149,10 @@ async def recover(request: Request, endpoint_id: str) -> Response:
         count = await endpoints.recover(
             conn, endpoint_id, since=since, until=until, tenant=who.tenant
         )
+    audit(
+        "%d dead letter(s) of endpoint %s recovered", count, endpoint_id,
+        who=who.principal.name, where=FROM_DASHBOARD,
+    )  # fmt: skip
     return RedirectResponse(
         f"/endpoints/{endpoint_id}?done=recovered&requeued={count}", status_code=303
     )

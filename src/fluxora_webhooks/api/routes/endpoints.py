@@ -76,6 +76,7 @@ async def create_endpoint(
         ordered=body.ordered,
         allowed_networks=api_state(request).config.allowed_networks,
     )
+    audit("endpoint %s created for tenant %r", endpoint.id, endpoint.tenant, who=who.name)
     return {**endpoint.as_json(), "secret": secret}
 
 
@@ -107,6 +108,7 @@ async def update_endpoint(
         tenant=who.tenant,
         allowed_networks=api_state(request).config.allowed_networks,
     )
+    audit("endpoint %s updated", updated.id, who=who.name)
     return updated.as_json()
 
 
@@ -114,6 +116,7 @@ async def update_endpoint(
 async def remove_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> Response:
     """Its pending deliveries become dead letters (reason `endpoint_removed`)."""
     await endpoints.remove(conn, endpoint_id, tenant=who.tenant)
+    audit("endpoint %s removed", endpoint_id, who=who.name)
     return Response(status_code=204)
 
 
@@ -125,13 +128,17 @@ async def remove_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> Response
 )
 async def disable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
     """Its deliveries are parked: kept, not attempted, until it is enabled."""
-    return (await endpoints.disable(conn, endpoint_id, tenant=who.tenant)).as_json()
+    disabled = await endpoints.disable(conn, endpoint_id, tenant=who.tenant)
+    audit("endpoint %s disabled", disabled.id, who=who.name)
+    return disabled.as_json()
 
 
 @router.post("/{endpoint_id}/enable", response_model=Endpoint, summary="Enable an endpoint")
 async def enable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
     """Every parked delivery is due again."""
-    return (await endpoints.enable(conn, endpoint_id, tenant=who.tenant)).as_json()
+    enabled = await endpoints.enable(conn, endpoint_id, tenant=who.tenant)
+    audit("endpoint %s enabled", enabled.id, who=who.name)
+    return enabled.as_json()
 
 
 @router.post(
@@ -152,8 +159,7 @@ async def rotate_secret(
     endpoint, secret = await endpoints.rotate_secret(
         conn, endpoint_id, secret=wanted.secret, keep_previous_ms=keep_ms, tenant=who.tenant
     )
-    # An audit line names who rotated which endpoint's secret; never the secret itself.
-    log.info("secret of endpoint %s rotated by token %r", endpoint.id, who.name)
+    audit("secret of endpoint %s rotated", endpoint.id, who=who.name)  # never the secret
     return {"id": endpoint.id, "secret": secret}
 
 
@@ -165,4 +171,11 @@ async def recover(endpoint_id: str, who: Writer, conn: Conn, body: RecoverIn) ->
     since = await endpoints.moment(conn, body.since, "since")
     until = await endpoints.moment(conn, body.until, "until") if body.until else None
     count = await endpoints.recover(conn, endpoint_id, since=since, until=until, tenant=who.tenant)
+    audit("%d dead letter(s) of endpoint %s recovered", count, endpoint_id, who=who.name)
     return {"requeued": count}
+
+
+def audit(message: str, *args: object, who: str, where: str = "") -> None:
+    """An audit line: what changed in the registry, and which token changed it (its name;
+    never a token, a secret or a URL). ``where``: " from the dashboard", say."""
+    log.info(f"{message}{where} by token %r", *args, who)
