@@ -475,9 +475,8 @@ class Batch:
             # the registry decides before a row is parked.
             target = await self.d.targets.reload(conn, target.id) or target
         if not target.enabled:
-            # Named for every row (not only the default's event rows): the statement asks
-            # whether it is still disabled, under its lock, before parking the row.
-            self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=target.id))
+            endpoint_id = recorded_endpoint(row)
+            self.completions.append(Completion(row.id, Outcome.PARKED, endpoint_id=endpoint_id))
             return None
         return target
 

@@ -288,7 +288,7 @@ class Dispatcher:
     async def _housekeeping(self) -> None:
         """The registry: the built-in endpoints recorded as configured, then read whole at
         start and every HOUSEKEEPING_S (with the partitioned outbox's pending start); stuck
-        ordered streams swept every SWEEP_S."""
+        ordered streams and deliveries parked on an enabled endpoint swept every SWEEP_S."""
         synced = False
         last_sweep = time.monotonic()
         while True:
@@ -649,10 +649,14 @@ class Dispatcher:
         if send.queued:
             # The request's timeout starts once it has its slot.
             await load.acquire(self.settings.endpoint_concurrency)
-            if self.stopping and send.lease is not None:
+            rolled_back = (
+                send.committed is not None and send.committed.is_set() and (not send.lease_written)
+            )
+            if send.lease is not None and (self.stopping or rolled_back):
                 # Its batch has left it and this process stops: sent now, it could outlive
                 # the drain (each request ahead of it may take its whole timeout) and be
-                # recorded by nobody. Not sent; its row is due again at once.
+                # recorded by nobody. Not sent; its row is due again at once. Or its batch
+                # rolled back: the row is another claim's to send.
                 load.release()
                 assert send.committed is not None  # made with the lease
                 await send.committed.wait()
@@ -983,7 +987,12 @@ async def _sweep_streams(conn: psycopg.AsyncConnection[Any]) -> int:
         async with conn.transaction():
             cur = await conn.execute(query("stuck_streams"))
             pairs = [(str(e), str(s)) for e, s in await cur.fetchall()]
-            return await promote_heads(conn, pairs)
+            promoted = await promote_heads(conn, pairs)
+        # Deliveries parked on an endpoint enabled meanwhile (endpoint_stragglers).
+        unparked = await endpoints.unpark_stragglers(conn)
+        if unparked:
+            log.info("deliveries parked on %d endpoint(s) enabled meanwhile are due", unparked)
+        return promoted + unparked
     finally:
         await conn.execute(query("sweep_unlock"))
 

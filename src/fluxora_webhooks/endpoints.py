@@ -560,6 +560,31 @@ async def enable(
     return Endpoint.from_row(row)
 
 
+# How long after an endpoint's last change the sweep looks for deliveries parked on it
+# while it is enabled (endpoint_stragglers): far longer than any transaction that parks.
+STRAGGLER_WINDOW_S = 600.0
+
+
+async def unpark_stragglers(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Deliveries parked on an endpoint enabled meanwhile (a transaction that read it
+    disabled committed after the enable's unpark): due again, as the enable made the
+    others (an ordered stream's in order). Returns how many endpoints had any."""
+    from .outbox import promote_heads
+
+    cur = await conn.execute(
+        query("endpoint_stragglers"), {"window_ms": int(STRAGGLER_WINDOW_S * 1000)}
+    )
+    found = [str(r[0]) for r in await cur.fetchall()]
+    for endpoint_id in found:
+        async with conn.transaction():
+            cur = await conn.execute(
+                query("endpoint_unpark"), {"id": endpoint_id, "rps": retry_rps(os.environ)}
+            )
+            streams = [str(r[0]) for r in await cur.fetchall()]
+        await promote_heads(conn, [(endpoint_id, s) for s in streams])
+    return len(found)
+
+
 async def remove(
     conn: psycopg.AsyncConnection[Any], endpoint_id: str, *, tenant: str | None = None
 ) -> int:

@@ -108,6 +108,17 @@ class Signer:
         }
 
 
+def _finite_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite number (an int, a float, a Decimal, numpy's), not a
+    bool or a text that float() would read."""
+    if isinstance(value, bool | str | bytes | bytearray):
+        return False
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def verify(
     body: bytes,
     headers: Mapping[str, str],
@@ -174,9 +185,7 @@ def verify_request(
         raise ValueError("tolerance must be a whole number of seconds, 0 or more")
     if scheme not in ("auto", "standard", "fluxora"):
         raise ValueError("scheme must be 'auto', 'standard' or 'fluxora'")
-    if now is not None and (
-        isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now)
-    ):
+    if now is not None and not _finite_seconds(now):
         raise ValueError("now must be a finite number of unix seconds (or None: the clock)")
     found = _lowercase_headers(headers)
     current = time.time() if now is None else now

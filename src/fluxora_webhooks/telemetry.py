@@ -21,8 +21,10 @@ the event loop) and are flushed when the service stops.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping, MutableMapping
+from contextvars import ContextVar
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -125,7 +127,9 @@ def _provider(exporters: tuple[str, ...], protocol: str) -> Any:
     # No exit hook of its own: the service flushes at its stop, bounded (AttemptTracer
     # .shutdown); the SDK's hook would wait at exit for an export to a collector that does
     # not answer (the exporter's own timeout, 10 s by default, per process).
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    provider = TracerProvider(
+        resource=resource, shutdown_on_exit=False, id_generator=_delivery_trace_ids()
+    )
     for name in exporters:
         exporter: Any
         if name == "console":
@@ -151,6 +155,36 @@ def _host(url: str) -> str | None:
         return urlsplit(url).hostname
     except ValueError:
         return None
+
+
+# The trace id a root span is to get (0: a random one): set around the start of an attempt
+# span whose row has no producer's context (see _delivery_trace_ids).
+_ROOT_TRACE_ID: ContextVar[int] = ContextVar("fluxora_root_trace_id", default=0)
+
+
+def _delivery_trace_ids() -> Any:
+    """The SDK's random ids, except a root span's trace id while :data:`_ROOT_TRACE_ID`
+    names one: an event without a producer's context is then one trace per delivery (its
+    id hashed, :func:`_trace_id_of`), every attempt of it in that trace, instead of a
+    trace per attempt."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class DeliveryTraceIds(RandomIdGenerator):
+        def generate_trace_id(self) -> int:
+            return _ROOT_TRACE_ID.get() or super().generate_trace_id()
+
+    return DeliveryTraceIds()
+
+
+def _trace_id_of(delivery_id: str) -> int:
+    """A delivery's trace id: its id hashed to 128 bits (0: a random one, never for a
+    text). Not the UUID's own bits: a version 4 UUID fixes bits of its low half, which a
+    ratio sampler (OTEL_TRACES_SAMPLER=traceidratio) reads, and sampled none of them at
+    rates up to a half."""
+    if not isinstance(delivery_id, str):
+        return 0
+    digest = hashlib.blake2b(delivery_id.encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "big") or 1
 
 
 class AttemptTracer:
@@ -197,9 +231,19 @@ class AttemptTracer:
         host = _host(target.url)
         if host:
             attributes["server.address"] = host
-        span = self._tracer.start_span(
-            SPAN_NAME, context=parent, kind=self._client, attributes=attributes
+        rooted = (
+            parent is None or not self._trace.get_current_span(parent).get_span_context().is_valid
         )
+        # No producer's context (or a malformed one): the delivery's own trace, the same on
+        # every attempt (a retry, a replay), so they are found together.
+        token = _ROOT_TRACE_ID.set(_trace_id_of(row.delivery_id)) if rooted else None
+        try:
+            span = self._tracer.start_span(
+                SPAN_NAME, context=parent, kind=self._client, attributes=attributes
+            )
+        finally:
+            if token is not None:
+                _ROOT_TRACE_ID.reset(token)
         self._w3c.inject(headers, context=self._trace.set_span_in_context(span))
         return span
 

@@ -7,6 +7,7 @@ valid stored context through) and imports nothing of OpenTelemetry."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import sys
@@ -118,6 +119,7 @@ async def test_producer_trace_reaches_the_consumer_on_every_attempt_and_spans_ar
     producer_span = trace.format_span_id(context.span_id)
     insert_plain(database_url, "retry-stored", STORED, "vendor=abc")
     insert_plain(database_url, "untraced", None, None)
+    insert_plain(database_url, "retry-untraced", None, None)
     for i, bad in enumerate(MALFORMED):
         insert_plain(database_url, f"malformed-{i}", bad, "vendor=abc")
 
@@ -127,7 +129,7 @@ async def test_producer_trace_reaches_the_consumer_on_every_attempt_and_spans_ar
         OTEL_TRACES_EXPORTER="console", OTEL_BSP_SCHEDULE_DELAY="100",
         OTEL_SERVICE_NAME="fluxora-under-test",
     )  # fmt: skip
-    expected = 2 + 2 + 1 + len(MALFORMED)
+    expected = 2 + 2 + 1 + 2 + len(MALFORMED)
     service = await run_service(
         env, tmp_path / "service.log", receiver, expected, "-m", "fluxora_webhooks", "run"
     )
@@ -163,6 +165,15 @@ async def test_producer_trace_reaches_the_consumer_on_every_attempt_and_spans_ar
         fresh_traces.add(match.group(1))
         assert "tracestate" not in item.headers
     assert len(fresh_traces) == len(fresh)
+    # ... the delivery's own: every attempt of one delivery in one trace, derived from its
+    # id (hashed: a ratio sampler reads bits a UUID fixes).
+    untraced = got["retry-untraced"]
+    assert [r.attempt for r in untraced] == [1, 2]
+    matches = [TRACEPARENT.fullmatch(r.headers["traceparent"]) for r in untraced]
+    assert all(m is not None for m in matches)
+    digest = hashlib.blake2b(untraced[0].delivery_id.encode(), digest_size=16).hexdigest()
+    assert {m.group(1) for m in matches if m} == {digest}
+    assert len({m.group(2) for m in matches if m}) == 2  # a span of its own each
 
     # The exported spans: the producer's trace, parented on the producer's span, named in
     # the headers, with the attempt's attributes; no URL query, no secret.

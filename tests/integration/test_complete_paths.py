@@ -174,14 +174,11 @@ async def test_a_batch_is_written_without_its_empty_parts_as_the_whole_statement
     async with await _connect(database_url) as conn:
         if partitioned:
             assert await partitions.convert(conn, interval_ms=86_400_000) is True
-        # The default endpoint as a running service configures it (disabled where rows are
-        # parked: a row is parked only while its endpoint is); and a tenant endpoint of the
-        # default tenant, so that routed event rows get a delivery.
-        parks = Outcome.PARKED in MIXES[mix]
+        # The default endpoint as a running service configures it; and a tenant endpoint
+        # of the default tenant, so that routed event rows get a delivery.
         await conn.execute(
-            "INSERT INTO webhook_endpoints (id, tenant, url, state, disabled_reason)"
-            " VALUES ('default', '', 'https://example.com/h', %s, %s)",
-            ("disabled", "manual") if parks else ("enabled", None),
+            "INSERT INTO webhook_endpoints (id, tenant, url)"
+            " VALUES ('default', '', 'https://example.com/h')"
         )
         await endpoints.create(conn, url="https://example.com/t", tenant="")
         await _events(conn, 10)

@@ -9,6 +9,7 @@ import hmac
 import json
 import time
 from datetime import UTC, datetime
+from decimal import Decimal
 
 import pytest
 from multidict import CIMultiDict
@@ -358,6 +359,7 @@ def test_caller_mistakes_are_programming_errors_not_verification_failures() -> N
             verify(BODY, stale, SECRET, now=now)  # type: ignore[arg-type]
     assert reason_of(BODY, stale) == "timestamp_too_old"
     assert verify(BODY, signed(), SECRET, now=float(NOW)) == DELIVERY_ID
+    assert verify(BODY, signed(), SECRET, now=Decimal(NOW)) == DELIVERY_ID  # type: ignore[arg-type]
 
 
 # whsec_ secrets whose rest is not strict, padded base64: the sender refuses each one.

@@ -276,12 +276,7 @@ SELECT pg_notify('webhook_outbox', '') FROM moved;
 -- stream's head when the endpoint is ordered (promote_heads decides). Its dead letter, if
 -- still waiting, is marked replayed.
 WITH cur AS (SELECT * FROM webhook_outbox WHERE id = %(id)s AND processed),
--- Parked only while the endpoint stays disabled (migration 0016: asked under its lock).
-ep AS (
-    SELECT *, CASE WHEN state = 'disabled' THEN webhook_endpoint_parks(id) ELSE false END
-              AS parks
-    FROM webhook_endpoints WHERE id = (SELECT endpoint_id FROM cur)
-),
+ep AS (SELECT * FROM webhook_endpoints WHERE id = (SELECT endpoint_id FROM cur)),
 queued AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
@@ -289,9 +284,9 @@ queued AS (
     SELECT c.tenant, c.stream_id, c.event_type, c.payload, c.delivery_id, c.enqueued_at, true,
            c.endpoint_id, COALESCE(c.event_id, c.id),
            CASE WHEN ep.ordered THEN c.stream_seq END,
-           CASE WHEN ep.parks THEN 'parked'
+           CASE WHEN ep.state = 'disabled' THEN 'parked'
                 WHEN ep.ordered AND c.stream_seq IS NOT NULL THEN 'waiting' END,
-           CASE WHEN ep.parks OR (ep.ordered AND c.stream_seq IS NOT NULL)
+           CASE WHEN ep.state = 'disabled' OR (ep.ordered AND c.stream_seq IS NOT NULL)
                 THEN 'infinity'::timestamptz ELSE now() END,
            c.traceparent, c.tracestate
     FROM cur c CROSS JOIN ep

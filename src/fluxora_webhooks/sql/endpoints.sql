@@ -110,6 +110,25 @@ unparked AS (
 )
 SELECT DISTINCT stream_id FROM unparked WHERE stream_seq IS NOT NULL;
 
+-- name: endpoint_stragglers
+-- Enabled endpoints, changed within the window, that still have a parked delivery. A
+-- statement that parks a row (a batch routing an event or recording a retry, the claim's
+-- parking, a replay) decides from the endpoint's state in its own snapshot: one that read
+-- "disabled" just before an enable committed commits its parked row after the enable's
+-- unpark, which could not see it. Taking the endpoint's lock in those statements instead
+-- put every batch behind an enable's or a removal's (rolled back and sent again past the
+-- lock timeout, a deadlock with a removal, an enable starved by the batches' share locks);
+-- the dispatchers' sweep unparks such rows again instead (endpoints.unpark_stragglers).
+-- An enable sets updated_at; the window outlasts any parking transaction.
+SELECT e.id
+FROM webhook_endpoints e
+WHERE e.state = 'enabled'
+  AND e.updated_at > now() - %(window_ms)s * interval '1 millisecond'
+  AND EXISTS (
+      SELECT 1 FROM webhook_outbox o
+      WHERE o.endpoint_id = e.id AND NOT o.processed AND o.hold = 'parked')
+ORDER BY e.id;
+
 -- name: endpoint_remove
 -- The endpoint goes, and every pending delivery of it becomes a dead letter (reason
 -- endpoint_removed) in the same transaction: nothing vanishes. A row a batch holds is
@@ -217,21 +236,16 @@ WITH picked AS (
     )
     RETURNING *
 ),
--- Parked only while the endpoint stays disabled (migration 0016: asked under its lock).
-ep AS (
-    SELECT *, CASE WHEN state = 'disabled' THEN webhook_endpoint_parks(id) ELSE false END
-              AS parks
-    FROM webhook_endpoints WHERE id = %(endpoint_id)s
-),
+ep AS (SELECT * FROM webhook_endpoints WHERE id = %(endpoint_id)s),
 queued AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
          endpoint_id, event_id, stream_seq, hold, created_at, traceparent, tracestate)
     SELECT p.tenant, p.stream_id, p.event_type, p.payload, p.delivery_id, p.enqueued_at, true,
            p.endpoint_id, p.event_id, CASE WHEN ep.ordered THEN p.stream_seq END,
-           CASE WHEN ep.parks THEN 'parked'
+           CASE WHEN ep.state = 'disabled' THEN 'parked'
                 WHEN ep.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
-           CASE WHEN ep.parks OR (ep.ordered AND p.stream_seq IS NOT NULL)
+           CASE WHEN ep.state = 'disabled' OR (ep.ordered AND p.stream_seq IS NOT NULL)
                 THEN 'infinity'::timestamptz
                 ELSE now() + (%(start)s + row_number() OVER (ORDER BY p.dead_at, p.id) - 1)
                              * interval '1 second' / COALESCE(ep.rate_limit, %(rps)s) END,

@@ -73,9 +73,9 @@ INSERT INTO webhook_outbox
      stream_seq, hold, created_at, traceparent, tracestate, delivery_id)
 SELECT ev.tenant, ev.stream_id, ev.event_type, ev.payload, ev.enqueued_at, e.id, ev.id,
        CASE WHEN e.ordered THEN ev.id END,
-       CASE WHEN pk.parks THEN 'parked'
+       CASE WHEN e.state <> 'enabled' THEN 'parked'
             WHEN e.ordered AND NOT d.head THEN 'waiting' END,
-       CASE WHEN pk.parks OR (e.ordered AND NOT d.head)
+       CASE WHEN e.state <> 'enabled' OR (e.ordered AND NOT d.head)
             THEN 'infinity'::timestamptz ELSE now() END,
        ev.traceparent, ev.tracestate,
        md5(ev.delivery_id::text || chr(31) || e.id)::uuid
@@ -84,11 +84,6 @@ JOIN webhook_endpoints e ON e.tenant = ev.tenant
 CROSS JOIN LATERAL (
     -- use: fan_out_head
 ) d
--- Parked only while the endpoint stays disabled (migration 0016: asked under its lock).
-CROSS JOIN LATERAL (
-    SELECT CASE WHEN e.state = 'enabled' THEN false ELSE webhook_endpoint_parks(e.id) END
-           AS parks
-) pk
 WHERE e.id NOT IN ('default', 'operator')
   AND e.created_at <= ev.enqueued_at
   AND EXISTS (
@@ -236,20 +231,13 @@ done AS (SELECT NULL::bigint AS id, NULL::text AS recorded WHERE false),
 held AS (
     UPDATE webhook_outbox o
     SET created_at = CASE
-            WHEN r.parks THEN 'infinity'::timestamptz
+            WHEN r.outcome = 'parked' THEN 'infinity'::timestamptz
             ELSE clock_timestamp() + r.delay_ms * interval '1 millisecond' END,
-        hold = CASE WHEN r.parks THEN 'parked' ELSE o.hold END,
+        hold = CASE WHEN r.outcome = 'parked' THEN 'parked' ELSE o.hold END,
         deferrals = o.deferrals + (r.outcome = 'deferred')::int,
         lease = CASE WHEN r.outcome = 'leased' THEN r.lease END,
         endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id)
-    -- parks: a row to park is parked only while its endpoint stays disabled (migration
-    -- 0016: asked once per row, under the endpoint's lock); one enabled since the
-    -- dispatcher looked is due now instead.
-    FROM (
-        SELECT x.*, CASE WHEN x.outcome = 'parked' THEN webhook_endpoint_parks(x.endpoint_id)
-                    END AS parks
-        FROM r x WHERE x.outcome IN ('deferred', 'parked', 'leased')
-    ) r
+    FROM r
     WHERE o.id = r.id AND o.partition_at = r.partition_at
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
       AND r.outcome IN ('deferred', 'parked', 'leased') AND o.processed IS FALSE
@@ -268,16 +256,12 @@ retried AS (
         (tenant, stream_id, event_type, payload, created_at, delivery_id, attempt, enqueued_at,
          replay, endpoint_id, event_id, stream_seq, hold, traceparent, tracestate)
     SELECT d.tenant, d.stream_id, d.event_type, d.payload,
-           CASE WHEN pk.parks THEN 'infinity'::timestamptz
+           CASE WHEN ep.state = 'disabled' THEN 'infinity'::timestamptz
                 ELSE clock_timestamp() + d.delay_ms * interval '1 millisecond' END,
            d.delivery_id, d.attempt + 1, d.enqueued_at, d.replay, d.endpoint_id,
            COALESCE(d.event_id, d.id), d.stream_seq,
-           CASE WHEN pk.parks THEN 'parked' END, d.traceparent, d.tracestate
+           CASE WHEN ep.state = 'disabled' THEN 'parked' END, d.traceparent, d.tracestate
     FROM done d LEFT JOIN webhook_endpoints ep ON ep.id = d.endpoint_id
-    CROSS JOIN LATERAL (
-        SELECT CASE WHEN ep.state = 'disabled' THEN webhook_endpoint_parks(ep.id)
-                    ELSE false END AS parks
-    ) pk
     WHERE d.wanted = 'retry'
     RETURNING id
 ),
@@ -582,12 +566,6 @@ WITH picked AS (
               CASE WHEN d.endpoint_id IS NULL AND d.tenant NOT IN ('', '!operator') THEN NULL
                    ELSE COALESCE(d.endpoint_id, 'default') END AS target
 ),
--- Their endpoints, each parked only while it stays disabled (migration 0016).
-targets AS (
-    SELECT e.*, CASE WHEN e.state = 'disabled' THEN webhook_endpoint_parks(e.id)
-                     ELSE false END AS parks
-    FROM webhook_endpoints e WHERE e.id IN (SELECT target FROM picked)
-),
 queued AS (
     INSERT INTO webhook_outbox
         (tenant, stream_id, event_type, payload, delivery_id, enqueued_at, replay,
@@ -595,15 +573,15 @@ queued AS (
     SELECT p.tenant, p.stream_id, p.event_type, p.payload, p.delivery_id, p.enqueued_at, true,
            p.target, CASE WHEN p.target IS NOT NULL THEN p.event_id END,
            CASE WHEN e.ordered THEN p.stream_seq END,
-           CASE WHEN e.parks THEN 'parked'
+           CASE WHEN e.state = 'disabled' THEN 'parked'
                 WHEN e.ordered AND p.stream_seq IS NOT NULL THEN 'waiting' END,
-           CASE WHEN e.parks OR (e.ordered AND p.stream_seq IS NOT NULL)
+           CASE WHEN e.state = 'disabled' OR (e.ordered AND p.stream_seq IS NOT NULL)
                 THEN 'infinity'::timestamptz
                 WHEN p.target IS NULL THEN now()  -- an event, routed again: no one URL
                 ELSE now() + (row_number() OVER (PARTITION BY p.target ORDER BY p.dead_at, p.id)
                               - 1) * interval '1 second' / COALESCE(e.rate_limit, %(rps)s) END,
            p.traceparent, p.tracestate
-    FROM picked p LEFT JOIN targets e ON e.id = p.target
+    FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target
     RETURNING 1
 )
 SELECT p.delivery_id::text, p.id::text, p.target, p.stream_id,
