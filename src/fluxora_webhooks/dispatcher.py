@@ -210,7 +210,7 @@ class Dispatcher:
             self.conninfo,
             min_size=loops,
             max_size=loops + 2,
-            kwargs={"autocommit": True, **_named(self.conninfo)},
+            kwargs={"autocommit": True, **session_name(self.conninfo, APPLICATION_NAME)},
             configure=self._configure_connection,
             open=False,
             name="fluxora-claim",
@@ -307,7 +307,7 @@ class Dispatcher:
                 self.claim_since = await self.with_connection(partitions.pending_since)
                 if time.monotonic() - last_sweep >= SWEEP_S:
                     last_sweep = time.monotonic()
-                    if await self.with_connection(_sweep_streams):
+                    if await self.with_connection(_sweep):
                         self._waker.wake_all()
             except asyncio.CancelledError:
                 raise
@@ -375,7 +375,7 @@ class Dispatcher:
         while not self.stopping:
             try:
                 async with await psycopg.AsyncConnection.connect(
-                    self.conninfo, autocommit=True, **_named(self.conninfo)
+                    self.conninfo, autocommit=True, **session_name(self.conninfo, APPLICATION_NAME)
                 ) as conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     await conn.execute(f"LISTEN {ENDPOINTS_CHANNEL}")
@@ -649,21 +649,16 @@ class Dispatcher:
         if send.queued:
             # The request's timeout starts once it has its slot.
             await load.acquire(self.settings.endpoint_concurrency)
-            rolled_back = (
-                send.committed is not None and send.committed.is_set() and (not send.lease_written)
-            )
-            if send.lease is not None and (self.stopping or rolled_back):
+            committed = send.committed  # made with the lease
+            if committed is not None and (
+                self.stopping or (committed.is_set() and not send.lease_written)
+            ):
                 # Its batch has left it and this process stops: sent now, it could outlive
                 # the drain (each request ahead of it may take its whole timeout) and be
                 # recorded by nobody. Not sent; its row is due again at once. Or its batch
                 # rolled back: the row is another claim's to send.
                 load.release()
-                assert send.committed is not None  # made with the lease
-                await send.committed.wait()
-                if send.lease_written:
-                    self.completer.put_back(send)
-                else:
-                    self.completer.settled([send])  # its batch rolled back: claimed again
+                await self._hand_over(send, None)
                 return NOT_SENT
         send.started = True
         send.started_at = time.monotonic()
@@ -697,13 +692,19 @@ class Dispatcher:
             load.mark_slow()
         metrics.ATTEMPT_DURATION.observe(result.duration_ms / 1000)
         if send.lease is not None:
-            assert send.committed is not None  # made with the lease
-            await send.committed.wait()
-            if send.lease_written:
-                self.completer.submit(send, result)
-            else:
-                self.completer.settled([send])  # its batch rolled back: claimed again
+            await self._hand_over(send, result)
         return result
+
+    async def _hand_over(self, send: Send, result: AttemptResult | None) -> None:
+        """A request that outlived its batch (``result`` None: not sent) goes to the
+        completer once its batch's commit wrote the lease; if the batch rolled back, the
+        row is claimed again and nothing is recorded."""
+        assert send.committed is not None  # made with the lease
+        await send.committed.wait()
+        if send.lease_written:
+            self.completer.submit(send, result)
+        else:
+            self.completer.settled([send])
 
     def _bring_forward(self, load: Load) -> None:
         """The endpoint's first request was answered: its rows deferred before, each
@@ -963,19 +964,15 @@ class Dispatcher:
 APPLICATION_NAME = "fluxora-webhooks dispatcher"
 
 
-def _named(conninfo: str) -> dict[str, Any]:
-    """``application_name`` for a dispatcher's connection (see pgtypes.session_name)."""
-    return session_name(conninfo, APPLICATION_NAME)
-
-
 def _builtin_variable(endpoint_id: str) -> str:
     """The variable that configures a built-in endpoint's URL."""
     return "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL"
 
 
-async def _sweep_streams(conn: psycopg.AsyncConnection[Any]) -> int:
-    """Ordered streams with a waiting delivery and no head: choose their head (one
-    dispatcher at a time, under a try-lock)."""
+async def _sweep(conn: psycopg.AsyncConnection[Any]) -> int:
+    """One dispatcher at a time (a try-lock): ordered streams with a waiting delivery and
+    no head get their head chosen, and deliveries parked on an endpoint enabled meanwhile
+    are due again (endpoint_stragglers). Returns how many were found."""
     from .outbox import promote_heads
     from .queries import query
 

@@ -547,10 +547,7 @@ async def enable(
         row = await _one(conn, "endpoint_enable", {"id": endpoint_id, **_scope(tenant)})
         if row is None:
             return await get(conn, endpoint_id, tenant=tenant)  # enabled already, or 404
-        cur = await conn.execute(
-            query("endpoint_unpark"), {"id": endpoint_id, "rps": retry_rps(os.environ)}
-        )
-        streams = [str(r[0]) for r in await cur.fetchall()]
+        streams = await _unpark(conn, endpoint_id)
         await operator_event(
             conn, "endpoint.enabled", stream_id=endpoint_id, payload=_state_event(row, None)
         )
@@ -577,12 +574,18 @@ async def unpark_stragglers(conn: psycopg.AsyncConnection[Any]) -> int:
     found = [str(r[0]) for r in await cur.fetchall()]
     for endpoint_id in found:
         async with conn.transaction():
-            cur = await conn.execute(
-                query("endpoint_unpark"), {"id": endpoint_id, "rps": retry_rps(os.environ)}
-            )
-            streams = [str(r[0]) for r in await cur.fetchall()]
+            streams = await _unpark(conn, endpoint_id)
         await promote_heads(conn, [(endpoint_id, s) for s in streams])
     return len(found)
+
+
+async def _unpark(conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> list[str]:
+    """Every parked delivery of the endpoint due again (endpoint_unpark); the ordered
+    streams whose next head is to be chosen once the transaction has committed."""
+    cur = await conn.execute(
+        query("endpoint_unpark"), {"id": endpoint_id, "rps": retry_rps(os.environ)}
+    )
+    return [str(r[0]) for r in await cur.fetchall()]
 
 
 async def remove(

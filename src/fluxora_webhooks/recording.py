@@ -347,12 +347,10 @@ class Completer:
         )
         return max(0.0, first - time.monotonic())
 
-    def submit(self, send: Send, result: AttemptResult) -> None:
+    def submit(self, send: Send, result: AttemptResult | None) -> None:
+        """A detached request's outcome to record (None: it was not sent, its row is put
+        back due at once)."""
         self._queue.put_nowait(Detached(send, result))
-
-    def put_back(self, send: Send) -> None:
-        """A detached row that was not sent (the process stops): due again at once."""
-        self._queue.put_nowait(Detached(send, None))
 
     def settled(self, sends: Sequence[Send]) -> None:
         """Recorded, or given up (its row is sent again when its lease ends)."""

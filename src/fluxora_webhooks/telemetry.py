@@ -177,12 +177,10 @@ def _delivery_trace_ids() -> Any:
 
 
 def _trace_id_of(delivery_id: str) -> int:
-    """A delivery's trace id: its id hashed to 128 bits (0: a random one, never for a
-    text). Not the UUID's own bits: a version 4 UUID fixes bits of its low half, which a
-    ratio sampler (OTEL_TRACES_SAMPLER=traceidratio) reads, and sampled none of them at
-    rates up to a half."""
-    if not isinstance(delivery_id, str):
-        return 0
+    """A delivery's trace id: its id hashed to 128 bits (never 0, which is no trace id).
+    Not the UUID's own bits: a version 4 UUID fixes bits of its low half, which a ratio
+    sampler (OTEL_TRACES_SAMPLER=traceidratio) reads, and sampled none of them at rates up
+    to a half."""
     digest = hashlib.blake2b(delivery_id.encode(), digest_size=16).digest()
     return int.from_bytes(digest, "big") or 1
 

@@ -449,7 +449,8 @@ FROM webhook_try_promote_heads(%(endpoints)s::text[], %(streams)s::text[]);
 SELECT id FROM webhook_promote_heads(%(endpoints)s::text[], %(streams)s::text[]) AS h(id);
 
 -- name: sweep_lock
--- One dispatcher at a time looks for stuck ordered streams ("fluxora-webhooks sweep").
+-- One dispatcher at a time sweeps ("fluxora-webhooks sweep"): stuck ordered streams, and
+-- deliveries parked on an endpoint enabled meanwhile.
 SELECT pg_try_advisory_lock(7382390104629133160);
 
 -- name: sweep_unlock
