@@ -30,6 +30,7 @@ from .endpoints import DEFAULT_ID, OPERATOR_TENANT, check_event_type
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
 from .outbox import enqueue_with_context, promote_heads
 from .queries import query
+from .tracing import delivery_trace_id, traceparent_header
 
 STATUSES = ("pending", "retrying", "parked", "delivered", "dead_letter")
 MAX_PAGE = 1000
@@ -86,6 +87,11 @@ def event_json(row: Mapping[str, Any]) -> dict[str, Any]:
         "payload": row["payload"],
         "created_at": _iso(row["created_at"]),
     }
+
+
+def event_detail_json(row: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`event_json` with the producer's stored trace context (when valid)."""
+    return {**event_json(row), "traceparent": traceparent_header(row["traceparent"])}
 
 
 # How long an Idempotency-Key of POST /api/v1/events names its request (as Stripe's and the
@@ -243,7 +249,7 @@ async def get_event(
     if not rows:
         raise NotFoundError(f"no event {event_id}")
     found, _ = await list_deliveries(conn, tenant=tenant, event_id=event_id, limit=MAX_PAGE)
-    return {**event_json(rows[0]), "deliveries": found}
+    return {**event_detail_json(rows[0]), "deliveries": found}
 
 
 # -- deliveries ---------------------------------------------------------------------------
@@ -381,6 +387,7 @@ async def get_delivery(
         "next_attempt_at": None if current["processed"] else _iso(current["due_at"]),
         "payload": first["payload"],
         "attempts": attempts,
+        "trace_id": delivery_trace_id(first["delivery_id"], current["traceparent"]),
     }
 
 

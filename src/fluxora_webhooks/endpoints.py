@@ -541,12 +541,20 @@ async def enable(
 ) -> Endpoint:
     """Enable the endpoint: every parked delivery is due again (an ordered stream's in
     order), its failure streak starts afresh, and the operator is told."""
+    endpoint, _ = await enable_once(conn, endpoint_id, tenant=tenant)
+    return endpoint
+
+
+async def enable_once(
+    conn: psycopg.AsyncConnection[Any], endpoint_id: str, *, tenant: str | None = None
+) -> tuple[Endpoint, bool]:
+    """:func:`enable`, and whether this call enabled it (False: it was enabled already)."""
     from .outbox import promote_heads
 
     async with conn.transaction():
         row = await _one(conn, "endpoint_enable", {"id": endpoint_id, **_scope(tenant)})
         if row is None:
-            return await get(conn, endpoint_id, tenant=tenant)  # enabled already, or 404
+            return await get(conn, endpoint_id, tenant=tenant), False  # enabled, or 404
         streams = await _unpark(conn, endpoint_id)
         await operator_event(
             conn, "endpoint.enabled", stream_id=endpoint_id, payload=_state_event(row, None)
@@ -554,7 +562,7 @@ async def enable(
     # After the commit: no transaction waits for a stream's lock holding anything else
     # (docs/design.md, "Ordering"); should this fail, the sweep chooses the heads.
     await promote_heads(conn, [(endpoint_id, s) for s in streams])
-    return Endpoint.from_row(row)
+    return Endpoint.from_row(row), True
 
 
 # How long after an endpoint's last change the sweep looks for deliveries parked on it

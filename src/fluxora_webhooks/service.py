@@ -167,18 +167,28 @@ async def warn_if_not_vacuumed(conn: psycopg.AsyncConnection[Any]) -> bool:
 
 
 # Why the outbox is not vacuumed automatically ('' when it is): the server's setting (or
-# the statistics autovacuum needs), or the table's own storage parameter.
+# the statistics autovacuum needs), or the storage parameter of the table or of any of its
+# partitions (migrate --partitioned: the partitions are the tables that are vacuumed).
 _NOT_VACUUMED = """
+WITH off AS (
+    SELECT c.relname::text AS name, c.oid = to_regclass('webhook_outbox') AS parent
+    FROM pg_class c
+    WHERE (c.oid = to_regclass('webhook_outbox')
+           OR c.oid IN (SELECT relid FROM pg_partition_tree(to_regclass('webhook_outbox'))))
+      AND EXISTS (
+        SELECT 1 FROM unnest(c.reloptions) AS o(option)
+        WHERE lower(replace(o.option, ' ', ''))
+              IN ('autovacuum_enabled=false', 'autovacuum_enabled=off',
+                  'autovacuum_enabled=0', 'autovacuum_enabled=no'))
+)
 SELECT concat_ws(', ',
     CASE WHEN current_setting('autovacuum') = 'off' THEN 'autovacuum = off' END,
     CASE WHEN current_setting('track_counts') = 'off' THEN 'track_counts = off' END,
-    CASE WHEN EXISTS (
-        SELECT 1 FROM pg_class c, unnest(c.reloptions) AS o(option)
-        WHERE c.oid = to_regclass('webhook_outbox')
-          AND lower(replace(o.option, ' ', ''))
-              IN ('autovacuum_enabled=false', 'autovacuum_enabled=off',
-                  'autovacuum_enabled=0', 'autovacuum_enabled=no'))
-    THEN 'webhook_outbox has autovacuum_enabled = false' END)
+    CASE WHEN EXISTS (SELECT 1 FROM off WHERE parent)
+    THEN 'webhook_outbox has autovacuum_enabled = false' END,
+    (SELECT format('%s partition(s) of webhook_outbox have autovacuum_enabled = false (%s)',
+                   count(*), string_agg(name, ', ' ORDER BY name))
+     FROM off WHERE NOT parent HAVING count(*) > 0))
 """
 
 

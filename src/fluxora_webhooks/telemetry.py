@@ -21,7 +21,6 @@ the event loop) and are flushed when the service stops.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, MutableMapping
 from contextvars import ContextVar
@@ -32,7 +31,7 @@ from urllib.parse import urlsplit
 from ._version import __version__
 from .errors import ConfigError
 from .outbox import Claimed
-from .tracing import passthrough
+from .tracing import own_trace_id, passthrough
 
 if TYPE_CHECKING:
     from .delivery import AttemptResult
@@ -165,7 +164,7 @@ _ROOT_TRACE_ID: ContextVar[int] = ContextVar("fluxora_root_trace_id", default=0)
 def _delivery_trace_ids() -> Any:
     """The SDK's random ids, except a root span's trace id while :data:`_ROOT_TRACE_ID`
     names one: an event without a producer's context is then one trace per delivery (its
-    id hashed, :func:`_trace_id_of`), every attempt of it in that trace, instead of a
+    id hashed, :func:`.tracing.own_trace_id`), every attempt of it in that trace, instead of a
     trace per attempt."""
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
@@ -174,15 +173,6 @@ def _delivery_trace_ids() -> Any:
             return _ROOT_TRACE_ID.get() or super().generate_trace_id()
 
     return DeliveryTraceIds()
-
-
-def _trace_id_of(delivery_id: str) -> int:
-    """A delivery's trace id: its id hashed to 128 bits (never 0, which is no trace id).
-    Not the UUID's own bits: a version 4 UUID fixes bits of its low half, which a ratio
-    sampler (OTEL_TRACES_SAMPLER=traceidratio) reads, and sampled none of them at rates up
-    to a half."""
-    digest = hashlib.blake2b(delivery_id.encode(), digest_size=16).digest()
-    return int.from_bytes(digest, "big") or 1
 
 
 class AttemptTracer:
@@ -234,7 +224,7 @@ class AttemptTracer:
         )
         # No producer's context (or a malformed one): the delivery's own trace, the same on
         # every attempt (a retry, a replay), so they are found together.
-        token = _ROOT_TRACE_ID.set(_trace_id_of(row.delivery_id)) if rooted else None
+        token = _ROOT_TRACE_ID.set(own_trace_id(row.delivery_id)) if rooted else None
         try:
             span = self._tracer.start_span(
                 SPAN_NAME, context=parent, kind=self._client, attributes=attributes
@@ -248,7 +238,8 @@ class AttemptTracer:
     def end(self, span: Any, result: AttemptResult | None, outcome: str) -> None:
         """End the span with the attempt's status code and outcome (``delivered``,
         ``retry``, ``dead_letter``; ``cancelled`` when the request was abandoned). The
-        error's type is the attempt's reason, never the consumer's text.
+        error's type is the status code, or the attempt's reason when there was no answer;
+        never the consumer's text.
         Never raises."""
         try:
             self._end(span, result, outcome)
@@ -261,9 +252,12 @@ class AttemptTracer:
             if result is not None and result.status is not None:
                 span.set_attribute("http.response.status_code", result.status)
             if outcome != "delivered":
-                kind = (result.reason if result is not None else "") or (
-                    str(result.status) if result is not None and result.status else outcome
-                )
+                # As OpenTelemetry's HTTP conventions name it: the status code when the
+                # consumer answered (a 404 as a 500), else what failed (timeout, ...).
+                if result is not None and result.status is not None:
+                    kind = str(result.status)
+                else:
+                    kind = (result.reason if result is not None else "") or outcome
                 span.set_attribute("error.type", kind)
                 span.set_status(self._error, kind)
         finally:

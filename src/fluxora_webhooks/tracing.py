@@ -15,6 +15,7 @@ of that context, and the headers name the span.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 
@@ -99,3 +100,22 @@ def passthrough(traceparent: str | None, tracestate: str | None) -> dict[str, st
         return {}
     state = tracestate_header(tracestate) if tracestate else None
     return {"traceparent": parent, "tracestate": state} if state else {"traceparent": parent}
+
+
+def own_trace_id(delivery_id: str) -> int:
+    """The trace of a delivery whose event has no valid producer's context: its id hashed
+    to 128 bits (never 0, which is no trace id), every attempt of it in that trace. Not the
+    UUID's own bits: a version 4 UUID fixes bits of its low half, which a ratio sampler
+    (OTEL_TRACES_SAMPLER=traceidratio) reads, and sampled none of them at rates up to a
+    half."""
+    digest = hashlib.blake2b(delivery_id.encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def delivery_trace_id(delivery_id: str, traceparent: object) -> str:
+    """The trace id (32 hex digits) of a delivery's attempt spans when the dispatcher
+    traces: the producer's stored context's when it is valid, else the delivery's own."""
+    parent = traceparent_header(traceparent)
+    if parent is not None:
+        return parent[3:35]
+    return f"{own_trace_id(delivery_id):032x}"

@@ -7,9 +7,11 @@ dispatcher delivers the rest: nothing is lost."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.support.chaos import (
@@ -173,3 +175,57 @@ async def _leased(database_url: str) -> bool:
 
 async def _sent_at_least(consumer: ChaosConsumer, n: int) -> bool:
     return len(consumer.hits) >= n
+
+
+async def test_a_request_left_waiting_by_a_batch_that_rolled_back_is_not_sent(
+    database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A batch whose commit fails after it left requests waiting for a slot of their
+    endpoint: its leases were never written, so its rows are claimed and sent again at
+    once. The waiting requests must then not be sent as well when the slot frees (the
+    consumer would get those deliveries twice). The batch is made to fail by its own
+    session ending as it writes the leases (once, by a trigger)."""
+    first = True
+
+    def choose(hit: Hit) -> Behaviour:
+        nonlocal first
+        silent, first = first, False
+        return Behaviour.SILENT if silent else Behaviour.OK  # the first holds the slot 2 s
+
+    consumer = ChaosConsumer(choose)
+    await consumer.start()
+    env = dispatcher_env(
+        database_url, redis_url, consumer.url, redis_prefix,
+        WEBHOOK_TIMEOUT_MS="2000", WEBHOOK_BATCH_SIZE="4", WEBHOOK_CLAIM_LOOPS="1",
+        WEBHOOK_ENDPOINT_CONCURRENCY="1", WEBHOOK_RETRY_SCHEDULE="1h",
+    )  # fmt: skip
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE SEQUENCE test_lease_fault;"
+            " CREATE FUNCTION test_lease_fault() RETURNS trigger LANGUAGE plpgsql AS $$"
+            " BEGIN"
+            "   IF NEW.lease IS NOT NULL AND OLD.lease IS NULL"
+            "      AND nextval('test_lease_fault') = 1 THEN"  # not rolled back: once
+            "     PERFORM pg_terminate_backend(pg_backend_pid());"
+            "   END IF;"
+            "   RETURN NEW;"
+            " END $$;"
+            " CREATE TRIGGER test_lease_fault BEFORE UPDATE ON webhook_outbox"
+            " FOR EACH ROW EXECUTE FUNCTION test_lease_fault()"
+        )
+    proc = await start_dispatcher(env, tmp_path / "dispatcher.log")
+    try:
+        await enqueue_events(database_url, ["ok"] * 4)
+        await wait_until(lambda: _drained(database_url), timeout=30, what="all four delivered")
+        await asyncio.sleep(1)  # a request sent late would arrive now
+        faults = await scalar(database_url, "SELECT last_value FROM test_lease_fault")
+        assert faults >= 1, proc.log()  # the batch did fail as it wrote its leases
+        sent: dict[str, int] = {}
+        for hit in consumer.hits:
+            sent[hit.delivery_id] = sent.get(hit.delivery_id, 0) + 1
+        # The first was sent by the failed batch (never answered, never recorded) and
+        # again; each of the three that waited behind it is sent once, by the claim after.
+        assert sorted(sent.values()) == [1, 1, 1, 2], (sent, proc.log())
+    finally:
+        await stop_processes([proc])
+        await consumer.stop()

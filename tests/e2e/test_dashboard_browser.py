@@ -256,6 +256,10 @@ async def test_sign_in_and_every_page_with_stored_markup_shown_as_text(
 async def test_replay_disable_enable_rotate_and_recover(admin: Tab, site: Site) -> None:
     page, database_url = admin.page, site.api.database_url
     await admin.open(f"/deliveries/{site.xss_delivery}")
+    # The trace its attempts are in (none stored: the delivery's own), as the API says it.
+    detail = await site.api.get(f"/api/v1/deliveries/{site.xss_delivery}")
+    assert await page.locator("#trace-id").inner_text() == detail.body["trace_id"]
+    assert len(detail.body["trace_id"]) == 32
     await page.click("#replay button")
     await page.wait_for_url("**done=replayed")
     assert await page.locator(".flash").inner_text() == "Replay queued under the same delivery id."

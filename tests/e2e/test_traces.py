@@ -190,6 +190,7 @@ async def test_producer_trace_reaches_the_consumer_on_every_attempt_and_spans_ar
     first, second = (s["attributes"] for s in mine)
     assert first["fluxora.outcome"] == "retry" and first["http.response.status_code"] == 500
     assert second["fluxora.outcome"] == "delivered" and second["http.response.status_code"] == 200
+    assert first["error.type"] == "500" and "error.type" not in second  # OTel's convention
     for attributes in (first, second):
         assert attributes["fluxora.endpoint.id"] == "default"
         assert attributes["fluxora.tenant"] == ""

@@ -6,6 +6,7 @@ endpoint's dead letters; lists page through more rows than a page."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -279,6 +280,16 @@ async def test_an_events_trace_context_over_http_reaches_its_consumer(
     traced = [r for r in receiver.received if r.headers.get("traceparent") == parent]
     assert sorted(r.headers["tracestate"] for r in traced) == ["a=1,b=2", "vendor=abc"]
     assert sum("traceparent" in r.headers for r in receiver.received) == 2
+    # The API names each event's stored context and the trace its deliveries' attempts are
+    # in: the producer's, or (none stored) the delivery's own, as the dispatcher makes it.
+    for name, event_id in sent.items():
+        event = (await api.get(f"/api/v1/events/{event_id}", token="acme")).body
+        assert event["traceparent"] == (None if name == "garbled" else parent)
+        (listed,) = event["deliveries"]
+        delivery_id = listed["delivery_id"]
+        detail = (await api.get(f"/api/v1/deliveries/{delivery_id}", token="acme")).body
+        own = hashlib.blake2b(delivery_id.encode(), digest_size=16).hexdigest()
+        assert detail["trace_id"] == (own if name == "garbled" else parent[3:35])
 
 
 async def test_removing_an_endpoint_adds_no_attempt_and_a_410_shows_as_parked(

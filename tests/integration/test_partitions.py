@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 from typing import Any
 
 import psycopg
@@ -15,6 +16,7 @@ import pytest
 from fluxora_webhooks import partitions
 from fluxora_webhooks.migrations import check_schema
 from fluxora_webhooks.ops import read_backlog
+from fluxora_webhooks.service import warn_if_not_vacuumed
 from tests.support.dispatch import (
     delivered,
     enqueue_many,
@@ -309,3 +311,26 @@ async def test_a_partitioned_outbox_fans_out_and_sends_in_the_routing_transactio
         " WHERE e.event_id IS NULL GROUP BY e.id, e.outcome",
     )
     assert found == [("routed", 2, 1, True, True)] * 5
+
+
+async def test_run_says_when_a_partition_of_the_outbox_is_not_vacuumed(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Partitioned, the partitions are the tables autovacuum visits: one with its own
+    autovacuum off is named at run's start, as the whole table's setting is."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        assert await partitions.convert(conn, interval_ms=DAY) is True
+        cur = await conn.execute("SELECT current_setting('autovacuum') = 'off'")
+        server_off = (await cur.fetchone()) == (True,)
+        (first, *_) = await _partitions(database_url)
+        with caplog.at_level(logging.WARNING, logger="fluxora_webhooks"):
+            assert await warn_if_not_vacuumed(conn) is server_off
+            assert "partition" not in caplog.text
+            await conn.execute(f'ALTER TABLE "{first}" SET (autovacuum_enabled = off)')
+            assert await warn_if_not_vacuumed(conn) is True
+            said = "1 partition(s) of webhook_outbox have autovacuum_enabled = false"
+            assert f"{said} ({first})" in caplog.text
+            caplog.clear()
+            await conn.execute(f'ALTER TABLE "{first}" RESET (autovacuum_enabled)')
+            assert await warn_if_not_vacuumed(conn) is server_off
+            assert "partition" not in caplog.text

@@ -57,6 +57,19 @@ def test_every_number_option_refuses_any_input_naming_itself(
     assert "Traceback" not in err and len(err) < 500
 
 
+@pytest.mark.parametrize("command", [("tail",), ("dlq", "list")])
+def test_a_negative_limit_is_told_its_bound(
+    command: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = cli.main([*command, "--limit", "-1"])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error: --limit: must be at least 1, got -1" in err, err
+
+
 def test_status_reads_the_breaker_threshold_without_raising() -> None:
     for raw in ("\u00b2", HUGE, "x"):
         assert status._breaker_threshold({"WEBHOOK_CIRCUIT_BREAKER_THRESHOLD": raw}) is None

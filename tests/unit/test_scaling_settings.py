@@ -51,7 +51,7 @@ def test_the_default_follows_the_affinity_mask_and_the_cap(
         ("65", "at most 64"),
         ("two", "not a whole number"),
         ("", "set but empty"),
-        ("-1", "not a whole number"),
+        ("-1", "must be at least 1, got -1"),
     ],
 )
 def test_invalid_workers_name_the_variable(value: str, fragment: str) -> None:

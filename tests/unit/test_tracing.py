@@ -127,3 +127,47 @@ def test_a_failing_tracer_never_fails_the_attempt(caplog: pytest.LogCaptureFixtu
     assert headers == {"traceparent": VALID, "tracestate": "a=1"}  # passed through
     tracer.end(object(), None, "cancelled")  # a span that cannot be ended: logged only
     assert "attempt span not started" in caplog.text and "attempt span not ended" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("result", "outcome", "error_type"),
+    [
+        (("permanent", 404, "http_4xx"), "dead_letter", "404"),
+        (("retryable", 503, ""), "retry", "503"),
+        (("retryable", None, "timeout"), "retry", "timeout"),
+        (("permanent", None, "endpoint_refused"), "dead_letter", "endpoint_refused"),
+        (None, "cancelled", "cancelled"),
+        (("delivered", 200, ""), "delivered", None),
+    ],
+)
+def test_a_failed_attempts_error_type_is_its_status_code_or_what_failed(
+    result: tuple[str, int | None, str] | None, outcome: str, error_type: str | None
+) -> None:
+    """OpenTelemetry's HTTP conventions: the status code as text when the consumer
+    answered (a 4xx as a 5xx), else a short name of what failed; none when delivered."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from fluxora_webhooks.delivery import AttemptResult
+    from fluxora_webhooks.outbox import Claimed
+    from fluxora_webhooks.retry import Kind
+    from fluxora_webhooks.signing import Signer
+    from fluxora_webhooks.targets import Target
+    from fluxora_webhooks.telemetry import AttemptTracer
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracer = AttemptTracer(provider)
+    row = Claimed(1, "d-1", "stream.updated", b"{}", 1)
+    target = Target("ep_1", "acme", "https://x.example/h", Signer(b"k" * 32))
+    span = tracer.start(row, target, {})
+    attempt = None
+    if result is not None:
+        kind, status, reason = result
+        attempt = AttemptResult(Kind(kind), status=status, reason=reason)
+    tracer.end(span, attempt, outcome)
+    (finished,) = exported.get_finished_spans()
+    assert (finished.attributes or {}).get("error.type") == error_type
+    provider.shutdown()

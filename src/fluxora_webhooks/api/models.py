@@ -181,9 +181,18 @@ class DeliveryDetail(Delivery):
         description="the requests sent (a dead letter made when its endpoint was removed is"
         " none: `dead_letter_reason` says so)"
     )
+    trace_id: str = Field(
+        description="the W3C trace id (32 hex digits) its attempts' spans are in when the"
+        " dispatcher traces (OpenTelemetry): the producer's, from the event's stored"
+        " `traceparent` when valid, else the delivery's own, the same for every attempt"
+    )
 
 
 class EventDetail(Event):
+    traceparent: str | None = Field(
+        description="the producer's W3C trace context stored with the event (SPEC 18), as"
+        " the requests carry it; null when none was stored or it is not valid"
+    )
     deliveries: list[Delivery]
 
 

@@ -57,7 +57,7 @@ LIMIT %(limit)s;
 -- name: event_get
 -- Also an operator event, for an admin: its delivery is in the admin's lists and links
 -- here. A tenant's token never sees one (no tenant is '!operator').
-SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at
+SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at, traceparent
 FROM webhook_outbox
 WHERE id = %(id)s AND event_id IS NULL
   AND (NOT %(scoped)s OR (tenant = %(tenant)s AND tenant <> '!operator'));
@@ -223,7 +223,7 @@ SELECT id, delivery_id::text AS delivery_id, COALESCE(event_id, id) AS event_id,
        -- psycopg reads no 'infinity': a parked or waiting row has no due time.
        CASE WHEN created_at < 'infinity' THEN created_at END AS due_at, processed,
        processed_at, outcome, status_code, error, response_body, duration_ms, attempt,
-       replay, hold, lease, stream_seq,
+       replay, hold, lease, stream_seq, traceparent,
        processed AND outcome IN ('delivered', 'retry', 'dead_letter')
        AND NOT (outcome = 'dead_letter' AND status_code IS NULL AND duration_ms IS NULL)
            AS attempted

@@ -96,10 +96,11 @@ async def endpoint_page(
 async def _state_change(request: Request, endpoint_id: str, action: str) -> Response:
     who, form = await posted(request)
     async with api_state(request).connection() as conn:
-        change = endpoints.disable if action == "disable" else endpoints.enable
-        await change(conn, endpoint_id, tenant=who.tenant)
+        change = endpoints.disable_once if action == "disable" else endpoints.enable_once
+        _, changed = await change(conn, endpoint_id, tenant=who.tenant)
     done = "disabled" if action == "disable" else "enabled"
-    audit(f"endpoint %s {done}", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
+    if changed:
+        audit(f"endpoint %s {done}", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
     target = back_to(form.get("next", ""), f"/endpoints/{endpoint_id}")
     joiner = "&" if "?" in target else "?"
     return RedirectResponse(f"{target}{joiner}done={done}", status_code=303)

@@ -128,16 +128,18 @@ async def remove_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> Response
 )
 async def disable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
     """Its deliveries are parked: kept, not attempted, until it is enabled."""
-    disabled = await endpoints.disable(conn, endpoint_id, tenant=who.tenant)
-    audit("endpoint %s disabled", disabled.id, who=who.name)
+    disabled, changed = await endpoints.disable_once(conn, endpoint_id, tenant=who.tenant)
+    if changed:  # the log says what changed, not what was asked twice
+        audit("endpoint %s disabled", disabled.id, who=who.name)
     return disabled.as_json()
 
 
 @router.post("/{endpoint_id}/enable", response_model=Endpoint, summary="Enable an endpoint")
 async def enable_endpoint(endpoint_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
     """Every parked delivery is due again."""
-    enabled = await endpoints.enable(conn, endpoint_id, tenant=who.tenant)
-    audit("endpoint %s enabled", enabled.id, who=who.name)
+    enabled, changed = await endpoints.enable_once(conn, endpoint_id, tenant=who.tenant)
+    if changed:
+        audit("endpoint %s enabled", enabled.id, who=who.name)
     return enabled.as_json()
 
 
