@@ -51,6 +51,7 @@ def build_parser(modules: Sequence[ModuleType] | None = None) -> argparse.Argume
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _not_a_metrics_worker()
     env = dict(os.environ)
     logs.configure(env.get("LOG_FORMAT", "text").strip().lower() or "text")
     modules = _modules()
@@ -88,6 +89,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _fatal(logs.escape_controls(logs.scrub(message)), env)
         return EXIT_FAILED
+
+
+# prometheus-client's multiprocess mode is chosen by these variables when it is first
+# imported (the command modules import it): inherited from an environment made for a
+# gunicorn app, they would make `run`'s one process write its values to files nobody
+# merges and take itself for a supervisor's worker (its own series gone). The command's
+# process is never such a worker: the supervisor starts its workers as
+# `python -m fluxora_webhooks.worker`, with a folder of its own (and FLUXORA_WORKER).
+_INHERITED_METRICS_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
+def _not_a_metrics_worker() -> None:
+    """Forget an inherited multiprocess folder (and worker mark) before prometheus-client is
+    imported; an embedding application keeps its own (this is the command line only)."""
+    if "prometheus_client" in sys.modules:
+        return  # imported already (a test calling main in-process): its mode is chosen
+    for name in (*_INHERITED_METRICS_VARIABLES, "FLUXORA_WORKER"):
+        os.environ.pop(name, None)
 
 
 # Options whose value may start with "-": a signing secret (endpoints add and rotate-secret
@@ -158,6 +177,11 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
         return f"the database is read-only{named('DATABASE_URL')}: {READ_ONLY_HINT}"
+    state = getattr(exc, "sqlstate", None) or ""
+    if isinstance(exc, psycopg.Error) and state.startswith("53") and state != "53300":
+        # Reached, and out of something (shared memory for locks, disk): not unreachable
+        # (53300 is too many connections: it is, for now).
+        return f"the database{named('DATABASE_URL')} ran out of resources: {first_line}"
     if isinstance(exc, psycopg.OperationalError) and not isinstance(
         exc,
         psycopg.errors.ProgramLimitExceeded,  # a statement refused for what it holds

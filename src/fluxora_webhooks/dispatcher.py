@@ -841,8 +841,16 @@ class Dispatcher:
         for send, result, decision in batch.done:
             reports.setdefault(send.target.url, []).append((send.admission, breaker_signal(result)))
             tally[decision.outcome, decision.reason] += 1
+        # Rows handled without an attempt of this batch; LEASED: a request that outlived
+        # the batch (one completion each, written with its lease by this commit; its
+        # attempt's outcome counts again when the completer records it).
         for completion in batch.completions:
-            if completion.outcome in (Outcome.DEFERRED, Outcome.PARKED, Outcome.ROUTED):
+            if completion.outcome in (
+                Outcome.DEFERRED,
+                Outcome.PARKED,
+                Outcome.ROUTED,
+                Outcome.LEASED,
+            ):
                 tally[completion.outcome, None] += 1
         unrouted = min(batch.unrouted, tally[Outcome.ROUTED, None])
         if unrouted:  # event rows that matched no endpoint: counted apart
@@ -917,14 +925,14 @@ class Dispatcher:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         if decision.outcome is Outcome.DELIVERED:
             if log.isEnabledFor(logging.DEBUG):  # the fields are built only when logged
-                log.debug("delivered", extra=_log_fields(row, target, result))
+                log.debug("delivered", extra=_log_fields(row, target, result, decision))
         elif decision.reason == "gone":
             log.info(
                 "delivery %s attempt %d: 410 Gone; the endpoint is disabled, the next"
                 " attempt parked",
                 row.delivery_id,
                 row.attempt,
-                extra=_log_fields(row, target, result),
+                extra=_log_fields(row, target, result, decision),
             )
         elif decision.outcome is Outcome.RETRY:
             log.info(
@@ -933,7 +941,7 @@ class Dispatcher:
                 row.attempt,
                 result.error or result.status,
                 decision.delay_ms / 1000,
-                extra=_log_fields(row, target, result),
+                extra=_log_fields(row, target, result, decision),
             )
         else:
             log.warning(
@@ -942,7 +950,7 @@ class Dispatcher:
                 row.attempt,
                 decision.reason,
                 result.error or result.status,
-                extra=_log_fields(row, target, result),
+                extra=_log_fields(row, target, result, decision),
             )
 
     def note_disabled(self, endpoint_id: str, reason: str) -> None:
@@ -969,6 +977,11 @@ def _builtin_variable(endpoint_id: str) -> str:
     return "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL"
 
 
+# stuck_streams' LIMIT, and how many of its pages one sweep takes at most.
+STUCK_PAGE = 1000
+SWEEP_PAGES = 10
+
+
 async def _sweep(conn: psycopg.AsyncConnection[Any]) -> int:
     """One dispatcher at a time (a try-lock): ordered streams with a waiting delivery and
     no head get their head chosen, and deliveries parked on an endpoint enabled meanwhile
@@ -981,10 +994,18 @@ async def _sweep(conn: psycopg.AsyncConnection[Any]) -> int:
     if not row or not row[0]:
         return 0
     try:
-        async with conn.transaction():
+        promoted = 0
+        # A page of streams at a time (stuck_streams' LIMIT), each page's heads chosen in
+        # transactions of their own (promote_heads on an idle connection), until a page
+        # is short or changes nothing: thousands of streams left without heads (an enable
+        # whose choice failed) wait one sweep, not one sweep per thousand.
+        for _ in range(SWEEP_PAGES):
             cur = await conn.execute(query("stuck_streams"))
             pairs = [(str(e), str(s)) for e, s in await cur.fetchall()]
-            promoted = await promote_heads(conn, pairs)
+            chosen = await promote_heads(conn, pairs)
+            promoted += chosen
+            if len(pairs) < STUCK_PAGE or not chosen:
+                break
         # Deliveries parked on an endpoint enabled meanwhile (endpoint_stragglers).
         unparked = await endpoints.unpark_stragglers(conn)
         if unparked:
@@ -994,7 +1015,12 @@ async def _sweep(conn: psycopg.AsyncConnection[Any]) -> int:
         await conn.execute(query("sweep_unlock"))
 
 
-def _log_fields(row: Claimed, target: Target, result: AttemptResult) -> dict[str, Any]:
+def _log_fields(
+    row: Claimed, target: Target, result: AttemptResult, decision: Decision
+) -> dict[str, Any]:
+    """A delivery record's fields (logs.FIELDS): never its URL or a secret. ``tenant``: the
+    event's (the endpoint's), None (absent) for the default tenant; ``reason``: the
+    decision's (a dead letter's, ``gone``), None (absent) for the others."""
     return {
         "delivery_id": row.delivery_id,
         "event_type": row.event_type,
@@ -1002,6 +1028,8 @@ def _log_fields(row: Claimed, target: Target, result: AttemptResult) -> dict[str
         "status": result.status,
         "duration_ms": round(result.duration_ms, 2),
         "endpoint_id": target.id,
+        "tenant": row.tenant or target.tenant or None,
+        "reason": decision.reason or None,
     }
 
 

@@ -1,8 +1,8 @@
 """Logging: readable text by default, one JSON object per line with ``LOG_FORMAT=json``.
 
 Delivery records carry ``delivery_id``, ``event_type``, ``attempt``, ``status``,
-``duration_ms`` (and ``reason`` where there is one) as fields, passed with ``extra=``; in
-text they follow the message as ``key=value``.
+``duration_ms``, ``endpoint_id``, ``tenant`` (and ``reason`` where there is one) as fields,
+passed with ``extra=``; in text they follow the message as ``key=value``.
 
 Redaction is the handler's job, not each call site's: every record that reaches the
 handler installed by :func:`configure` -- ours, aiohttp's, psycopg's, redis's, asyncio's,
@@ -40,7 +40,16 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-FIELDS = ("delivery_id", "event_type", "attempt", "status", "duration_ms", "reason")
+FIELDS = (
+    "delivery_id",
+    "event_type",
+    "attempt",
+    "status",
+    "duration_ms",
+    "endpoint_id",
+    "tenant",
+    "reason",
+)
 
 MASK = "***"
 # Shorter values are not registered: masking every "abc" in the logs would garble them,

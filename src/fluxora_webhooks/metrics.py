@@ -49,10 +49,14 @@ from ._version import __version__
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 # A worker under the supervisor writes its values to files the supervisor merges
-# (prometheus-client's multiprocess mode, chosen by this variable at import). The
-# supervisor's own series must have no sample in a worker, or they would come back from
-# every worker's files beside the supervisor's.
-_IN_WORKER = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+# (prometheus-client's multiprocess mode, chosen by PROMETHEUS_MULTIPROC_DIR at its
+# import). The supervisor's own series must have no sample in a worker, or they would come
+# back from every worker's files beside the supervisor's. Whether this process is such a
+# worker is what the supervisor says with WORKER_VARIABLE, not PROMETHEUS_MULTIPROC_DIR
+# alone: that one is often inherited from an environment made for gunicorn apps (the
+# command line clears it for its own process: see cli.main).
+WORKER_VARIABLE = "FLUXORA_WORKER"
+_IN_WORKER = os.environ.get(WORKER_VARIABLE) == "1"
 IN_WORKER = _IN_WORKER
 
 # Every Outcome (outbox.Outcome): attempts' outcomes, and what a row got without one.
@@ -236,8 +240,9 @@ BACKLOG_REFRESH_ERRORS = Counter(
 BREAKER_STATE = Gauge(
     "fluxora_webhook_circuit_breaker_state",
     "The consumer's shared circuit breaker state as last read from Redis: 1 for the "
-    "current state, 0 for the others (all 0 when Redis cannot be read; no samples while "
-    "the breaker is off or before its first reading).",
+    "current state, 0 for the others (all 0 when Redis cannot be read; while the breaker "
+    "is off or before its first reading, no samples, or all 0: a single process shows its "
+    "three series from the start, a run with workers none).",
     ["state"],
     multiprocess_mode="mostrecent",
     registry=REGISTRY,
@@ -367,13 +372,14 @@ WORKERS = Gauge(
 )
 WORKER_RESTARTS = Counter(
     "fluxora_webhook_worker_restarts",
-    "Worker processes that died and were replaced, by cause: exit (ended with a status) "
-    "or signal (killed by one).",
+    "Worker processes that died and were replaced, by cause: exit (ended with a status), "
+    "signal (killed by one), or unresponsive (killed by the supervisor after it had not "
+    "answered for a minute).",
     ["cause"],
     registry=REGISTRY,
 )
 WORKER_STATES = ("wanted", "dispatching")
-RESTART_CAUSES = ("exit", "signal")
+RESTART_CAUSES = ("exit", "signal", "unresponsive")
 
 
 def without_created_series() -> None:

@@ -642,28 +642,52 @@ def _pair_params(pairs: Collection[tuple[str, str]]) -> dict[str, str]:
     }
 
 
+# How many ordered streams' locks one transaction takes to choose or make due their heads.
+# Each is an advisory lock, an entry of the server's one lock table (about
+# max_locks_per_transaction x max_connections entries, 6,400 by default), which every
+# session of every database shares: a transaction that takes thousands made the others'
+# (a producer's among them) fail with "out of shared memory". A dispatcher's transaction
+# takes at most twice this many (routing, then the completion's heads): the streams past
+# it have their heads chosen after the commit, in transactions of PROMOTE_CHUNK each.
+MAX_STREAM_LOCKS = 128
+PROMOTE_CHUNK = 256
+
+
 async def promote_heads(
     conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
 ) -> int:
-    """Choose the next head of each ordered (endpoint, stream) that has none, in the open
-    transaction, after its other writes: under a per-pair advisory lock, so a routing and a
-    completion of the same stream never both decide (or both miss) it. Returns how many
-    deliveries became due."""
+    """Choose the next head of each ordered (endpoint, stream) that has none, under a
+    per-pair advisory lock, so a routing and a completion of the same stream never both
+    decide (or both miss) it. On a connection in a transaction, in that transaction, after
+    its other writes; on an idle one, PROMOTE_CHUNK streams per transaction, each
+    committed before the next takes its locks (an endpoint enabled with thousands of
+    parked streams). Returns how many deliveries became due."""
     if not pairs:
         return 0
-    params = _pair_params(pairs)
-    cur = await conn.execute(query("promote_heads"), params)
-    return len(await cur.fetchall())
+    unique = sorted(set(pairs))
+    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    if not idle or len(unique) <= PROMOTE_CHUNK:
+        cur = await conn.execute(query("promote_heads"), _pair_params(unique))
+        return len(await cur.fetchall())
+    promoted = 0
+    for start in range(0, len(unique), PROMOTE_CHUNK):
+        async with conn.transaction():
+            chunk = _pair_params(unique[start : start + PROMOTE_CHUNK])
+            cur = await conn.execute(query("promote_heads"), chunk)
+            promoted += len(await cur.fetchall())
+    return promoted
 
 
 async def try_lock_streams(
     conn: psycopg.AsyncConnection[Any], pairs: Collection[tuple[str, str]]
 ) -> set[tuple[str, str]]:
     """Take, without waiting, the lock of each ordered (endpoint, stream) in ``pairs`` for
-    the open transaction; returns those it got (see :func:`route_events`)."""
+    the open transaction, at most MAX_STREAM_LOCKS of them; returns those it got (see
+    :func:`route_events`: a stream not locked has its delivery wait, its head chosen by
+    the batch's completion or after its commit)."""
     if not pairs:
         return set()
-    params = _pair_params(pairs)
+    params = _pair_params(sorted(set(pairs))[:MAX_STREAM_LOCKS])
     cur = await conn.execute(query("try_lock_streams"), params)
     return {(str(e), str(s)) for e, s in await cur.fetchall()}
 
@@ -673,12 +697,15 @@ async def try_promote_heads(
 ) -> tuple[int, list[tuple[str, str]]]:
     """:func:`promote_heads` inside a dispatcher's transaction, which never waits for a
     stream's lock (migration 0011): returns how many deliveries became due, and the pairs
-    whose lock another transaction holds, to promote after the commit."""
+    whose lock another transaction holds (or past MAX_STREAM_LOCKS), to promote after the
+    commit."""
     if not pairs:
         return 0, []
-    params = _pair_params(pairs)
+    unique = sorted(set(pairs))
+    # Past MAX_STREAM_LOCKS, as if another transaction held their locks: after the commit.
+    params = _pair_params(unique[:MAX_STREAM_LOCKS])
     cur = await conn.execute(query("try_promote_heads"), params)
-    promoted, busy = 0, []
+    promoted, busy = 0, unique[MAX_STREAM_LOCKS:]
     for head, endpoint_id, stream_id in await cur.fetchall():
         if head is not None:
             promoted += 1

@@ -218,6 +218,9 @@ class RedisGate:
         password = redis.connection_pool.connection_kwargs.get("password")
         self._outages = _Outages(failure_backoff_ms / 1000, clock, str(password or ""))
         self._config_error_logged = False
+        # The ids of the endpoints a URL serves, for the breaker's transition lines (set by
+        # the service to read its dispatcher's endpoints; None: the scheme and host only).
+        self.endpoints_of: EndpointsOf | None = None
 
     @property
     def available(self) -> bool:
@@ -295,7 +298,7 @@ class RedisGate:
         if decided is None:
             return [[ALLOW] * n for n in counts]
         for r, (admissions, transition) in zip(requests, decided, strict=True):
-            _counted(r.url, admissions, transition)
+            _counted(r.url, admissions, transition, self.endpoints_of)
         return [admissions for admissions, _ in decided]
 
     def _single_node(self) -> bool:
@@ -327,7 +330,7 @@ class RedisGate:
             "breaker", self._report_script, keys, args, _decode_transitions
         )
         for from_state, to_state in transitions or ():
-            _count_transition(url, from_state, to_state)
+            _count_transition(url, from_state, to_state, self.endpoints_of)
 
     async def ping(self) -> bool:
         """Whether Redis answers now (bounded, never raises); updates the outage state."""
@@ -618,9 +621,17 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _counted(url: str, admissions: Sequence[Admission], transition: tuple[str, str] | None) -> None:
+EndpointsOf = Callable[[str], Sequence[str]]
+
+
+def _counted(
+    url: str,
+    admissions: Sequence[Admission],
+    transition: tuple[str, str] | None,
+    endpoints_of: EndpointsOf | None = None,
+) -> None:
     if transition is not None:
-        _count_transition(url, *transition)
+        _count_transition(url, *transition, endpoints_of)
     rate_limited = sum(1 for a in admissions if a.reason == "rate_limited")
     circuit_open = sum(1 for a in admissions if a.reason == "circuit_open")
     if rate_limited:
@@ -670,11 +681,39 @@ def _decode_transitions(reply: Any) -> list[tuple[str, str]]:
     return list(zip(values[::2], values[1::2], strict=True))
 
 
-def _count_transition(url: str, from_state: str, to_state: str) -> None:
+# At most this many endpoint ids in a transition's line; the others are counted.
+NAMED_ENDPOINTS_MAX = 5
+
+
+def breaker_name(url: str, endpoint_ids: Sequence[str] = ()) -> str:
+    """A breaker as its transition lines name it: the URL's scheme and host (its path and
+    query may carry a token, and are never logged) and the ids of the endpoints that
+    send to that URL (they share its breaker), which tell apart endpoints on one host."""
+    where = redacted(url)
+    ids = sorted(set(endpoint_ids))
+    if not ids:
+        return where
+    shown = ", ".join(ids[:NAMED_ENDPOINTS_MAX])
+    if len(ids) > NAMED_ENDPOINTS_MAX:
+        shown += f" and {len(ids) - NAMED_ENDPOINTS_MAX} more"
+    return f"{where} (endpoint{'s' if len(ids) > 1 else ''} {shown})"
+
+
+def _count_transition(
+    url: str, from_state: str, to_state: str, endpoints_of: EndpointsOf | None = None
+) -> None:
     """Count and log a transition. Only the script call that made it returns it, so each
-    transition is logged once, by the process that made it, whatever the instances."""
+    transition is logged once, by the process that made it, whatever the instances.
+    ``endpoints_of``: the ids of the endpoints that send to ``url`` (asked only here: a
+    transition is rare), named in the line."""
     metrics.BREAKER_TRANSITIONS.labels(from_state=from_state, to_state=to_state).inc()
-    endpoint = redacted(url)  # scheme and host: the path and query may carry a token
+    ids: Sequence[str] = ()
+    if endpoints_of is not None:
+        try:
+            ids = endpoints_of(url)
+        except Exception:  # a name is not worth a lost transition line
+            log.debug("endpoints of a breaker not named", exc_info=True)
+    endpoint = breaker_name(url, ids)
     if to_state == OPEN:
         log.warning(
             "circuit breaker for %s opened (from %s): attempts are deferred until a probe",

@@ -196,16 +196,33 @@ async def warn_if_nowhere_to_deliver(
     conn: psycopg.AsyncConnection[Any], settings: Settings
 ) -> bool:
     """SPEC 10: with neither ``WEBHOOK_URL`` nor a registered endpoint, ``run`` starts (an
-    endpoint may be registered at any time) and says so. Returns whether it warned."""
+    endpoint may be registered at any time) and says so. The built-in ``default`` that this
+    start leaves in the registry (a run with WEBHOOK_URL seen within BUILTIN_SEEN_S, or a
+    disabled one: endpoints.retire_builtin) is one: the default tenant's events go to it
+    and wait, which it says instead. Returns whether it warned."""
+    from .endpoints import BUILTIN_SEEN_S
+
     if settings.webhook_url:
         return False
     cur = await conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM webhook_endpoints WHERE id NOT IN (%s, %s))",
-        (DEFAULT_ID, OPERATOR_ID),
+        "SELECT EXISTS (SELECT 1 FROM webhook_endpoints WHERE id NOT IN (%s, %s)),"
+        " EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = %s AND (state <> 'enabled'"
+        "  OR EXISTS (SELECT 1 FROM webhook_builtin_seen WHERE endpoint_id = %s"
+        "   AND seen_at > now() - %s * interval '1 second')))",
+        (DEFAULT_ID, OPERATOR_ID, DEFAULT_ID, DEFAULT_ID, BUILTIN_SEEN_S),
     )
     row = await cur.fetchone()
     if row is not None and row[0]:
         return False
+    if row is not None and row[1]:
+        log.warning(
+            "WEBHOOK_URL is unset and no endpoint is registered but the built-in default:"
+            " the default tenant's events go to it and wait until a run with WEBHOOK_URL is"
+            " seen, or until a run without it removes it (one that starts when none with it"
+            " has been seen for about a minute; never a disabled one); other tenants' events"
+            " are recorded as unrouted until an endpoint is registered"
+        )
+        return True
     log.warning(
         "no endpoint to deliver to: WEBHOOK_URL is unset and no endpoint is registered"
         " (fluxora-webhooks endpoints add, or the API); events are recorded as unrouted"
@@ -385,8 +402,9 @@ class Service:
                     await warn_if_wake_up_off(conn, self.settings.poll_interval_ms)
                     await warn_if_nowhere_to_deliver(conn, self.settings)
                     await warn_if_not_vacuumed(conn)
-            if self.redis_url:
-                gate = await gate_for(self.settings, self.redis_url)
+            redis_gate = await gate_for(self.settings, self.redis_url) if self.redis_url else None
+            if redis_gate is not None:
+                gate = redis_gate
             self.dispatcher = Dispatcher(
                 self.settings,
                 conninfo=self.database_url,
@@ -394,6 +412,10 @@ class Service:
                 clock=self.clock,
                 tracer=self.tracer,
             )
+            if redis_gate is not None:
+                # A breaker's transition line names the endpoints of its URL (they share it).
+                targets = self.dispatcher.targets
+                redis_gate.endpoints_of = lambda url: [t.id for t in targets.all() if t.url == url]
             if self._stop_requested.is_set():
                 return
             if self.settings.metrics_port:

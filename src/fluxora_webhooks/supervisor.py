@@ -13,10 +13,14 @@ reaches the supervisor only and each worker sees one signal), and serves the one
   writes, and every worker dispatches.
 
 A worker that dies is replaced after a back-off (1 s, doubling up to 30 s, back to 1 s once
-a worker has lived a minute), logged and counted. SIGTERM/SIGINT go to every worker, which
-drains as a single-process ``run`` does; the supervisor waits for them (bounded by the
-request timeout plus the drain grace, and a margin), kills any left and exits 0. A second
-signal is forwarded as well: the workers then stop at once.
+a worker has lived a minute), logged and counted. A ready worker says it is alive every
+second on its pipe; one not heard for SILENT_S (stopped, wedged) is not counted as
+dispatching until it is heard again, and one not heard for UNRESPONSIVE_S is killed and
+replaced as a dead one is (never while the supervisor stops: the drain has its own bound).
+SIGTERM/SIGINT go to every worker, which drains as a single-process ``run`` does; the
+supervisor waits for them (bounded by the request timeout plus the drain grace, and a
+margin), kills any left and exits 0. A second signal is forwarded as well: the workers then
+stop at once.
 """
 
 from __future__ import annotations
@@ -66,6 +70,15 @@ RESTART_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0
 # Beyond the workers' own drain bound, before the supervisor kills a worker that hangs.
 KILL_MARGIN_S = 5.0
+# A ready worker writes a line on its pipe every second (worker.COMMIT_CHECK_S). Not heard
+# for SILENT_S: not counted as dispatching (/readyz 503 naming it), until it is heard
+# again. Not heard for UNRESPONSIVE_S: killed (SIGKILL) and replaced, like gunicorn's
+# worker timeout. FLUXORA_WORKER_SILENT_S and FLUXORA_WORKER_UNRESPONSIVE_S in run's
+# environment change them, for tests only.
+SILENT_S = 10.0
+UNRESPONSIVE_S = 60.0
+# How often the supervisor looks at when it last heard each worker.
+SILENCE_CHECK_S = 1.0
 # A worker's connections beyond its claim loops: the pool's spare and the LISTEN one.
 WORKER_EXTRA_CONNECTIONS = 2
 # Worker 0's backlog reading and retention, the supervisor's readiness check and its
@@ -120,6 +133,13 @@ class _Worker:
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
     stuck: str | None = None  # why its commits do not complete, as it last said
+    heard: float = field(default_factory=time.monotonic)  # its last line on the pipe
+    silent: bool = False  # not heard for SILENT_S (not counted as dispatching meanwhile)
+    unresponsive: bool = False  # killed for not being heard for UNRESPONSIVE_S
+
+    @property
+    def dispatching(self) -> bool:
+        return self.ready and not self.silent
 
 
 class Supervisor:
@@ -159,6 +179,8 @@ class Supervisor:
         self._registry.register(metrics.ENDPOINTS_COLLECTOR)
         self._endpoints_read_at = -GAUGE_REFRESH_S
         self._endpoints_lock = asyncio.Lock()
+        self.silent_s = _seconds(env, "FLUXORA_WORKER_SILENT_S", SILENT_S)
+        self.unresponsive_s = _seconds(env, "FLUXORA_WORKER_UNRESPONSIVE_S", UNRESPONSIVE_S)
 
     async def run(self, *, install_signals: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -170,6 +192,7 @@ class Supervisor:
         register_engine_secrets(self.database_url, self.redis_url)
         metrics.without_created_series()
         slots: list[asyncio.Task[None]] = []
+        watchdog: asyncio.Task[None] | None = None
         try:
             check_telemetry_env(self.env)
             conn = await wait_for_database(
@@ -200,8 +223,12 @@ class Supervisor:
                 asyncio.create_task(self._keep_running(i), name=f"fluxora-worker-{i}")
                 for i in range(self.settings.workers)
             ]
+            watchdog = asyncio.create_task(self._watch_silence(), name="fluxora-silence")
             await self._stopping.wait()
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
             api_stopped = asyncio.create_task(self._stop_api())
             await self._drain(slots)
             await api_stopped
@@ -276,12 +303,14 @@ class Supervisor:
                     return
                 if time.monotonic() - worker.started >= HEALTHY_AFTER_S:
                     backoff = RESTART_MIN_S
-                metrics.WORKER_RESTARTS.labels(cause="signal" if code < 0 else "exit").inc()
+                cause = "unresponsive" if worker.unresponsive else "signal" if code < 0 else "exit"
+                metrics.WORKER_RESTARTS.labels(cause=cause).inc()
                 log.error(
-                    "worker %d (pid %d) %s; starting another in %.0fs",
+                    "worker %d (pid %d) %s%s; starting another in %.0fs",
                     index,
                     worker.proc.pid,
                     _describe_exit(code),
+                    " (it had not answered)" if worker.unresponsive else "",
                     backoff,
                 )
             with contextlib.suppress(TimeoutError):
@@ -320,6 +349,9 @@ class Supervisor:
             DATABASE_URL=self.database_url,
             WEBHOOK_WORKERS="1",
             PROMETHEUS_MULTIPROC_DIR=self.metrics_dir,
+            # What makes it a worker for metrics.py (PROMETHEUS_MULTIPROC_DIR alone may be
+            # inherited from an environment made for something else).
+            **{metrics.WORKER_VARIABLE: "1"},
         )
         if self.redis_url:
             env["REDIS_URL"] = self.redis_url
@@ -327,7 +359,9 @@ class Supervisor:
 
     async def _await_ready(self, worker: _Worker, read_fd: int) -> None:
         """The worker writes one line when it dispatches, then whether its commits complete
-        as that changes (``stuck <reason>``, ``flowing``); end of file when it exits."""
+        as that changes (``stuck <reason>``, ``flowing``), and ``alive`` every second when
+        it has nothing else to say; end of file when it exits. Each line is when it was last
+        heard (see :meth:`_watch_silence`)."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         pipe = os.fdopen(read_fd, "rb", buffering=0)
@@ -338,10 +372,14 @@ class Supervisor:
             if (await reader.readline()).strip() != b"ready":
                 return
             self._ever_ready = True  # it dispatched, even if it has exited since
+            worker.heard = time.monotonic()
             if worker.proc.returncode is None:
                 worker.ready = True
                 self._count_ready()
             while line := (await reader.readline()).decode(errors="replace").strip():
+                self._heard(worker)
+                if line == "alive":
+                    continue
                 was_stuck = worker.stuck is not None
                 worker.stuck = line[len("stuck ") :] if line.startswith("stuck ") else None
                 # Said once each way: the reason's wait grows every second while it lasts
@@ -353,6 +391,55 @@ class Supervisor:
         finally:
             transport.close()
 
+    def _heard(self, worker: _Worker) -> None:
+        now = time.monotonic()
+        if worker.silent:
+            worker.silent = False
+            log.info(
+                "worker %d (pid %d) answers again, after %.0f s",
+                worker.index,
+                worker.proc.pid,
+                now - worker.heard,
+            )
+            self._count_ready()
+        worker.heard = now
+
+    async def _watch_silence(self) -> None:
+        """Each ready worker's last line: not heard for ``silent_s``, it is not counted as
+        dispatching (logged once, until it is heard again); for ``unresponsive_s``, it is
+        killed and its slot starts another (:meth:`_keep_running`). Not while stopping: a
+        worker that hangs then is the drain's to kill."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(min(SILENCE_CHECK_S, self.silent_s / 4))
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if self._stopping.is_set():
+                    return
+                if not worker.ready or worker.proc.returncode is not None:
+                    continue
+                quiet = now - worker.heard
+                if quiet > self.silent_s and not worker.silent:
+                    worker.silent = True
+                    log.error(
+                        "worker %d (pid %d) has not answered for %.0f s; not counted as"
+                        " dispatching until it does (killed after %.0f s)",
+                        worker.index,
+                        worker.proc.pid,
+                        quiet,
+                        self.unresponsive_s,
+                    )
+                    self._count_ready()
+                if quiet > self.unresponsive_s and not worker.unresponsive:
+                    worker.unresponsive = True
+                    log.error(
+                        "worker %d (pid %d) has not answered for %.0f s: killing it",
+                        worker.index,
+                        worker.proc.pid,
+                        quiet,
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.send_signal(signal.SIGKILL)
+
     def _forget(self, worker: _Worker) -> None:
         if self.workers.get(worker.index) is worker:
             del self.workers[worker.index]
@@ -361,7 +448,7 @@ class Supervisor:
         self._count_ready()
 
     def _count_ready(self) -> None:
-        ready = sum(1 for w in self.workers.values() if w.ready)
+        ready = sum(1 for w in self.workers.values() if w.dispatching)
         metrics.WORKERS.labels(state="dispatching").set(ready)
 
     def _signal_workers(self, sig: signal.Signals) -> None:
@@ -421,7 +508,7 @@ class Supervisor:
                 log.debug("endpoint health not read: %s", type(exc).__name__)
 
     def _worker_counts(self) -> dict[str, int]:
-        ready = sum(1 for w in self.workers.values() if w.ready)
+        ready = sum(1 for w in self.workers.values() if w.dispatching)
         return {"wanted": self.settings.workers, "dispatching": ready}
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -444,6 +531,11 @@ class Supervisor:
             return _not_ready(f"the database is read-only ({read_only})", counts)
         if self._stopping.is_set():
             return _not_ready("stopping", counts)
+        silent = sorted((w for w in self.workers.values() if w.silent), key=lambda w: w.index)
+        if silent:
+            quiet = time.monotonic() - silent[0].heard
+            reason = f"worker {silent[0].index} has not answered for {quiet:.0f} s"
+            return _not_ready(reason, counts)
         if counts["dispatching"] < counts["wanted"]:
             reason = f"{counts['dispatching']} of {counts['wanted']} workers dispatching"
             return _not_ready(reason, counts)
@@ -499,6 +591,15 @@ def _merge_worker_files(registry: CollectorRegistry, path: str) -> None:
 def _mark_dead(pid: int, path: str) -> None:
     mark: Callable[[int, str], None] = multiprocess.mark_process_dead
     mark(pid, path)
+
+
+def _seconds(env: dict[str, str], name: str, default: float) -> float:
+    """A positive number of seconds from ``env`` (the bounds' variables, for tests)."""
+    try:
+        value = float(env.get(name, "").strip() or default)
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def _not_ready(reason: str, workers: dict[str, int]) -> web.Response:

@@ -2,7 +2,8 @@
 
 Started by :mod:`.supervisor` only, in a fresh interpreter whose environment already holds
 ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client picks its multiprocess mode when it is first
-imported, before any metric exists) and the resolved ``DATABASE_URL``/``REDIS_URL``. It
+imported, before any metric exists), ``FLUXORA_WORKER=1`` (what tells :mod:`.metrics` it is
+a worker) and the resolved ``DATABASE_URL``/``REDIS_URL``. It
 runs the same :class:`~fluxora_webhooks.service.Service` as a single-process ``run``, with
 no HTTP endpoint of its own; worker 0 also runs the background readings and retention for
 all. It tells the supervisor through ``--ready-fd`` when it dispatches, drains on
@@ -26,8 +27,11 @@ from .service import Service, commits_stuck
 from .settings import Settings
 
 PARENT_CHECK_S = 1.0
-# How often a worker looks whether its commits complete (for the supervisor's /readyz).
+# How often a worker looks whether its commits complete (for the supervisor's /readyz),
+# and says it is alive when that has not changed (the supervisor's bound on a silent
+# worker, supervisor.SILENT_S, is ten of these).
 COMMIT_CHECK_S = 1.0
+HEARTBEAT = b"alive\n"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # Both set by the supervisor (see supervisor._worker_env and metrics.WORKER_VARIABLE).
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("FLUXORA_WORKER") != "1":
         print("fluxora-webhooks worker: started by `fluxora-webhooks run` only", file=sys.stderr)
         return EXIT_CONFIG
     env = dict(os.environ)
@@ -85,7 +90,10 @@ async def _report_ready(service: Service, fd: int) -> None:
     changes, whether this process's commits complete: ``stuck <reason>`` when a COMMIT has
     waited too long (the supervisor's /readyz is then 503), ``flowing`` once none has. Not
     ``flowing`` when the wait ended because a stop abandoned the batch: that commit was
-    cancelled, not completed (the supervisor would log that the commits complete again)."""
+    cancelled, not completed (the supervisor would log that the commits complete again).
+    Every COMMIT_CHECK_S with nothing else to say: ``alive``, a heartbeat (the supervisor
+    stops counting a worker it has not heard from for a while, and kills one silent for
+    much longer: a process stopped or wedged writes nothing, though it does not exit)."""
     try:
         while service.dispatcher is None:  # noqa: ASYNC110 - created inside Service.run
             await asyncio.sleep(0.02)
@@ -96,11 +104,14 @@ async def _report_ready(service: Service, fd: int) -> None:
         while True:
             await asyncio.sleep(COMMIT_CHECK_S)
             stuck = commits_stuck(dispatcher.commit_wait_s())
-            if stuck is None and said is not None and service.abandoned:
-                continue  # cancelled at the stop: nothing more to say until the exit
-            if stuck != said:
+            # Cancelled at the stop (stuck None after a stuck, abandoned): nothing more to
+            # say about the commits until the exit.
+            cancelled = stuck is None and said is not None and service.abandoned
+            if stuck != said and not cancelled:
                 os.write(fd, b"flowing\n" if stuck is None else f"stuck {stuck}\n".encode())
                 said = stuck
+            else:
+                os.write(fd, HEARTBEAT)
     except OSError:
         pass  # the supervisor is gone: the watcher handles it
     finally:

@@ -25,6 +25,7 @@ from fluxora_webhooks.demo import checks as demo_checks
 from fluxora_webhooks.demo.cast import ACME, ALERTS, GLOBEX, LEDGER, PARTS, SYNC, TENANTS
 from fluxora_webhooks.demo.checks import percentiles
 from fluxora_webhooks.demo.consumer import Accepted, Consumer, event_key
+from fluxora_webhooks.demo.dashboard import demo_token, describe, start_dashboard
 from fluxora_webhooks.demo.runner import STEPS
 from fluxora_webhooks.demo.streams import STREAM_PREFIX, Committed, burst, plan, shard
 from fluxora_webhooks.embedded import EmbeddedEngines, stop_embedded
@@ -224,6 +225,7 @@ async def test_demo_on_configured_engines(
     # The dashboard was started and named, with an admin token that works (not kept
     # running: the output is not a terminal).
     assert re.search(r"Dashboard: http://127\.0\.0\.1:\d+/", output), output
+    assert re.search(r"API: http://127\.0\.0\.1:\d+/api/v1/stats", output), output
     token = re.search(r"Admin token \(shown once\): (fxa_\S+)", output)
     assert token and "Not kept running" in output
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
@@ -232,6 +234,24 @@ async def test_demo_on_configured_engines(
         shown, _ = await deliveries.list_deliveries(conn, tenant_filter=ACME, limit=1000)
         registry = await endpoints.list_endpoints(conn, tenant=ACME)
     assert shown and {d["endpoint_id"] for d in shown} <= {e.id for e in registry}
+
+
+@pytest.mark.e2e
+async def test_the_api_addresses_the_demo_prints_answer(database_url: str, redis_url: str) -> None:
+    """The API line names addresses that answer with the printed token (the API's root,
+    /api/v1/, is no resource: 404)."""
+    server = await start_dashboard(database_url, redis_url, "127.0.0.1", 47531)
+    try:
+        token = await demo_token(database_url)
+        api = next(line for line in describe(server.url, token, False) if line.startswith("API:"))
+        addresses = re.findall(r"http://[^\s,]+", api)
+        assert addresses == [f"{server.url}api/v1/stats", f"{server.url}api/v1/openapi.json"]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            for address in addresses:
+                async with http.get(address) as reply:
+                    assert reply.status == 200, (address, await reply.text())
+    finally:
+        await server.stop()
 
 
 @pytest.mark.e2e
@@ -276,7 +296,10 @@ async def test_a_step_that_cannot_finish_fails_the_demo(
     assert "stopped: timed out" in output  # the summary's line of step 1
     assert re.search(r"✗ timed out after 1 s waiting for the fan-out's deliveries", output)
     assert "Step 2" not in output
-    assert re.search(r"✗ every event reached each endpoint of its tenant", output), output
+    # The whole run's checks are still reported. Whether the events written before the
+    # timeout all arrived depends on the machine (on a loaded one the producer wrote few,
+    # and they did): the step's own failure above is what fails the demo.
+    assert re.search(r"[✓✗] every event reached each endpoint of its tenant", output), output
     assert "OK: all" not in output
 
 

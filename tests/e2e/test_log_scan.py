@@ -222,3 +222,54 @@ async def test_an_uncaught_exception_is_scrubbed_too(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "RuntimeError: could not reach http://h.example" in text
     assert _leaks(text) == []
+
+
+async def test_json_delivery_records_name_the_endpoint_and_the_reason_and_the_breaker_too(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """A real run with JSON logs, a consumer that always answers 503 and a breaker that
+    opens at the second failure: the retry's and the dead letter's records carry
+    ``endpoint_id`` (and no ``tenant``: the default tenant's), the dead letter's its
+    ``reason``; the breaker's line
+    names the endpoint of its URL (never the URL's path or query)."""
+    receiver.respond = lambda r: web.Response(status=503)
+    port = next(p for p in range(47400, 47500) if _free(p))
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_METRICS_PORT=str(port), LOG_FORMAT="json", WEBHOOK_MAX_ATTEMPTS="2",
+        WEBHOOK_RETRY_SCHEDULE="50ms", WEBHOOK_CIRCUIT_BREAKER_THRESHOLD="2",
+        WEBHOOK_POLL_INTERVAL_MS="200",
+    )  # fmt: skip
+    async with running_service(env, tmp_path / "run.log") as service:
+        await _enqueue(database_url, ["one"])
+        await wait_until(lambda: _idle(database_url), timeout=30, what="dead-lettered")
+
+        async def opened() -> bool:
+            return "opened (from closed)" in service.proc.log()
+
+        await wait_until(opened, timeout=10, what="the breaker's line")
+    text = service.proc.log()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    retry = [r for r in records if "retry in" in r["message"]]
+    dead = [r for r in records if "goes to the dead letters" in r["message"]]
+    assert len(retry) == 1 and len(dead) == 1, text
+    for record in (retry[0], dead[0]):
+        assert record["endpoint_id"] == "default", record
+        assert "tenant" not in record  # the default tenant's ('')
+        assert record["status"] == 503
+    assert "reason" not in retry[0]  # a retry has none
+    assert dead[0]["reason"] == "attempts_exhausted"
+    (breaker,) = [r for r in records if r["message"].startswith("circuit breaker for")]
+    assert breaker["message"].startswith(
+        f"circuit breaker for http://127.0.0.1:{receiver.port} (endpoint default) opened"
+    ), breaker
+    assert _leaks(text) == [], text
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import socket
 from pathlib import Path
 
 import psutil
@@ -197,3 +199,144 @@ async def test_the_supervisor_refuses_an_unmigrated_database_before_starting_wor
     assert code == 3, out
     assert "run `fluxora-webhooks migrate`" in out
     assert "worker 0 started" not in out and "Traceback" not in out
+
+
+def _port_in_range() -> int:
+    """A free port of the range these tests may use (47400-47499)."""
+    for port in range(47400, 47500):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 47400-47499")
+
+
+def _index_of(supervisor: DispatcherProcess, pid: int) -> int:
+    found = re.search(rf"worker (\d+) started \(pid {pid}\)", supervisor.log())
+    assert found, supervisor.log()
+    return int(found.group(1))
+
+
+RESTART_CAUSES = ("exit", "signal", "unresponsive")
+
+
+async def test_a_stopped_worker_is_not_counted_then_killed_and_replaced(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """A worker that stops answering (SIGSTOP: alive, wedged, writing nothing) is not
+    counted as dispatching once the supervisor has not heard it for the silent bound
+    (/readyz 503 naming it), counted again when it answers (SIGCONT), and killed and
+    replaced once silent past the unresponsive bound (counted as cause="unresponsive").
+    The bounds are shortened by their test-only variables. The environment holds a
+    PROMETHEUS_MULTIPROC_DIR of its own, as where gunicorn apps run: the supervisor's
+    series are still all there from the first scrape, and nothing is written to it."""
+    port = _port_in_range()
+    inherited = tmp_path / "inherited-multiproc"
+    inherited.mkdir()
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_WORKERS="2", WEBHOOK_METRICS_PORT=str(port),
+        FLUXORA_WORKER_SILENT_S="2", FLUXORA_WORKER_UNRESPONSIVE_S="8",
+        PROMETHEUS_MULTIPROC_DIR=str(inherited),
+    )  # fmt: skip
+    supervisor = await start_dispatcher(env, tmp_path / "supervisor.log")
+    victim = 0
+    try:
+        await wait_until(lambda: is_ready(port), timeout=30, what="both workers dispatching")
+        samples = await scrape(port)
+        for cause in RESTART_CAUSES:
+            key = ("fluxora_webhook_worker_restarts_total", frozenset({("cause", cause)}))
+            assert samples.get(key) == 0, (cause, sorted(k for k in samples if "restart" in k[0]))
+        assert total(samples, "fluxora_webhook_workers", state="dispatching") == 2
+        first = _workers(supervisor)
+        victim = max(first)
+        index = _index_of(supervisor, victim)
+
+        os.kill(victim, signal.SIGSTOP)
+
+        async def named() -> bool:
+            status, body = await get_json(port, "/readyz")
+            return (
+                status == 503
+                and body["reason"].startswith(f"worker {index} has not answered for ")
+                and body["workers"] == {"wanted": 2, "dispatching": 1}
+            )
+
+        await wait_until(named, timeout=2 + 5, what="/readyz naming the silent worker")
+        samples = await scrape(port)
+        assert total(samples, "fluxora_webhook_workers", state="dispatching") == 1
+        assert f"worker {index} (pid {victim}) has not answered for" in supervisor.log()
+
+        # It answers again: counted again, and said.
+        os.kill(victim, signal.SIGCONT)
+        await wait_until(lambda: is_ready(port), timeout=10, what="ready once it answers")
+        assert f"worker {index} (pid {victim}) answers again" in supervisor.log()
+        assert _workers(supervisor) == first
+
+        # Silent past the unresponsive bound: killed and replaced.
+        os.kill(victim, signal.SIGSTOP)
+
+        async def replaced() -> bool:
+            now = _workers(supervisor)
+            return len(now) == 2 and victim not in now and await is_ready(port)
+
+        await wait_until(replaced, timeout=8 + 2 + 30, what="the silent worker replaced")
+        log = supervisor.log()
+        assert f"(pid {victim}) was killed by SIGKILL (it had not answered)" in log, log
+        samples = await scrape(port)
+        assert total(samples, "fluxora_webhook_worker_restarts_total", cause="unresponsive") == 1
+        assert total(samples, "fluxora_webhook_worker_restarts_total") == 1
+        assert total(samples, "fluxora_webhook_workers", state="dispatching") == 2
+        supervisor.terminate()
+        code = await supervisor.wait(5 + 5 + 10)
+    finally:
+        if victim and psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGKILL)
+        await stop_processes([supervisor])
+    log = supervisor.log()
+    assert code == 0, log
+    assert tracebacks(log) == 0, log
+    assert list(inherited.iterdir()) == []
+
+
+async def test_one_process_with_an_inherited_multiprocess_folder_shows_every_series(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """PROMETHEUS_MULTIPROC_DIR set where `run` starts (gunicorn apps' environments) is no
+    sign of a supervisor's worker: a single process still shows the supervisor's series
+    (1 and 1 workers, restarts at 0) and the per-endpoint ones, and writes nothing there."""
+    port = _port_in_range()
+    inherited = tmp_path / "inherited-multiproc"
+    inherited.mkdir()
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_METRICS_PORT=str(port), PROMETHEUS_MULTIPROC_DIR=str(inherited),
+    )  # fmt: skip
+    service = await start_dispatcher(env, tmp_path / "run.log")
+    try:
+        await wait_until(lambda: is_ready(port), timeout=30, what="dispatching")
+        await enqueue_many(database_url, 3)
+        await wait_until(lambda: _delivered_is(database_url, 3), timeout=30, what="3 delivered")
+
+        async def endpoints_read() -> bool:
+            samples = await scrape(port)
+            return total(samples, "fluxora_webhook_endpoints", state="enabled") >= 1
+
+        await wait_until(endpoints_read, timeout=20, what="the endpoints' series")
+        samples = await scrape(port)
+        assert total(samples, "fluxora_webhook_workers", state="wanted") == 1
+        assert total(samples, "fluxora_webhook_workers", state="dispatching") == 1
+        for cause in RESTART_CAUSES:
+            key = ("fluxora_webhook_worker_restarts_total", frozenset({("cause", cause)}))
+            assert samples.get(key) == 0, cause
+        assert (
+            "fluxora_webhook_endpoint_pending",
+            frozenset({("endpoint", "_other"), ("tenant", "")}),
+        ) in samples
+        assert total(samples, "fluxora_webhook_deliveries_total", outcome="delivered") == 3
+    finally:
+        codes = await stop_processes([service])
+    assert codes == [0], service.log()
+    assert list(inherited.iterdir()) == []

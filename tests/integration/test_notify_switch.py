@@ -144,15 +144,42 @@ async def test_run_sees_the_wake_up_off_for_the_database_or_any_role(
 async def test_run_warns_when_it_has_no_endpoint_to_deliver_to(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """SPEC 10: with neither WEBHOOK_URL nor a registered endpoint, run starts and warns."""
+    """SPEC 10: with neither WEBHOOK_URL nor a registered endpoint, run starts and warns.
+    The built-in default that this start leaves in the registry (a run with WEBHOOK_URL
+    seen within a minute, or a disabled one) is an endpoint: the default tenant's events
+    go to it and wait, not unrouted; one this start removes (none with it seen) is not."""
+    waiting = "no endpoint is registered but the built-in default"
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is True
         assert "no endpoint to deliver to" in caplog.text
         assert await warn_if_nowhere_to_deliver(conn, make_settings("http://127.0.0.1:9/")) is False
+
+        # Another run has WEBHOOK_URL (seen just now): default stays and its deliveries wait.
+        await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, "http://127.0.0.1:9/")
+        caplog.clear()
+        assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is True
+        assert waiting in caplog.text
+        assert "no endpoint to deliver to" not in caplog.text
+
+        # None with it seen for a minute: this start removes it, the events are unrouted.
+        await conn.execute("UPDATE webhook_builtin_seen SET seen_at = now() - interval '2 min'")
+        caplog.clear()
+        assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is True
+        assert "no endpoint to deliver to" in caplog.text
+        assert waiting not in caplog.text
+
+        # A disabled default is never removed at a start.
+        await endpoints.disable(conn, endpoints.DEFAULT_ID)
+        caplog.clear()
+        assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is True
+        assert waiting in caplog.text
+
         await endpoints.create(
             conn, url="http://127.0.0.1:9/hook", tenant="acme", allowed_networks=LOOPBACK
         )
+        caplog.clear()
         assert await warn_if_nowhere_to_deliver(conn, make_settings("")) is False
+        assert not caplog.text
 
 
 async def test_run_says_when_the_outbox_is_not_vacuumed(

@@ -448,6 +448,53 @@ async def test_a_batch_whose_recording_fails_twice_leaves_no_detached_request_wa
     assert [r.delivery_id for r in receiver.received].count(slow_id) >= 2
 
 
+def _outcome_count(outcome: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "fluxora_webhook_deliveries_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def test_a_request_that_outlives_its_batch_is_counted_leased_once(
+    database_url: str, receiver: Receiver
+) -> None:
+    """A consumer slower than the batch's patience: its request is detached, its row leased
+    by the batch's commit and counted ``leased`` once (as operations.md says), then its
+    attempt's outcome is counted when the completer records it."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
+            " VALUES ('slow', 'e', '{}'), ('ok', 'e', '{}')"
+        )
+    slow_id = (
+        await rows(
+            database_url, "SELECT delivery_id::text FROM webhook_outbox WHERE stream_id='slow'"
+        )
+    )[0][0]
+
+    async def respond(r: Received) -> web.Response:
+        if r.delivery_id == slow_id:
+            await asyncio.sleep(1.0)  # outlives the batch's patience: detached
+        return web.Response(status=200)
+
+    receiver.respond = respond
+    before = {o: _outcome_count(o) for o in ("leased", "delivered")}
+    detached = metrics.REGISTRY.get_sample_value("fluxora_webhook_detached_requests_total") or 0
+    settings = make_settings(receiver.url, claim_loops=1)
+    async with running_dispatcher(settings, database_url, policy=FAST) as dispatcher:
+
+        async def settled() -> bool:
+            got = await rows(database_url, "SELECT outcome FROM webhook_outbox ORDER BY id")
+            return got == [("delivered",)] * 2 and dispatcher.completer.outstanding == 0
+
+        await wait_until(settled, what="both rows delivered, nothing outstanding")
+    assert (metrics.REGISTRY.get_sample_value("fluxora_webhook_detached_requests_total") or 0) - (
+        detached
+    ) == 1
+    assert {o: _outcome_count(o) - n for o, n in before.items()} == {"leased": 1, "delivered": 2}
+    assert [r.delivery_id for r in receiver.received].count(slow_id) == 1
+
+
 def _claim_errors() -> float:
     return metrics.REGISTRY.get_sample_value("fluxora_webhook_claim_errors_total") or 0.0
 

@@ -376,7 +376,8 @@ class OwnPostgres:
     127.0.0.1, no durability (fsync off). It may be stopped, restarted and crashed; the
     shared cluster on 5432 is never touched. As root, the server runs as ``postgres``."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: str = "-c max_connections=200") -> None:
+        self.settings = settings  # the server's settings, as postgres -c options
         self.bindir = _pg_bindir()
         self.port = free_port()
         self.folder = Path(tempfile.mkdtemp(prefix="fluxora-chaos-pg-"))
@@ -420,7 +421,7 @@ class OwnPostgres:
     def start(self) -> None:
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.folder} -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+            f"-c synchronous_commit=off -c full_page_writes=off {self.settings}"
         )
         self._run("pg_ctl", "start", "-D", str(self.data), "-l", str(self.log_path), "-w",
                   "-t", "60", "-o", options)  # fmt: skip

@@ -149,3 +149,17 @@ def test_all_without_a_terminal_needs_yes(
     code = cli.main(["dlq", action, "--all"])
     err = capsys.readouterr().err
     assert code == 2 and "error: --yes: is needed to go ahead without a terminal" in err, err
+
+
+def test_a_database_out_of_resources_is_not_called_unreachable() -> None:
+    """Out of shared memory (the lock table), or of disk: the database was reached and
+    may have committed what came before; "cannot reach the database" would mislead."""
+    import psycopg
+
+    from fluxora_webhooks.cli import _describe_failure
+
+    env = {"DATABASE_URL": "postgresql:///x"}
+    said = _describe_failure(psycopg.errors.OutOfMemory("out of shared memory"), env)
+    assert said == "the database (DATABASE_URL) ran out of resources: out of shared memory"
+    crowded = _describe_failure(psycopg.errors.TooManyConnections("too many clients"), env)
+    assert crowded is not None and crowded.startswith("cannot reach the database")

@@ -13,13 +13,17 @@ from collections.abc import Iterator
 import pytest
 
 from fluxora_webhooks import logs
-from fluxora_webhooks.delivery import scrub_stored, secret_texts
-from fluxora_webhooks.dispatcher import Dispatcher
+from fluxora_webhooks.delivery import AttemptResult, scrub_stored, secret_texts
+from fluxora_webhooks.dispatcher import Dispatcher, _log_fields
 from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.outbox import Claimed, Outcome
 from fluxora_webhooks.redis_gate import _count_transition
+from fluxora_webhooks.retry import Decision, Kind
 from fluxora_webhooks.service import Service
+from fluxora_webhooks.signing import Signer
+from fluxora_webhooks.targets import Target
 from fluxora_webhooks.urlpolicy import loopback_rule
-from tests.support.dispatch import make_settings
+from tests.support.dispatch import SECRET, make_settings
 
 
 @pytest.fixture
@@ -124,6 +128,51 @@ def test_a_breaker_transition_is_logged_with_the_redacted_url(
     assert record.levelno == logging.WARNING
     assert "https://hooks.example.com opened" in record.getMessage()
     assert "abc-secret" not in record.getMessage()
+
+
+def test_a_breaker_transition_names_the_endpoints_of_its_url(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Endpoints on one host are told apart by their ids (those that send to the URL share
+    its breaker); the URL's path and query are still never written."""
+    url = "https://hooks.example.com/in/p4th?token=abc-secret"
+    with caplog.at_level(logging.INFO, logger="fluxora_webhooks.redis_gate"):
+        _count_transition(url, "closed", "open", lambda u: ["ep_b", "ep_a"] if u == url else [])
+        _count_transition(url, "open", "half-open", lambda u: ["ep_a"])
+        _count_transition(url, "half-open", "closed", lambda u: [f"ep_{i}" for i in range(7)])
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith(
+        "circuit breaker for https://hooks.example.com (endpoints ep_a, ep_b) opened (from closed)"
+    )
+    assert messages[1].startswith("circuit breaker for https://hooks.example.com (endpoint ep_a)")
+    assert messages[2].startswith(
+        "circuit breaker for https://hooks.example.com (endpoints ep_0, ep_1, ep_2, ep_3, ep_4"
+        " and 2 more) closed"
+    )
+    assert not any("p4th" in m or "abc-secret" in m for m in messages)
+
+
+def test_a_delivery_record_carries_its_endpoint_tenant_and_reason() -> None:
+    row = Claimed(1, "d-1", "stream.updated", b"{}", 3, tenant="acme", endpoint_id="ep_1")
+    target = Target("ep_1", "acme", "https://hooks.example.com/in?token=t0ken", Signer(SECRET))
+    result = AttemptResult(Kind.PERMANENT, status=404, duration_ms=12.345, reason="http_4xx")
+    decision = Decision(Outcome.DEAD_LETTER, reason="http_4xx")
+    record = logging.LogRecord(
+        "fluxora_webhooks.dispatcher", logging.WARNING, "f", 1, "m", (), None
+    )
+    for name, value in _log_fields(row, target, result, decision).items():
+        setattr(record, name, value)
+    out = json.loads(logs.JsonFormatter().format(record))
+    assert {k: out[k] for k in ("endpoint_id", "tenant", "reason", "status", "attempt")} == {
+        "endpoint_id": "ep_1",
+        "tenant": "acme",
+        "reason": "http_4xx",
+        "status": 404,
+        "attempt": 3,
+    }
+    assert "t0ken" not in json.dumps(out) and "hooks.example.com" not in json.dumps(out)
+    text = logs.TextFormatter().format(record)
+    assert "endpoint_id=ep_1 tenant=acme reason=http_4xx" in text
 
 
 # --- Same class as 4: what the logs carry to a terminal ------------------------------------

@@ -1,7 +1,8 @@
 """What a worker tells its supervisor about its commits (the pipe the supervisor logs and
 answers /readyz from): ``stuck <reason>`` once a COMMIT has waited too long, ``flowing``
 once commits complete again, and not ``flowing`` when the wait ended because a stop
-abandoned the batch (its commit was cancelled, not completed)."""
+abandoned the batch (its commit was cancelled, not completed); ``alive`` every check with
+nothing else to say (a heartbeat: the supervisor stops counting a silent worker)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,12 @@ class _Service:
 
 async def _lines(monkeypatch: pytest.MonkeyPatch, end: str) -> list[str]:
     """The lines a worker writes while a commit waits past the bound and then ends: it
-    completes (``end="completed"``), or a stop abandons its batch (``"abandoned"``)."""
+    completes (``end="completed"``), or a stop abandons its batch (``"abandoned"``); its
+    heartbeats left out (see :func:`_written`)."""
+    return [line for line in await _written(monkeypatch, end) if line != "alive"]
+
+
+async def _written(monkeypatch: pytest.MonkeyPatch, end: str) -> list[str]:
     monkeypatch.setattr(worker, "COMMIT_CHECK_S", TICK_S)
     service = _Service()
     read_fd, write_fd = os.pipe()
@@ -74,3 +80,15 @@ async def test_a_commit_cancelled_by_an_abandoning_stop_is_not_reported_flowing(
     assert lines[0] == "ready"
     assert lines[1].startswith("stuck a commit has waited 12 s"), lines
     assert lines[2:] == [], lines
+
+
+async def test_a_worker_says_it_is_alive_at_each_check_with_nothing_else_to_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = await _written(monkeypatch, "completed")
+    assert lines[0] == "ready"
+    said = [i for i, line in enumerate(lines) if line != "alive"]
+    assert [lines[i].split()[0] for i in said] == ["ready", "stuck", "flowing"], lines
+    # Between and after those: heartbeats, one per check (about five per phase).
+    for start, end in zip(said, [*said[1:], len(lines)], strict=True):
+        assert end - start - 1 >= 2, lines

@@ -57,7 +57,9 @@ async def serve_until_interrupted(server: ApiServer) -> None:
 
 def describe(url: str, token: str, serving: bool) -> list[Any]:
     lines = [
-        f"Dashboard: {url}  (sign in with the admin token below; API: {url}api/v1/)",
+        f"Dashboard: {url}  (sign in with the admin token below)",
+        f"API: {url}api/v1/stats, its OpenAPI document {url}api/v1/openapi.json"
+        " (header Authorization: Bearer <the admin token>)",
         f"Admin token (shown once): {token}",
     ]
     if serving:

@@ -1,0 +1,124 @@
+"""Ordered streams' locks stay few per transaction (SPEC 14). Each is an entry of the
+server's one lock table, shared by every session of every database on it: an enable that
+locked thousands of parked streams in one transaction failed with "out of shared memory"
+after its commit (the heads then came one sweep page every 30 s), and batches that routed
+events to many ordered endpoints made a producer's own transaction fail the same way.
+
+A server of the test's own with a small lock table (about 500 to 1,000 locks in all)."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from fluxora_webhooks import endpoints
+from fluxora_webhooks.migrations import migrate
+from fluxora_webhooks.outbox import (
+    MAX_STREAM_LOCKS,
+    Completion,
+    Outcome,
+    claim_due,
+    complete,
+    promote_heads,
+    try_lock_streams,
+    try_promote_heads,
+)
+from tests.support.chaos import OwnPostgres
+
+pytestmark = pytest.mark.integration
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+STREAMS = 1500  # past the small server's lock table
+
+
+@pytest.fixture(scope="module")
+def small_locks() -> Iterator[OwnPostgres]:
+    pg = OwnPostgres("-c max_connections=20 -c max_locks_per_transaction=10")
+    try:
+        pg.init()
+        pg.start()
+        yield pg
+    finally:
+        pg.cleanup()
+
+
+async def _database(pg: OwnPostgres, name: str) -> str:
+    async with await psycopg.AsyncConnection.connect(pg.url(), autocommit=True) as conn:
+        await conn.execute(f"CREATE DATABASE {name}")
+    url = pg.url(name)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await migrate(conn)
+    return url
+
+
+async def _heads(conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> tuple[int, int]:
+    """(deliveries due now, deliveries held) of the endpoint."""
+    cur = await conn.execute(
+        "SELECT count(*) FILTER (WHERE hold IS NULL AND created_at <= now()),"
+        " count(*) FILTER (WHERE hold IS NOT NULL)"
+        " FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed",
+        (endpoint_id,),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+async def test_enabling_an_endpoint_with_thousands_of_parked_streams(
+    small_locks: OwnPostgres,
+) -> None:
+    """Every stream's head is due when the enable returns, and nothing failed."""
+    url = await _database(small_locks, "enable_many")
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        endpoint, _ = await endpoints.create(
+            conn, url="http://127.0.0.1:9/h", tenant="acme", ordered=True,
+            allowed_networks=LOOPBACK,
+        )  # fmt: skip
+        await endpoints.disable(conn, endpoint.id)
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " SELECT 'acme', 's-' || n, 'order.paid', jsonb_build_object('n', n)"
+            " FROM generate_series(1, %s) AS n",
+            (STREAMS,),
+        )
+        while True:  # routed as a dispatcher's batches route them: parked
+            async with conn.transaction():
+                events = await claim_due(conn, 100)
+                if not events:
+                    break
+                routed = [Completion(e.id, Outcome.ROUTED) for e in events]
+                parts = {e.id: e.partition_at for e in events}
+                await complete(conn, routed, parts, route=[e.id for e in events])
+        assert await _heads(conn, endpoint.id) == (0, STREAMS)
+        enabled = await endpoints.enable(conn, endpoint.id)
+        assert enabled.state == "enabled"
+        due, held = await _heads(conn, endpoint.id)
+        assert (due, held) == (STREAMS, 0)
+
+
+async def test_a_dispatchers_transaction_takes_a_bounded_number_of_stream_locks(
+    small_locks: OwnPostgres,
+) -> None:
+    """Routing locks at most MAX_STREAM_LOCKS streams, and so does choosing heads in the
+    completion; the others are left to the choice after the commit (as if another
+    transaction held them). Below the lock table, so nothing fails."""
+    url = await _database(small_locks, "routing_many")
+    pairs = [(f"ep_{i % 10}", f"s-{i}") for i in range(STREAMS)]
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        locked = await try_lock_streams(conn, pairs)
+        assert len(locked) == MAX_STREAM_LOCKS
+        promoted, busy = await try_promote_heads(conn, pairs)
+        assert promoted == 0  # no stream has a delivery here
+        assert len(busy) == STREAMS - MAX_STREAM_LOCKS
+        cur = await conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        )
+        assert await cur.fetchone() == (MAX_STREAM_LOCKS,)  # the same streams both times
+        await conn.rollback()
+        # Chosen after the commit, on an idle connection: in transactions of their own.
+        await conn.set_autocommit(True)
+        assert await promote_heads(conn, busy) == 0
