@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .outbox import promote_heads
+from .outbox import promote_after_commit
 from .queries import query
 from .settings import retry_rps
 
@@ -54,7 +54,7 @@ async def replay_or_purge_on(
         )
         rows = await cur.fetchall()
     if action == "replay":  # after the commit (docs/design.md, "Ordering")
-        await promote_heads(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])
+        await promote_after_commit(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])
     found = [(str(r[0]), str(r[1])) for r in rows]
     matched = {k for pair in found for k in pair}
     return [d for d, _ in found], [k for k in keys if k not in matched]

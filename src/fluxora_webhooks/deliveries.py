@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 
 from .endpoints import DEFAULT_ID, OPERATOR_TENANT, check_event_type
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
-from .outbox import enqueue_with_context, promote_heads
+from .outbox import enqueue_with_context, promote_after_commit
 from .queries import query
 from .tracing import delivery_trace_id, traceparent_header
 
@@ -420,7 +420,7 @@ async def replay(
             pairs = [(current["endpoint_id"], r["stream_id"]) for r in rows if r["stream_seq"]]
     # After the commit: no transaction waits for a stream's lock holding anything else
     # (docs/design.md, "Ordering"); should this fail, the sweep chooses the head.
-    await promote_heads(conn, pairs)
+    await promote_after_commit(conn, pairs)
     return await get_delivery(conn, delivery_id, tenant=tenant)
 
 

@@ -977,7 +977,7 @@ def _builtin_variable(endpoint_id: str) -> str:
     return "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL"
 
 
-# stuck_streams' LIMIT, and how many of its pages one sweep takes at most.
+# The streams of one page of stuck_streams, and how many pages one sweep takes at most.
 STUCK_PAGE = 1000
 SWEEP_PAGES = 10
 
@@ -994,18 +994,22 @@ async def _sweep(conn: psycopg.AsyncConnection[Any]) -> int:
     if not row or not row[0]:
         return 0
     try:
-        promoted = 0
-        # A page of streams at a time (stuck_streams' LIMIT), each page's heads chosen in
-        # transactions of their own (promote_heads on an idle connection), until a page
-        # is short or changes nothing: thousands of streams left without heads (an enable
-        # whose choice failed) wait one sweep, not one sweep per thousand.
+        promoted, after = 0, ("", "")
+        # A page of streams at a time, in key order, each page's heads chosen in
+        # transactions of their own (promote_heads on an idle connection), until a page is
+        # short: thousands of streams left without heads (an enable whose choice failed)
+        # wait one sweep, not one sweep per thousand; a stream whose head cannot be chosen
+        # yet (an earlier event still to be routed) does not hold up the ones after it.
         for _ in range(SWEEP_PAGES):
-            cur = await conn.execute(query("stuck_streams"))
+            cur = await conn.execute(
+                query("stuck_streams"),
+                {"after_endpoint": after[0], "after_stream": after[1], "page": STUCK_PAGE},
+            )
             pairs = [(str(e), str(s)) for e, s in await cur.fetchall()]
-            chosen = await promote_heads(conn, pairs)
-            promoted += chosen
-            if len(pairs) < STUCK_PAGE or not chosen:
+            promoted += await promote_heads(conn, pairs)
+            if len(pairs) < STUCK_PAGE:
                 break
+            after = pairs[-1]
         # Deliveries parked on an endpoint enabled meanwhile (endpoint_stragglers).
         unparked = await endpoints.unpark_stragglers(conn)
         if unparked:

@@ -76,6 +76,24 @@ RESERVED_HEADERS = frozenset(
     }
 )
 RESERVED_HEADER_PREFIXES = ("x-fluxora-", "webhook-")
+# Refused when an endpoint is created or changed (not in stored rows: a registry written
+# before would make their deliveries unusable): headers of one connection's hop (RFC 9110
+# 7.6.1), a proxy's, and those that describe the body or ask the consumer to answer
+# before it (Expect), which the request does not do.
+REFUSED_NEW_HEADERS = frozenset(
+    {
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "content-encoding",
+        "content-range",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -263,8 +281,11 @@ def check_event_types(patterns: Sequence[str], name: str = "event_types") -> tup
     return found
 
 
-def check_headers(headers: Mapping[str, str], name: str = "headers") -> dict[str, str]:
-    """Custom headers sent with every request; never one of ours or HTTP's own."""
+def check_headers(
+    headers: Mapping[str, str], name: str = "headers", *, new: bool = False
+) -> dict[str, str]:
+    """Custom headers sent with every request; never one of ours or HTTP's own. ``new``:
+    headers being registered (REFUSED_NEW_HEADERS too), not read from a stored row."""
     if not isinstance(headers, Mapping):
         raise ConfigError(name, "must map header names to values")
     if len(headers) > MAX_HEADERS:
@@ -278,6 +299,12 @@ def check_headers(headers: Mapping[str, str], name: str = "headers") -> dict[str
         lower = key.lower()
         if lower in RESERVED_HEADERS or lower.startswith(RESERVED_HEADER_PREFIXES):
             raise ConfigError(name, f"{key} is set by fluxora-webhooks and cannot be overridden")
+        if new and lower in REFUSED_NEW_HEADERS:
+            raise ConfigError(
+                name,
+                f"{key} is for a connection's hop or the body's encoding, which HTTP itself"
+                " decides; it cannot be sent as a custom header",
+            )
         if lower in {k.lower() for k in out}:
             raise ConfigError(name, f"{key} is given twice")
         if not isinstance(value, str) or len(value) > 4096:
@@ -381,7 +408,7 @@ async def create(
         "event_types": list(check_event_types(event_types)),
         "secret": chosen,
         "description": check_description(description),
-        "headers": Jsonb(check_headers(headers or {})),
+        "headers": Jsonb(check_headers(headers or {}, new=True)),
         "rate_limit": check_rate_limit(rate_limit),
         "ordered": bool(ordered),
     }
@@ -439,7 +466,9 @@ async def update(
         "description": None
         if changes.description is None
         else check_description(changes.description),
-        "headers": None if changes.headers is None else Jsonb(check_headers(changes.headers)),
+        "headers": None
+        if changes.headers is None
+        else Jsonb(check_headers(changes.headers, new=True)),
         "set_rate_limit": changes.clear_rate_limit or changes.rate_limit is not None,
         "rate_limit": None if changes.clear_rate_limit else check_rate_limit(changes.rate_limit),
         "ordered": changes.ordered,
@@ -549,7 +578,7 @@ async def enable_once(
     conn: psycopg.AsyncConnection[Any], endpoint_id: str, *, tenant: str | None = None
 ) -> tuple[Endpoint, bool]:
     """:func:`enable`, and whether this call enabled it (False: it was enabled already)."""
-    from .outbox import promote_heads
+    from .outbox import promote_after_commit
 
     async with conn.transaction():
         row = await _one(conn, "endpoint_enable", {"id": endpoint_id, **_scope(tenant)})
@@ -561,7 +590,7 @@ async def enable_once(
         )
     # After the commit: no transaction waits for a stream's lock holding anything else
     # (docs/design.md, "Ordering"); should this fail, the sweep chooses the heads.
-    await promote_heads(conn, [(endpoint_id, s) for s in streams])
+    await promote_after_commit(conn, [(endpoint_id, s) for s in streams])
     return Endpoint.from_row(row), True
 
 
@@ -653,7 +682,7 @@ async def recover(
     the outbox (same delivery id, attempts counted afresh), ``batch`` per transaction, with
     no cap on the total, due one after another at the endpoint's retry rate (its
     ``rate_limit``, else ``WEBHOOK_RETRY_RPS``), the first at once. Returns how many."""
-    from .outbox import promote_heads
+    from .outbox import promote_after_commit
 
     await get(conn, endpoint_id, tenant=tenant)
     if until is None:
@@ -683,7 +712,7 @@ async def recover(
             row = await cur.fetchone()
             assert row is not None
             count, streams = int(row[0]), list(row[1] or [])
-        await promote_heads(conn, [(endpoint_id, s) for s in streams])  # after the commit
+        await promote_after_commit(conn, [(endpoint_id, s) for s in streams])
         total += count
         if count < batch:
             return total

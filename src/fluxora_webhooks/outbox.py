@@ -12,6 +12,7 @@ endpoint, a delivery id); a retry is a new delivery row due later, as before.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Awaitable, Collection, Mapping, Sequence
@@ -28,6 +29,8 @@ from psycopg.types.json import Jsonb
 from . import pgarray
 from .errors import SchemaError
 from .queries import native, query
+
+log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "webhook_outbox"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -666,16 +669,43 @@ async def promote_heads(
         return 0
     unique = sorted(set(pairs))
     idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    if not idle or len(unique) <= PROMOTE_CHUNK:
+    if not idle or (conn.autocommit and len(unique) <= PROMOTE_CHUNK):
         cur = await conn.execute(query("promote_heads"), _pair_params(unique))
         return len(await cur.fetchall())
-    promoted = 0
+    promoted, failed = 0, None
     for start in range(0, len(unique), PROMOTE_CHUNK):
-        async with conn.transaction():
-            chunk = _pair_params(unique[start : start + PROMOTE_CHUNK])
-            cur = await conn.execute(query("promote_heads"), chunk)
-            promoted += len(await cur.fetchall())
+        try:
+            async with conn.transaction():
+                chunk = _pair_params(unique[start : start + PROMOTE_CHUNK])
+                cur = await conn.execute(query("promote_heads"), chunk)
+                promoted += len(await cur.fetchall())
+        except psycopg.Error as exc:  # the others' heads are chosen all the same
+            if conn.broken:
+                raise
+            failed = failed or exc
+    if failed is not None:
+        raise failed
     return promoted
+
+
+async def promote_after_commit(
+    conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
+) -> int:
+    """:func:`promote_heads` on an idle connection after the caller's commit (an enable, a
+    recovery, a replay): what was committed stands whatever happens here, so a failure is
+    logged, not raised, and the dispatchers' sweep chooses those heads (every 30 s)."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return await promote_heads(conn, pairs)  # the caller's transaction: its to handle
+    try:
+        return await promote_heads(conn, pairs)
+    except psycopg.Error as exc:
+        log.warning(
+            "the next heads of %d ordered stream(s) were not chosen (%s); the dispatchers'"
+            " sweep chooses them within a minute",
+            len(set(pairs)),
+            type(exc).__name__,
+        )
+        return 0
 
 
 async def try_lock_streams(

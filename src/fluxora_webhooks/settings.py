@@ -79,7 +79,7 @@ def parse_int(text: str, variable: str, *, low: int, high: int) -> int:
     stripped = text.strip()
     if not stripped:
         raise ConfigError(variable, "is empty (a whole number is needed)")
-    if stripped.startswith("-") and _DIGITS.fullmatch(stripped[1:]):
+    if stripped.startswith("-") and _DIGITS.fullmatch(stripped[1:]) and stripped.strip("-0"):
         # A negative whole number is below every bound here: say the bound.
         shown = stripped if len(stripped) <= _SHOWN_CHARS else stripped[:_SHOWN_CHARS] + "..."
         raise ConfigError(variable, f"must be at least {low}, got {shown}")

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from ._version import __version__
 from .errors import ConfigError
 from .outbox import Claimed
-from .tracing import own_trace_id, passthrough
+from .tracing import own_trace_id, passthrough, traceparent_header, tracestate_header
 
 if TYPE_CHECKING:
     from .delivery import AttemptResult
@@ -203,10 +203,15 @@ class AttemptTracer:
 
     def _start(self, row: Claimed, target: Target, headers: MutableMapping[str, str]) -> Any:
         parent = None
-        if row.traceparent:
-            carrier = {"traceparent": row.traceparent}
-            if row.tracestate:
-                carrier["tracestate"] = row.tracestate
+        # The stored context as the request without a tracer would carry it, and as the API
+        # names the delivery's trace (tracing.delivery_trace_id): one reading of the text a
+        # plain-SQL producer wrote.
+        stored = traceparent_header(row.traceparent)
+        if stored is not None:
+            carrier = {"traceparent": stored}
+            state = tracestate_header(row.tracestate) if row.tracestate else None
+            if state:
+                carrier["tracestate"] = state
             parent = self._w3c.extract(carrier)
         attributes: dict[str, Any] = {
             "fluxora.endpoint.id": target.id,

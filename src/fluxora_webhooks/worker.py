@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -95,28 +96,42 @@ async def _report_ready(service: Service, fd: int) -> None:
     stops counting a worker it has not heard from for a while, and kills one silent for
     much longer: a process stopped or wedged writes nothing, though it does not exit)."""
     try:
+        # Never blocking the event loop: a supervisor that stops reading (stopped itself)
+        # costs lines once the pipe is full, not this process its deliveries.
+        os.set_blocking(fd, False)
         while service.dispatcher is None:  # noqa: ASYNC110 - created inside Service.run
             await asyncio.sleep(0.02)
         dispatcher = service.dispatcher
         await dispatcher.ready.wait()
-        os.write(fd, b"ready\n")
+        _say(fd, b"ready\n")
         said: str | None = None
         while True:
             await asyncio.sleep(COMMIT_CHECK_S)
-            stuck = commits_stuck(dispatcher.commit_wait_s())
+            try:
+                stuck = commits_stuck(dispatcher.commit_wait_s())
+            except Exception:  # the heartbeat goes on: a silent worker is killed
+                logging.getLogger(__name__).exception("commit wait not read")
+                stuck = said
             # Cancelled at the stop (stuck None after a stuck, abandoned): nothing more to
             # say about the commits until the exit.
             cancelled = stuck is None and said is not None and service.abandoned
             if stuck != said and not cancelled:
-                os.write(fd, b"flowing\n" if stuck is None else f"stuck {stuck}\n".encode())
+                _say(fd, b"flowing\n" if stuck is None else f"stuck {stuck}\n".encode())
                 said = stuck
             else:
-                os.write(fd, HEARTBEAT)
+                _say(fd, HEARTBEAT)
     except OSError:
         pass  # the supervisor is gone: the watcher handles it
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def _say(fd: int, line: bytes) -> None:
+    """One line to the supervisor (shorter than PIPE_BUF: written whole or not at all);
+    dropped when its pipe is full."""
+    with contextlib.suppress(BlockingIOError):
+        os.write(fd, line)
 
 
 async def _watch_supervisor(service: Service, supervisor: int) -> None:

@@ -27,6 +27,7 @@ from tests.support.chaos import (
     dbname_of,
     enqueue_events,
     format_table,
+    own_postgres_running,
     stop_processes,
     terminate_backends,
     tracebacks,
@@ -48,13 +49,8 @@ ABANDONED = "abandoning the in-flight batch"  # the service's log line when the 
 
 @pytest.fixture
 def own_postgres() -> Iterator[OwnPostgres]:
-    pg = OwnPostgres()
-    try:
-        pg.init()
-        pg.start()
+    with own_postgres_running() as pg:
         yield pg
-    finally:
-        pg.cleanup()
 
 
 async def _alive(procs: list[DispatcherProcess]) -> None:

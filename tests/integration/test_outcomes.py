@@ -415,23 +415,7 @@ async def test_a_batch_whose_recording_fails_twice_leaves_no_detached_request_wa
             "CREATE CONSTRAINT TRIGGER reject_lease AFTER UPDATE ON webhook_outbox"
             " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION reject_lease()"
         )
-        await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " VALUES ('slow', 'e', '{}'), ('ok', 'e', '{}')"
-        )
-
-    slow_id = (
-        await rows(
-            database_url, "SELECT delivery_id::text FROM webhook_outbox WHERE stream_id='slow'"
-        )
-    )[0][0]
-
-    async def respond_by_id(r: Received) -> web.Response:
-        if r.delivery_id == slow_id:
-            await asyncio.sleep(1.0)  # outlives the batch's patience: detached
-        return web.Response(status=200)
-
-    receiver.respond = respond_by_id
+    slow_id = await _slow_and_ok(database_url, receiver)
     settings = make_settings(receiver.url, claim_loops=1)
     async with running_dispatcher(settings, database_url, policy=FAST) as dispatcher:
 
@@ -448,19 +432,9 @@ async def test_a_batch_whose_recording_fails_twice_leaves_no_detached_request_wa
     assert [r.delivery_id for r in receiver.received].count(slow_id) >= 2
 
 
-def _outcome_count(outcome: str) -> float:
-    value = metrics.REGISTRY.get_sample_value(
-        "fluxora_webhook_deliveries_total", {"outcome": outcome}
-    )
-    return value or 0.0
-
-
-async def test_a_request_that_outlives_its_batch_is_counted_leased_once(
-    database_url: str, receiver: Receiver
-) -> None:
-    """A consumer slower than the batch's patience: its request is detached, its row leased
-    by the batch's commit and counted ``leased`` once (as operations.md says), then its
-    attempt's outcome is counted when the completer records it."""
+async def _slow_and_ok(database_url: str, receiver: Receiver) -> str:
+    """Two events, one answered after the batch's patience (its request is detached) and
+    one at once. Returns the slow one's delivery id."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await conn.execute(
             "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
@@ -478,6 +452,23 @@ async def test_a_request_that_outlives_its_batch_is_counted_leased_once(
         return web.Response(status=200)
 
     receiver.respond = respond
+    return str(slow_id)
+
+
+def _outcome_count(outcome: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "fluxora_webhook_deliveries_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def test_a_request_that_outlives_its_batch_is_counted_leased_once(
+    database_url: str, receiver: Receiver
+) -> None:
+    """A consumer slower than the batch's patience: its request is detached, its row leased
+    by the batch's commit and counted ``leased`` once (as operations.md says), then its
+    attempt's outcome is counted when the completer records it."""
+    slow_id = await _slow_and_ok(database_url, receiver)
     before = {o: _outcome_count(o) for o in ("leased", "delivered")}
     detached = metrics.REGISTRY.get_sample_value("fluxora_webhook_detached_requests_total") or 0
     settings = make_settings(receiver.url, claim_loops=1)

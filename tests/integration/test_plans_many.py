@@ -278,8 +278,9 @@ async def test_routing_to_idle_ordered_streams_is_two_probes_a_delivery(big_url:
 async def test_the_sweep_walks_streams_not_their_backlog(big_url: str) -> None:
     streams = bigoutbox.ENDPOINTS // 10 * bigoutbox.ORDERED_STREAMS + 1
     async with await connect(big_url) as conn:
-        plan = await explain(conn, query("stuck_streams"))
-        cur = await conn.execute(query("stuck_streams"))
+        first_page = {"after_endpoint": "", "after_stream": "", "page": 1000}
+        plan = await explain(conn, query("stuck_streams"), first_page)
+        cur = await conn.execute(query("stuck_streams"), first_page)
         stuck = [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
     assert stuck == [(bigoutbox.DEEP_ENDPOINT, bigoutbox.DEEP_STREAM)]
     plan.check(uses={"webhook_outbox_stream_idx"}, max_examined=5 * streams)

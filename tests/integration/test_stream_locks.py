@@ -9,16 +9,19 @@ A server of the test's own with a small lock table (about 500 to 1,000 locks in 
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
+from fluxora_webhooks import dispatcher as dispatcher_module
 from fluxora_webhooks import endpoints
 from fluxora_webhooks.migrations import migrate
 from fluxora_webhooks.outbox import (
     MAX_STREAM_LOCKS,
+    PROMOTE_CHUNK,
     Completion,
     Outcome,
     claim_due,
@@ -27,7 +30,7 @@ from fluxora_webhooks.outbox import (
     try_lock_streams,
     try_promote_heads,
 )
-from tests.support.chaos import OwnPostgres
+from tests.support.chaos import OwnPostgres, own_postgres_running
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +40,8 @@ STREAMS = 1500  # past the small server's lock table
 
 @pytest.fixture(scope="module")
 def small_locks() -> Iterator[OwnPostgres]:
-    pg = OwnPostgres("-c max_connections=20 -c max_locks_per_transaction=10")
-    try:
-        pg.init()
-        pg.start()
+    with own_postgres_running("-c max_connections=20 -c max_locks_per_transaction=10") as pg:
         yield pg
-    finally:
-        pg.cleanup()
 
 
 async def _database(pg: OwnPostgres, name: str) -> str:
@@ -68,36 +66,71 @@ async def _heads(conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> tuple[
     return int(row[0]), int(row[1])
 
 
+async def _parked_streams(conn: psycopg.AsyncConnection[Any], streams: int) -> str:
+    """An ordered endpoint of tenant acme, disabled, with one parked delivery in each of
+    ``streams`` streams (routed as a dispatcher's batches route them). Returns its id."""
+    endpoint, _ = await endpoints.create(
+        conn, url="http://127.0.0.1:9/h", tenant="acme", ordered=True, allowed_networks=LOOPBACK
+    )
+    await endpoints.disable(conn, endpoint.id)
+    await conn.execute(
+        "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+        " SELECT 'acme', 's-' || n, 'order.paid', jsonb_build_object('n', n)"
+        " FROM generate_series(1, %s) AS n",
+        (streams,),
+    )
+    while True:
+        async with conn.transaction():
+            events = await claim_due(conn, 100)
+            if not events:
+                break
+            routed = [Completion(e.id, Outcome.ROUTED) for e in events]
+            parts = {e.id: e.partition_at for e in events}
+            await complete(conn, routed, parts, route=[e.id for e in events])
+    assert await _heads(conn, endpoint.id) == (0, streams)
+    return endpoint.id
+
+
 async def test_enabling_an_endpoint_with_thousands_of_parked_streams(
     small_locks: OwnPostgres,
 ) -> None:
     """Every stream's head is due when the enable returns, and nothing failed."""
     url = await _database(small_locks, "enable_many")
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        endpoint, _ = await endpoints.create(
-            conn, url="http://127.0.0.1:9/h", tenant="acme", ordered=True,
-            allowed_networks=LOOPBACK,
-        )  # fmt: skip
-        await endpoints.disable(conn, endpoint.id)
-        await conn.execute(
-            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
-            " SELECT 'acme', 's-' || n, 'order.paid', jsonb_build_object('n', n)"
-            " FROM generate_series(1, %s) AS n",
-            (STREAMS,),
-        )
-        while True:  # routed as a dispatcher's batches route them: parked
-            async with conn.transaction():
-                events = await claim_due(conn, 100)
-                if not events:
-                    break
-                routed = [Completion(e.id, Outcome.ROUTED) for e in events]
-                parts = {e.id: e.partition_at for e in events}
-                await complete(conn, routed, parts, route=[e.id for e in events])
-        assert await _heads(conn, endpoint.id) == (0, STREAMS)
-        enabled = await endpoints.enable(conn, endpoint.id)
+        endpoint_id = await _parked_streams(conn, STREAMS)
+        enabled = await endpoints.enable(conn, endpoint_id)
         assert enabled.state == "enabled"
-        due, held = await _heads(conn, endpoint.id)
+        due, held = await _heads(conn, endpoint_id)
         assert (due, held) == (STREAMS, 0)
+
+
+async def test_an_enable_whose_choice_of_heads_fails_is_an_enable_all_the_same(
+    small_locks: OwnPostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The enable is committed before the heads are chosen: if choosing fails (here one
+    stream's lock held elsewhere past the statement timeout), the enable still succeeds
+    and says so (an enable asked again changes nothing: it used to raise, unaudited, and
+    a retry did nothing), the other chunks' heads are chosen, and the sweep chooses the
+    rest once the lock is free."""
+    url = await _database(small_locks, "enable_fails")
+    streams = PROMOTE_CHUNK + 44
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        endpoint_id = await _parked_streams(conn, streams)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as holder:
+            await holder.execute(  # the key webhook_promote_heads locks, of stream s-1
+                "SELECT pg_advisory_lock(hashtextextended(%s || chr(31) || 's-1', 1718973816))",
+                (endpoint_id,),
+            )
+            await conn.execute("SET statement_timeout = '500ms'")
+            with caplog.at_level(logging.WARNING, logger="fluxora_webhooks"):
+                enabled, changed = await endpoints.enable_once(conn, endpoint_id)
+            assert (enabled.state, changed) == ("enabled", True)
+            assert "the dispatchers' sweep chooses them" in caplog.text
+            # The chunk with s-1 (the first, in key order) failed; the second's are due.
+            assert await _heads(conn, endpoint_id) == (44, PROMOTE_CHUNK)
+        await conn.execute("RESET statement_timeout")
+        assert await dispatcher_module._sweep(conn) == PROMOTE_CHUNK
+        assert await _heads(conn, endpoint_id) == (streams, 0)
 
 
 async def test_a_dispatchers_transaction_takes_a_bounded_number_of_stream_locks(

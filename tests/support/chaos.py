@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from enum import StrEnum
@@ -450,6 +450,18 @@ class OwnPostgres:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                 self.stop("immediate")
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def own_postgres_running(settings: str = "-c max_connections=200") -> Iterator[OwnPostgres]:
+    """An :class:`OwnPostgres` initialised and started, removed afterwards."""
+    pg = OwnPostgres(settings)
+    try:
+        pg.init()
+        pg.start()
+        yield pg
+    finally:
+        pg.cleanup()
 
 
 async def terminate_backends(admin_url: str, dbname: str, *, spare: str = "") -> int:

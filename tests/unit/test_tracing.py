@@ -171,3 +171,38 @@ def test_a_failed_attempts_error_type_is_its_status_code_or_what_failed(
     (finished,) = exported.get_finished_spans()
     assert (finished.attributes or {}).get("error.type") == error_type
     provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "stored", [VALID, f" {VALID}\n", f"01-{TRACE}-{PARENT}-01-\x01", "garbage", None]
+)
+def test_an_attempts_span_is_in_the_trace_the_api_names(stored: str | None) -> None:
+    """The dispatcher reads a stored traceparent as the API does (delivery_trace_id): the
+    span's trace is the producer's when the text is valid, else the delivery's own."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from fluxora_webhooks.outbox import Claimed
+    from fluxora_webhooks.signing import Signer
+    from fluxora_webhooks.targets import Target
+    from fluxora_webhooks.telemetry import AttemptTracer, _delivery_trace_ids
+    from fluxora_webhooks.tracing import delivery_trace_id
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=_delivery_trace_ids())  # as the service's
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracer = AttemptTracer(provider)
+    row = Claimed(1, "d-7", "stream.updated", b"{}", 1, traceparent=stored, tracestate="bad =")
+    headers: dict[str, str] = {}
+    tracer.end(
+        tracer.start(
+            row, Target("ep_1", "acme", "https://x.example/h", Signer(b"k" * 32)), headers
+        ),
+        None,
+        "cancelled",
+    )
+    (span,) = exported.get_finished_spans()
+    assert f"{span.context.trace_id:032x}" == delivery_trace_id("d-7", stored)
+    assert "tracestate" not in headers  # an invalid stored one is not passed on
+    provider.shutdown()

@@ -460,11 +460,13 @@ SELECT pg_advisory_unlock(7382390104629133160);
 -- Ordered streams whose head is waiting with no delivery active: their next head was never
 -- chosen (a failure after an outcome was recorded). promote_heads chooses it. The streams
 -- are walked one index probe each (a skip scan of webhook_outbox_stream_idx), so the cost
--- is the number of streams with a backlog, not the backlog's depth.
+-- is the number of streams with a backlog, not the backlog's depth. A page: the streams
+-- after (%(after_endpoint)s, %(after_stream)s) in key order ('', '' for the first).
 WITH RECURSIVE streams(endpoint_id, stream_id) AS (
     (SELECT w.endpoint_id, w.stream_id
      FROM webhook_outbox w
      WHERE NOT w.processed AND w.stream_seq IS NOT NULL
+       AND (w.endpoint_id, w.stream_id) > (%(after_endpoint)s::text, %(after_stream)s::text)
      ORDER BY w.endpoint_id, w.stream_id
      LIMIT 1)
     UNION ALL
@@ -494,7 +496,7 @@ WHERE head.hold = 'waiting'
       SELECT 1 FROM webhook_outbox a
       WHERE a.endpoint_id = s.endpoint_id AND a.stream_id = s.stream_id AND NOT a.processed
         AND a.stream_seq IS NOT NULL AND a.hold IS NULL)
-LIMIT 1000;
+LIMIT %(page)s;
 
 -- name: relock_claimed
 -- complete_batch runs without a savepoint; when it fails, its transaction rolls back and
