@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -133,6 +134,8 @@ class Dispatcher:
         env: dict[str, tuple[str, Signer]] = {}
         env_secrets: dict[str, tuple[str, ...]] = {}
         self._promotions: set[asyncio.Task[None]] = set()  # see promote_busy
+        self._busy_streams: set[tuple[str, str]] = set()  # waiting for _promoter
+        self._promoter: asyncio.Task[None] | None = None
         # Settings built in code skip from_env: the URL policy and the secret are checked
         # here too, so a library user cannot send unsigned or to a refused URL.
         for name, url, secret, previous in (
@@ -307,8 +310,13 @@ class Dispatcher:
                 self.claim_since = await self.with_connection(partitions.pending_since)
                 if time.monotonic() - last_sweep >= SWEEP_S:
                     last_sweep = time.monotonic()
-                    if await self.with_connection(_sweep):
-                        self._waker.wake_all()
+                    try:
+                        if await self.with_connection(_sweep):
+                            self._waker.wake_all()
+                    except psycopg.Error as exc:  # not the registry's: said as what it is
+                        log.warning(
+                            "the sweep failed (%s); next in %.0fs", type(exc).__name__, SWEEP_S
+                        )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -866,31 +874,53 @@ class Dispatcher:
 
     def promote_busy(self, pairs: Sequence[tuple[str, str]]) -> None:
         """After a commit: choose the next heads of the ordered streams whose lock another
-        transaction held when this one chose them (migration 0011), in a task of its own
-        on a pool connection, in a transaction that holds nothing else and waits for the
-        locks; that holder's own choice is committed by then. The claim loop goes on
-        meanwhile (the holder's batch may last as long as its requests). Should it fail,
-        or the dispatcher stop first, the sweep chooses them."""
+        transaction held when this one chose them (migration 0011), or past the
+        transaction's MAX_STREAM_LOCKS, in a task of their own on one pool connection,
+        in transactions that hold nothing else; that holder's own choice is committed by
+        then. The claim loop goes on meanwhile (the holder's batch may last as long as its
+        requests). One such task at a time, taking every stream handed over meanwhile:
+        one per batch held the pool's connections waiting for streams' locks (batches of
+        100 events to ten ordered endpoints), and a batch's detached attempts then found
+        none to be recorded with and were sent again. Should it fail, or the dispatcher
+        stop first, the sweep chooses them."""
         if not pairs:
             return
-        task = asyncio.ensure_future(self._promote_busy(list(pairs)))
-        self._promotions.add(task)
-        task.add_done_callback(self._promotions.discard)
+        self._busy_streams.update(pairs)
+        if self._promoter is None or self._promoter.done():
+            task = asyncio.ensure_future(self._promote_busy())
+            self._promoter = task
+            self._promotions.add(task)
+            task.add_done_callback(self._promotions.discard)
 
-    async def _promote_busy(self, pairs: list[tuple[str, str]]) -> None:
-        from .outbox import promote_heads
+    async def _promote_busy(self) -> None:
+        from .outbox import MAX_STREAM_LOCKS, promote_heads, try_promote_heads
 
-        try:
-            promoted = await self.with_connection(lambda conn: promote_heads(conn, pairs))
-        except Exception as exc:
-            log.warning(
-                "choosing the next head of %d ordered stream(s) failed (%s); the sweep will",
-                len(pairs),
-                type(exc).__name__,
-            )
-            return
-        if promoted:
-            self._waker.wake()
+        async def work(conn: psycopg.AsyncConnection[Any], *, pairs: list[tuple[str, str]]) -> int:
+            # First without waiting (each statement its own transaction): most streams
+            # past a batch's cap are nobody's; then, waiting, those another one holds.
+            promoted, held = 0, []
+            for start in range(0, len(pairs), MAX_STREAM_LOCKS):
+                chosen, busy = await try_promote_heads(
+                    conn, pairs[start : start + MAX_STREAM_LOCKS]
+                )
+                promoted += chosen
+                held.extend(busy)
+            return promoted + await promote_heads(conn, held)
+
+        while self._busy_streams:
+            pairs = sorted(self._busy_streams)
+            self._busy_streams.clear()
+            try:
+                promoted = await self.with_connection(functools.partial(work, pairs=pairs))
+            except Exception as exc:
+                log.warning(
+                    "choosing the next head of %d ordered stream(s) failed (%s); the sweep will",
+                    len(pairs),
+                    type(exc).__name__,
+                )
+                continue
+            if promoted:
+                self._waker.wake()
 
     def show_in_flight(self) -> None:
         """Set the in-flight gauge: after each batch's requests (those still running have

@@ -8,6 +8,7 @@ A server of the test's own with a small lock table (about 500 to 1,000 locks in 
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import Iterator
@@ -155,3 +156,55 @@ async def test_a_dispatchers_transaction_takes_a_bounded_number_of_stream_locks(
         # Chosen after the commit, on an idle connection: in transactions of their own.
         await conn.set_autocommit(True)
         assert await promote_heads(conn, busy) == 0
+
+
+async def test_the_streams_handed_over_after_commits_are_chosen_on_one_connection(
+    database_url: str,
+) -> None:
+    """Streams whose heads a batch left to after its commit (held elsewhere, or past its
+    cap) are chosen by one task at a time, on one pool connection: one task per batch
+    held the pool's connections waiting for locks, and the batches' detached attempts
+    found none to be recorded with (sent again). Every handed-over stream gets its head."""
+    from psycopg_pool import AsyncConnectionPool
+
+    from fluxora_webhooks.dispatcher import Dispatcher
+    from tests.support.dispatch import make_settings
+
+    streams = 600
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint_id = await _parked_streams(conn, streams)
+        # Enabled by hand: the streams wait with no head, as a batch leaves them.
+        await conn.execute(
+            "UPDATE webhook_endpoints SET state = 'enabled', disabled_reason = NULL WHERE id = %s",
+            (endpoint_id,),
+        )
+        await conn.execute("UPDATE webhook_outbox SET hold = 'waiting' WHERE hold = 'parked'")
+        assert await _heads(conn, endpoint_id) == (0, streams)
+        d = Dispatcher(make_settings("", allowed_networks=LOOPBACK), conninfo=database_url)
+        pool = AsyncConnectionPool(
+            database_url, min_size=1, max_size=4, kwargs={"autocommit": True}, open=False
+        )
+        await pool.open()
+        d._pool = pool
+        busy, most = 0, 0
+        given = d.with_connection
+
+        async def counted(work: Any) -> Any:
+            nonlocal busy, most
+            busy += 1
+            most = max(most, busy)
+            try:
+                return await given(work)
+            finally:
+                busy -= 1
+
+        d.with_connection = counted  # type: ignore[method-assign]
+        try:
+            for start in range(0, streams, 100):  # six batches' hand-overs, at once
+                d.promote_busy([(endpoint_id, f"s-{n}") for n in range(start + 1, start + 101)])
+            assert len(d._promotions) == 1
+            await asyncio.gather(*d._promotions)
+        finally:
+            await pool.close()
+        assert most == 1
+        assert await _heads(conn, endpoint_id) == (streams, 0)
