@@ -893,25 +893,15 @@ class Dispatcher:
             task.add_done_callback(self._promotions.discard)
 
     async def _promote_busy(self) -> None:
-        from .outbox import MAX_STREAM_LOCKS, promote_heads, try_promote_heads
-
-        async def work(conn: psycopg.AsyncConnection[Any], *, pairs: list[tuple[str, str]]) -> int:
-            # First without waiting (each statement its own transaction): most streams
-            # past a batch's cap are nobody's; then, waiting, those another one holds.
-            promoted, held = 0, []
-            for start in range(0, len(pairs), MAX_STREAM_LOCKS):
-                chosen, busy = await try_promote_heads(
-                    conn, pairs[start : start + MAX_STREAM_LOCKS]
-                )
-                promoted += chosen
-                held.extend(busy)
-            return promoted + await promote_heads(conn, held)
+        from .outbox import promote_handed_over
 
         while self._busy_streams:
-            pairs = sorted(self._busy_streams)
+            pairs = list(self._busy_streams)  # promote_handed_over puts them in key order
             self._busy_streams.clear()
             try:
-                promoted = await self.with_connection(functools.partial(work, pairs=pairs))
+                promoted = await self.with_connection(
+                    functools.partial(promote_handed_over, pairs=pairs)
+                )
             except Exception as exc:
                 log.warning(
                     "choosing the next head of %d ordered stream(s) failed (%s); the sweep will",

@@ -688,6 +688,22 @@ async def promote_heads(
     return promoted
 
 
+async def promote_handed_over(
+    conn: psycopg.AsyncConnection[Any], *, pairs: Sequence[tuple[str, str]]
+) -> int:
+    """On an idle connection, the heads of the streams a dispatcher's transactions left to
+    after their commits (held elsewhere, or past MAX_STREAM_LOCKS): first without waiting
+    for a lock (each statement its own transaction; most such streams are nobody's), then,
+    waiting, those another transaction holds. Returns how many deliveries became due."""
+    unique = sorted(set(pairs))
+    promoted, held = 0, []
+    for start in range(0, len(unique), MAX_STREAM_LOCKS):
+        chosen, busy = await try_promote_heads(conn, unique[start : start + MAX_STREAM_LOCKS])
+        promoted += chosen
+        held.extend(busy)
+    return promoted + await promote_heads(conn, held)
+
+
 async def promote_after_commit(
     conn: psycopg.AsyncConnection[Any], pairs: Sequence[tuple[str, str]]
 ) -> int:

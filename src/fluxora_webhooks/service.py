@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logs, metrics
 from .dispatcher import Dispatcher, unless_stopping
-from .endpoints import DEFAULT_ID, OPERATOR_ID
+from .endpoints import BUILTIN_SEEN_S, DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
@@ -200,8 +200,6 @@ async def warn_if_nowhere_to_deliver(
     start leaves in the registry (a run with WEBHOOK_URL seen within BUILTIN_SEEN_S, or a
     disabled one: endpoints.retire_builtin) is one: the default tenant's events go to it
     and wait, which it says instead. Returns whether it warned."""
-    from .endpoints import BUILTIN_SEEN_S
-
     if settings.webhook_url:
         return False
     cur = await conn.execute(
