@@ -115,10 +115,14 @@ def webhook(request: HttpRequest) -> JsonResponse:
                 headers=request.headers,
                 secret=SECRET,
                 previous_secret=PREVIOUS,
+                scheme="standard",  # the scheme that signs the delivery id too
             )
             if event is None:
                 return JsonResponse({"status": "duplicate"})
             apply(event)  # raises: rolled back, Django answers 500, the sender retries
+            # A database error apply caught (without a savepoint) would make the commit a
+            # quiet rollback: raise instead (500), so that the sender retries.
+            inbox.check_committable(connection.connection)
     except VerificationError as exc:
         if exc.reason in ("bad_payload", "bad_delivery_id"):  # signed, but unusable: 400
             return JsonResponse({"error": "bad_request", "reason": exc.reason}, status=400)

@@ -30,7 +30,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from .errors import ConfigError, ConflictError, EndpointError, NotFoundError
+from .errors import ConfigError, ConflictError, EndpointError, EndpointLimitReached, NotFoundError
 from .outbox import TENANT
 from .queries import query
 from .settings import looks_like_duration, parse_duration_ms, retry_rps
@@ -52,6 +52,9 @@ MAX_KEEP_PREVIOUS_MS = 30 * 86_400_000
 MAX_PAGE = 1000
 MAX_RATE_LIMIT = 1_000_000
 MAX_HEADERS = 32
+# Custom headers' size in all, as sent: common servers refuse 8-16 KiB of headers in all
+# (ours and the signatures take the rest).
+MAX_HEADERS_BYTES = 8192
 MAX_DESCRIPTION = 1000
 # RFC 9110 4.1 asks senders and recipients to support URIs of at least 8,000 octets; a
 # longer one would be refused by many consumers' servers, and is stored and shown everywhere.
@@ -312,6 +315,13 @@ def check_headers(
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value) or not value.isascii():
             raise ConfigError(name, f"the value of {key} must be printable ASCII")
         out[key] = value
+    total = sum(len(k) + len(v) + 4 for k, v in out.items())  # "Name: value\r\n"
+    if new and total > MAX_HEADERS_BYTES:
+        raise ConfigError(
+            name,
+            f"come to {total} bytes; at most {MAX_HEADERS_BYTES} in all (many servers refuse"
+            " a request whose headers are larger, and every delivery would fail)",
+        )
     return out
 
 
@@ -397,9 +407,12 @@ async def create(
     rate_limit: int | None = None,
     ordered: bool = False,
     allowed_networks: Sequence[IPNetwork] = (),
+    max_for_tenant: int = 0,
 ) -> tuple[Endpoint, str]:
     """Register an endpoint; returns it and its secret (generated unless given), which is
-    shown this once."""
+    shown this once. ``max_for_tenant`` (0: none): a tenant that has that many endpoints
+    already gets :class:`EndpointLimitReached` (``WEBHOOK_MAX_ENDPOINTS_PER_TENANT``, for
+    the creates of tenant tokens)."""
     chosen = check_secret(secret) if secret is not None else new_secret()
     params = {
         "id": new_id(),
@@ -412,7 +425,19 @@ async def create(
         "rate_limit": check_rate_limit(rate_limit),
         "ordered": bool(ordered),
     }
-    row = await _one(conn, "endpoint_insert", params)
+    if max_for_tenant <= 0:
+        row = await _one(conn, "endpoint_insert", params)
+    else:
+        async with conn.transaction():
+            await conn.execute(query("endpoint_tenant_lock"), {"tenant": params["tenant"]})
+            counted = await _one(conn, "endpoint_tenant_count", {"tenant": params["tenant"]})
+            assert counted is not None
+            if counted["n"] >= max_for_tenant:
+                raise EndpointLimitReached(
+                    f"this tenant has {counted['n']} endpoints, the most it may have"
+                    f" ({max_for_tenant}): remove one before adding another"
+                )
+            row = await _one(conn, "endpoint_insert", params)
     assert row is not None
     return Endpoint.from_row(row), chosen
 

@@ -51,6 +51,10 @@ class ConflictError(FluxoraError):
     rotated or removed, the operator endpoint cannot be disabled."""
 
 
+class EndpointLimitReached(ConflictError):
+    """A tenant token asked for one endpoint more than its tenant may have."""
+
+
 class IdempotencyKeyReused(ConflictError):
     """An idempotency key names an earlier request that differs from this one."""
 

@@ -427,6 +427,9 @@ class Settings:
     workers: int = 1
     # Many endpoints (SPEC 11, 12).
     endpoint_concurrency: int = 20
+    # The endpoints a tenant token may give its tenant through the API (0: no cap); admin
+    # tokens and the command line are not capped.
+    max_endpoints_per_tenant: int = 100
     # How long `run` waits at start-up for a database that does not answer yet (0: not at
     # all); a refusal that waiting does not cure (authentication) stops it at once.
     startup_wait_ms: int = 30_000
@@ -524,6 +527,7 @@ _INTEGERS: dict[str, tuple[str, int, int]] = {
     "claim_loops": ("WEBHOOK_CLAIM_LOOPS", 1, 64),
     "max_connections": ("WEBHOOK_MAX_CONNECTIONS", 1, 100_000),
     "endpoint_concurrency": ("WEBHOOK_ENDPOINT_CONCURRENCY", 1, 10_000),
+    "max_endpoints_per_tenant": ("WEBHOOK_MAX_ENDPOINTS_PER_TENANT", 0, 1_000_000),
     "startup_wait_ms": ("WEBHOOK_STARTUP_WAIT_MS", 0, 3_600_000),
 }
 

@@ -263,10 +263,15 @@ def check_url_address(
     if reason is not None:
         hint = ""
         if registered and never_allowed_reason(address) is None:
-            example = "::1/128" if address.version == 6 else "127.0.0.0/8"
+            if address.is_loopback:
+                example = "::1/128" if address.version == 6 else "127.0.0.0/8"
+                where = "for a consumer on this host"
+            else:
+                example = f"{address}/{address.max_prefixlen}"
+                where = "for this address alone"
             hint = (
                 "; a registered endpoint reaches a private or loopback address only when"
-                f" WEBHOOK_ALLOWED_NETWORKS allows it ({example} for a consumer on this host)"
+                f" the service's WEBHOOK_ALLOWED_NETWORKS allows it ({example} {where})"
             )
         raise EndpointError(f"the URL's host {address} is refused: {reason}{hint}")
 

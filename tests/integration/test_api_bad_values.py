@@ -321,3 +321,17 @@ async def test_405_says_what_is_allowed_and_head_reads_like_get(api: Api) -> Non
     assert (await api.call("HEAD", "/api/v1/stats", token=None)).status == 401
     async with api.session.head(api.url + "/login") as resp:
         assert resp.status == 200
+
+
+async def test_validation_messages_speak_of_the_request_not_the_validator(api: Api) -> None:
+    made = await api.post("/api/v1/endpoints", json={"url": "http://127.0.0.1:9/hook"})
+    assert made.status == 201, made.text
+    endpoint = made.body["id"]
+    no_body = await api.post(
+        f"/api/v1/endpoints/{endpoint}/recover", headers={"Content-Type": "application/json"}
+    )
+    refused(no_body, 422, "validation_error", "the request needs a JSON body")
+    assert "Field required" not in no_body.text
+    null_url = await api.call("PATCH", f"/api/v1/endpoints/{endpoint}", json={"url": None})
+    refused(null_url, 422, "validation_error", "url cannot be null")
+    assert "Value error" not in null_url.text and "body:" not in null_url.text

@@ -69,6 +69,16 @@ class Browser:
         async with self.session.get(self.api.url + path, allow_redirects=False) as resp:
             return resp.status, await resp.text(), resp.headers
 
+    async def post(self, path: str, form: dict[str, str]) -> tuple[int, str, Any]:
+        """A form of the dashboard, with the session's CSRF token (from its pages)."""
+        _, html, _ = await self.get("/deliveries")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', html)
+        assert csrf is not None, html
+        async with self.session.post(
+            self.api.url + path, data={"csrf": csrf.group(1), **form}, allow_redirects=False
+        ) as resp:
+            return resp.status, await resp.text(), resp.headers
+
 
 @pytest_asyncio.fixture
 async def browser(api: Api) -> AsyncIterator[Browser]:
@@ -77,8 +87,9 @@ async def browser(api: Api) -> AsyncIterator[Browser]:
 
 
 def pending_shown(html: str, endpoint_id: str) -> int:
-    """The pending count the page links to the endpoint's deliveries with."""
-    found = re.search(rf'<a href="/deliveries\?endpoint_id={endpoint_id}">(\d+)</a>', html)
+    """The pending count the page links to the endpoint's deliveries with (its words for
+    a screen reader after it)."""
+    found = re.search(rf'<a href="/deliveries\?endpoint_id={endpoint_id}">(\d+)<', html)
     assert found is not None, f"no pending count for {endpoint_id}"
     return int(found.group(1))
 
@@ -119,7 +130,7 @@ async def test_the_dashboards_endpoint_list_pages_and_each_page_has_its_own_heal
     while path is not None:
         status, html, _ = await browser.get(path)
         assert status == 200, html
-        rows = re.findall(r'<tr data-endpoint="([^"]+)">', html)
+        rows = re.findall(r'<tr data-endpoint="([^"]+)"', html)
         assert 0 < len(rows) <= 50
         seen.extend(rows)
         if LAST in rows:
@@ -144,3 +155,120 @@ async def test_the_delivery_id_search_goes_to_a_delivery_only(api: Api, browser:
     upper = "0A1B2C3D-0000-4000-8000-00000000ABCD"
     status, _, headers = await browser.get(f"/deliveries?delivery_id={upper}")
     assert status == 303 and headers["location"] == f"/deliveries/{upper.lower()}"
+
+
+async def one_endpoint(database_url: str, endpoint_id: str = "ep_one") -> str:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret)"
+            " VALUES (%s, 'acme', 'https://a.example.com/one', 'whsec_' || md5('one'))",
+            (endpoint_id,),
+        )
+    return endpoint_id
+
+
+def title(html: str) -> str:
+    found = re.search(r"<title>([^<]*)</title>", html)
+    assert found is not None
+    return found.group(1)
+
+
+async def test_an_error_page_says_it_once_under_the_signed_in_navigation(
+    api: Api, browser: Browser, database_url: str
+) -> None:
+    """An error is said once, as an alert (not as a success's flash), with the reason in
+    the title, the navigation of whoever is signed in, and a way back to where it came
+    from; a request with no session gets no navigation at all."""
+    endpoint_id = await one_endpoint(database_url)
+    await browser.sign_in("acme_reader")
+    status, html, _ = await browser.get("/deliveries?delivery_id=nope")
+    assert status == 404
+    assert html.count("no delivery") == 1 and 'class="flash"' not in html
+    assert re.search(r'<p class="error" role="alert" id="error">no delivery', html)
+    assert title(html) == "Error 404: Not found · fluxora-webhooks"
+    assert '<nav aria-label="Main">' in html and "Sign out" in html
+    assert '<a href="/deliveries" id="back">Back to the deliveries</a>' in html
+    # A form refused (this token is read-only): back to the page the form was on.
+    status, html, _ = await browser.post(
+        f"/endpoints/{endpoint_id}/disable", {"next": "/endpoints"}
+    )
+    assert status == 403 and html.count("this token is read-only") == 1
+    assert title(html) == "Error 403: Not allowed · fluxora-webhooks"
+    assert '<a href="/endpoints" id="back">Back to the endpoints</a>' in html
+    assert "Sign out" in html
+    status, html, _ = await browser.post(f"/endpoints/{endpoint_id}/enable", {})
+    assert (
+        f'<a href="/endpoints/{endpoint_id}" id="back">Back to endpoint {endpoint_id}</a>' in html
+    )
+    # Signed out: an error page shows no navigation (and no session's token).
+    async with api.session.get(api.url + "/endpoints/x/y/z", allow_redirects=False) as resp:
+        assert resp.status == 404
+        html = await resp.text()
+    assert "<nav" not in html and "Sign out" not in html and 'name="csrf"' not in html
+    assert html.count("no such resource") == 1
+
+
+async def test_a_recover_time_that_is_not_valid_is_marked_at_its_field(
+    browser: Browser, database_url: str
+) -> None:
+    """The endpoint's page again, its form as filled in, the field at fault marked
+    invalid and described by the problem (said once), the error first in the title."""
+    endpoint_id = await one_endpoint(database_url)
+    await browser.sign_in("acme")
+    path = f"/endpoints/{endpoint_id}/recover"
+    status, html, _ = await browser.post(path, {"since": "yesterday-ish", "until": ""})
+    assert status == 422
+    assert title(html) == f"Error in since · Endpoint {endpoint_id} · fluxora-webhooks"
+    assert html.count("neither an ISO 8601 time") == 1 and 'class="flash"' not in html
+    assert re.search(r'<p class="error" id="recover-error">since: &#39;yesterday-ish&#39;', html)
+    assert (
+        '<input id="since" name="since" value="yesterday-ish" required aria-invalid="true"'
+        ' aria-describedby="recover-error">'
+    ) in html
+    assert 'id="until" name="until" value="" placeholder="now">' in html
+    status, html, _ = await browser.post(path, {"since": "2h", "until": "later"})
+    assert status == 422
+    assert 'value="2h" required>' in html
+    assert 'value="later" placeholder="now" aria-invalid="true"' in html
+
+
+async def test_a_failed_sign_in_marks_the_token_field(api: Api, browser: Browser) -> None:
+    _, html, _ = await browser.get("/login")
+    nonce = re.search(r'name="nonce" value="([^"]+)"', html)
+    assert nonce is not None
+    form = {"token": "not-a-token", "nonce": nonce.group(1)}
+    async with browser.session.post(api.url + "/login", data=form) as resp:
+        assert resp.status == 401
+        html = await resp.text()
+    assert '<p class="error" role="alert" id="token-error">' in html
+    assert 'aria-invalid="true" aria-describedby="token-error"' in html
+
+
+async def test_a_rotation_posted_without_its_confirmation_only_asks(
+    browser: Browser, database_url: str
+) -> None:
+    """The dashboard's rotation takes a confirmation: a form without it (an old page, a
+    keypress on the endpoint's page) changes nothing and asks, with the choice kept."""
+    endpoint_id = await one_endpoint(database_url)
+
+    async def secret() -> Any:
+        async with await psycopg.AsyncConnection.connect(database_url) as conn:
+            cur = await conn.execute(
+                "SELECT secret FROM webhook_endpoints WHERE id = %s", (endpoint_id,)
+            )
+            return (await cur.fetchone() or [None])[0]
+
+    before = await secret()
+    await browser.sign_in("acme")
+    status, html, _ = await browser.post(f"/endpoints/{endpoint_id}/rotate", {"keep_previous": "0"})
+    assert status == 200 and await secret() == before
+    assert '<option value="0" selected>no time (it leaked)</option>' in html
+    assert 'name="confirm" value="yes"' in html and 'id="leak-warning"' in html
+    status, html, _ = await browser.get(f"/endpoints/{endpoint_id}/rotate?keep_previous=1h")
+    assert status == 200 and await secret() == before
+    assert '<option value="1h" selected>' in html
+    status, html, _ = await browser.post(
+        f"/endpoints/{endpoint_id}/rotate", {"keep_previous": "0", "confirm": "yes"}
+    )
+    assert status == 200 and await secret() != before
+    assert 'id="kept">stopped signing now' in html

@@ -4,6 +4,7 @@ read-only one, the OpenAPI document validated, and one error shape everywhere.""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import psycopg
@@ -241,3 +242,44 @@ async def test_endpoint_lists_page_through_more_than_a_page(api: Api, receiver: 
     assert len(acme) == 3 and {e["tenant"] for e in acme} == {"acme"}
     exact = await api.get("/api/v1/endpoints", params={"limit": 7})
     assert len(exact.body["data"]) == 7 and exact.body["next_cursor"] is None
+
+
+async def test_a_tenant_token_creates_endpoints_up_to_its_cap_and_no_further(
+    database_url: str, redis_url: str, prefix: str
+) -> None:
+    """One event to a hundred endpoints with the same URL is a hundred requests: a tenant
+    token (self-serve) has a cap; an admin does not, and a removal makes room again."""
+    async with serving(database_url, redis_url, prefix, max_endpoints_per_tenant=3) as api:
+        hook = {"url": "http://127.0.0.1:9/hook"}
+        made = []
+        for _ in range(3):
+            reply = await api.post("/api/v1/endpoints", token="acme", json=hook)
+            assert reply.status == 201, reply.text
+            made.append(reply.body["id"])
+        refused = await api.post("/api/v1/endpoints", token="acme", json=hook)
+        assert refused.status == 409 and refused.error_code == "endpoint_limit"
+        assert "has 3 endpoints, the most it may have (3)" in refused.body["error"]["message"]
+        assert "WEBHOOK_" not in refused.body["error"]["message"]
+        # The admin (the backend team) is not capped, even for that tenant.
+        by_admin = await api.post("/api/v1/endpoints", json={**hook, "tenant": "acme"})
+        assert by_admin.status == 201, by_admin.text
+        # Another tenant counts its own: eight creates at once give exactly three.
+        replies = await asyncio.gather(
+            *(api.post("/api/v1/endpoints", token="bolt", json=hook) for _ in range(8))
+        )
+        assert sorted(r.status for r in replies) == [201] * 3 + [409] * 5
+        async with await psycopg.AsyncConnection.connect(database_url) as conn:
+            counted = await (
+                await conn.execute(
+                    "SELECT tenant, count(*) FROM webhook_endpoints"
+                    " WHERE tenant IN ('acme', 'bolt') GROUP BY tenant ORDER BY tenant"
+                )
+            ).fetchall()
+        assert counted == [("acme", 4), ("bolt", 3)]
+        removed = await api.call("DELETE", f"/api/v1/endpoints/{made[0]}", token="acme")
+        assert removed.status == 204, removed.text
+        # Still four (the admin's one counts): no room until one more goes.
+        again = await api.post("/api/v1/endpoints", token="acme", json=hook)
+        assert again.status == 409
+        await api.call("DELETE", f"/api/v1/endpoints/{made[1]}", token="acme")
+        assert (await api.post("/api/v1/endpoints", token="acme", json=hook)).status == 201

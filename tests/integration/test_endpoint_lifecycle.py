@@ -650,6 +650,14 @@ async def test_bad_registrations_are_refused_naming_the_field(database_url: str)
                 "headers",
             ),
             ({"url": "https://ok.example.com/", "headers": {"Keep-Alive": "5"}}, "headers"),
+            # Each value allowed, 12 KiB in all: many servers would refuse every request.
+            (
+                {
+                    "url": "https://ok.example.com/",
+                    "headers": {f"X-Part-{i}": "v" * 4000 for i in range(3)},
+                },
+                "headers",
+            ),
             ({"url": "https://ok.example.com/", "event_types": []}, "event_types"),
             ({"url": "https://ok.example.com/", "event_types": ["a b"]}, "event_types"),
             ({"url": "https://ok.example.com/", "secret": "short"}, "secret"),
@@ -675,6 +683,13 @@ async def test_bad_registrations_are_refused_naming_the_field(database_url: str)
             await endpoints.update(conn, made.id, endpoints.Changes(headers={"Expect": "x"}))
         # Read from a stored row (written before the rule), such a header is sent.
         assert endpoints.check_headers({"Keep-Alive": "5"}) == {"Keep-Alive": "5"}
+        large = {f"X-Part-{i}": "v" * 4000 for i in range(3)}
+        assert endpoints.check_headers(large) == large
+        with pytest.raises(ConfigError, match="come to 12036 bytes; at most 8192 in all"):
+            await endpoints.update(conn, made.id, endpoints.Changes(headers=large))
+        two = {f"X-Part-{i}": "v" * 4000 for i in range(2)}
+        updated = await endpoints.update(conn, made.id, endpoints.Changes(headers=two))
+        assert updated.headers == two
         await endpoints.remove(conn, made.id)
         await endpoints.sync_builtin(conn, endpoints.DEFAULT_ID, "https://hooks.example.com/")
         with pytest.raises(ConflictError):

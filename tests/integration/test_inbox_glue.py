@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from fluxora_webhooks.errors import SchemaError, VerificationError
-from fluxora_webhooks.inbox import InboxEvent
+from fluxora_webhooks.inbox import InboxEvent, _glue, receive
 from fluxora_webhooks.inbox.aiohttp import inbox_handler
 from fluxora_webhooks.inbox.asgi import inbox_endpoint
 from tests.support.dispatch import SECRET
@@ -67,6 +67,11 @@ class Consumer:
             raise VerificationError("no_matching_signature", "the handler's inner check")
         if how == "schema":
             raise SchemaError("a table of the handler's own is missing")
+        if how == "swallowed":  # a database error caught without a savepoint: no raise
+            with contextlib.suppress(psycopg.errors.UniqueViolation):
+                await conn.execute("INSERT INTO balance VALUES (1, 0)")
+        if how == "sql_rollback":  # the handler ends the transaction itself
+            await conn.execute("ROLLBACK")
 
     def counting(self, connect: Connect) -> Connect:
         @contextlib.asynccontextmanager
@@ -213,14 +218,17 @@ async def test_whatever_the_handler_raises_rolls_back_and_is_answered_handler_fa
     event never recorded), a statement of the handler's own that the database cancels,
     and the library's own VerificationError or SchemaError raised by the handler are all
     the handler's failure: 500 handler_failed, nothing recorded, and the retry applies
-    the event."""
+    the event. So is a database error the handler catches without a savepoint, and a
+    ROLLBACK of its own: neither raises, but the commit would quietly roll back the id
+    and the writes while the sender got a 2xx."""
     caplog.set_level(logging.INFO, logger="fluxora_webhooks.inbox")
     consumer = Consumer()
+    hows = ["rollback", "statement_timeout", "verification", "schema", "swallowed", "sql_rollback"]
     async with (
         serve(framework, pool.connection, consumer) as url,
         aiohttp.ClientSession() as http,
     ):
-        for n, how in enumerate(["rollback", "statement_timeout", "verification", "schema"]):
+        for n, how in enumerate(hows):
             d = delivery({"amount": 1})
             consumer.fail_how = how
             assert await post(http, url, d) == (500, {"error": "handler_failed"}), how
@@ -235,6 +243,8 @@ async def test_whatever_the_handler_raises_rolls_back_and_is_answered_handler_fa
     assert "raised psycopg.Rollback: nothing was applied" in logged
     assert "QueryCanceled" in logged  # the handler's failure, with its traceback
     assert "the handler's inner check" in logged
+    assert "was caught without a savepoint, so the transaction cannot commit" in logged
+    assert "was ended by a COMMIT or ROLLBACK of its own" in logged
     assert "database unavailable" not in logged and "inbox_not_installed" not in logged
 
 
@@ -297,3 +307,44 @@ async def test_a_pool_itself_is_accepted_as_the_connection_source(
         inbox_handler(pool, None, secret=SECRET)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="handler must be an async function"):
         inbox_endpoint(pool, None, secret=SECRET)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+async def test_a_copy_held_uncommitted_elsewhere_is_503_within_the_wait_not_a_held_connection(
+    framework: str,
+    pool: AsyncConnectionPool[Any],
+    inbox_database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A consumer process paused mid-request holds its delivery's id uncommitted: each
+    retry of that delivery would wait on it for as long, each holding a pool connection
+    (four such retries held the whole pool, and every other delivery got 503 after the
+    pool's 30 s). Each is answered 503 after the wait and gives its connection back; once
+    the holder commits, the copy is a duplicate."""
+    monkeypatch.setattr(_glue, "RECEIVE_WAIT_S", 0.5)
+    consumer = Consumer()
+    held = delivery({"amount": 5})
+    other = delivery({"amount": 1})
+    async with (
+        serve(framework, pool.connection, consumer) as url,
+        aiohttp.ClientSession() as http,
+        await psycopg.AsyncConnection.connect(inbox_database_url) as holder,
+    ):
+        assert await receive(holder, body=held.body, headers=held.headers, secret=SECRET)
+        # (Its own writes would be on other rows: the balance row stays free.)
+        answers = await asyncio.gather(*(post(http, url, held) for _ in range(6)))
+        assert answers == [(503, {"error": "database_unavailable"})] * 6
+        # The pool (four connections) was not kept by the six waits.
+        assert await post(http, url, other) == (
+            200,
+            {"status": "processed", "delivery_id": other.delivery_id},
+        )
+        await holder.commit()
+        assert await post(http, url, held) == (
+            200,
+            {"status": "duplicate", "delivery_id": held.delivery_id},
+        )
+    assert await state(inbox_database_url) == (1, sorted([held.delivery_id, other.delivery_id]))
+    assert "another copy of it still uncommitted, within 0.5 s" in caplog.text
+    assert f"webhook {held.delivery_id} not received: no connection" in caplog.text

@@ -4,6 +4,7 @@ refusal leaves behind (nothing), concurrency on one delivery id, and prune."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import warnings
@@ -15,7 +16,15 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from fluxora_webhooks.errors import SchemaError, VerificationError
-from fluxora_webhooks.inbox import InboxEvent, install, install_report, prune, receive
+from fluxora_webhooks.inbox import (
+    InboxEvent,
+    TransactionAborted,
+    check_committable,
+    install,
+    install_report,
+    prune,
+    receive,
+)
 from tests.support.dispatch import SECRET
 from tests.support.inbox import Delivery, delivery
 
@@ -247,6 +256,39 @@ def test_a_rolled_back_transaction_forgets_the_delivery(
     with conn.transaction():
         assert take(conn, d) is not None  # the retry applies it
     assert [r[0] for r in recorded(inbox_database_url)] == [d.delivery_id]
+
+
+def test_a_caught_database_error_is_told_before_the_commit_would_quietly_roll_back(
+    inbox_database_url: str,
+) -> None:
+    """The documented plain-psycopg handler catches an error without a savepoint: its
+    COMMIT would roll back without an error, losing the id and the writes while the code
+    answered 2xx. check_committable says so first; inside a savepoint it is fine."""
+    with psycopg.connect(inbox_database_url, autocommit=True) as c:
+        c.execute("CREATE TABLE seen (id int PRIMARY KEY)")
+        c.execute("INSERT INTO seen VALUES (1)")
+        lost, kept, ended = delivery(), delivery(), delivery()
+        with (
+            pytest.raises(TransactionAborted, match="caught without a savepoint"),
+            c.transaction(),
+        ):
+            assert take(c, lost) is not None
+            with contextlib.suppress(psycopg.errors.UniqueViolation):
+                c.execute("INSERT INTO seen VALUES (1)")
+            check_committable(c)
+        with c.transaction():
+            assert take(c, kept) is not None
+            with contextlib.suppress(psycopg.errors.UniqueViolation), c.transaction():
+                c.execute("INSERT INTO seen VALUES (1)")
+            check_committable(c)  # the savepoint took the error: nothing to say
+        with (
+            pytest.raises(TransactionAborted, match="COMMIT or ROLLBACK of its own"),
+            c.transaction(),
+        ):
+            assert take(c, ended) is not None
+            c.execute("ROLLBACK")
+            check_committable(c)
+    assert [r[0] for r in recorded(inbox_database_url)] == [kept.delivery_id]
 
 
 def test_autocommit_outside_a_transaction_is_refused_before_anything_happens(

@@ -115,13 +115,15 @@ async def make_tokens(database_url: str) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def serving(
-    database_url: str, redis_url: str | None = None, prefix: str = ""
+    database_url: str, redis_url: str | None = None, prefix: str = "", **options: Any
 ) -> AsyncIterator[Api]:
+    """``options``: more of ApiConfig's fields."""
     config = ApiConfig(
         database_url=database_url,
         redis_url=redis_url,
         redis_prefix=prefix,
         allowed_networks=LOOPBACK,
+        **options,
     )
     server = ApiServer(config, "127.0.0.1", 0)
     await server.start()

@@ -24,6 +24,8 @@ def test_the_inbox_namespace_is_locked() -> None:
         "InboxEvent",
         "InboxPruneResult",
         "Installed",
+        "TransactionAborted",
+        "check_committable",
         "install",
         "install_report",
         "prune",

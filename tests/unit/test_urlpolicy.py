@@ -417,8 +417,9 @@ async def test_each_client_checks_addresses_with_the_configured_policy() -> None
     ("url", "hint"),
     [
         ("http://127.0.0.1:9/x", "127.0.0.0/8"),
-        ("https://10.0.0.1/x", "127.0.0.0/8"),
+        ("https://10.0.0.1/x", "10.0.0.1/32 for this address alone"),
         ("http://[::1]:9/x", "::1/128"),
+        ("https://[fd00::1]/x", "fd00::1/128 for this address alone"),
         ("https://169.254.169.254/x", None),  # never allowed: no hint
         ("https://0.0.0.0/x", None),
     ],
@@ -433,3 +434,4 @@ def test_a_refused_registered_address_says_how_to_allow_it_only_where_it_can_be(
         assert "WEBHOOK_ALLOWED_NETWORKS" not in message
     else:
         assert f"WEBHOOK_ALLOWED_NETWORKS allows it ({hint}" in message
+        assert "127.0.0.0/8" not in message or "127.0.0.1" in url

@@ -69,6 +69,7 @@ class ApiConfig:
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     breaker_threshold: int = 0
     pool_max: int = 4
+    max_endpoints_per_tenant: int = 0
 
     @classmethod
     def from_settings(
@@ -80,6 +81,7 @@ class ApiConfig:
             redis_prefix=settings.redis_prefix,
             allowed_networks=settings.allowed_networks,
             breaker_threshold=settings.circuit_breaker_threshold,
+            max_endpoints_per_tenant=settings.max_endpoints_per_tenant,
         )
 
 

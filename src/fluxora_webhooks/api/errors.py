@@ -20,6 +20,7 @@ from ..errors import (
     ConfigError,
     ConflictError,
     EndpointError,
+    EndpointLimitReached,
     IdempotencyKeyReused,
     NotFoundError,
 )
@@ -104,7 +105,16 @@ def _validation_message(
     parts = []
     for e in errors[:5]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
-        parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
+        message = str(e.get("msg", "invalid"))
+        # A check of ours raised in a validator: pydantic's "Value error, " says nothing.
+        message = message.removeprefix("Value error, ")
+        if not where and e.get("type") == "missing":
+            parts.append("the request needs a JSON body")
+            continue
+        if not where and e.get("type") == "value_error":
+            parts.append(message)  # a check of the whole body: it names its fields
+            continue
+        parts.append(f"{where or 'body'}: {message}")
     return 422, "validation_error", "; ".join(parts) or "the request is not valid"
 
 
@@ -220,6 +230,10 @@ def install(app: FastAPI, html_error: Any) -> None:
     @app.exception_handler(ConflictError)
     async def _conflict(request: Request, exc: ConflictError) -> Response:
         return answer(request, 409, "conflict", str(exc))
+
+    @app.exception_handler(EndpointLimitReached)
+    async def _limit(request: Request, exc: EndpointLimitReached) -> Response:
+        return answer(request, 409, "endpoint_limit", str(exc))
 
     @app.exception_handler(IdempotencyKeyReused)
     async def _key_reused(request: Request, exc: IdempotencyKeyReused) -> Response:

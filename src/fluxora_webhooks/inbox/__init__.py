@@ -45,6 +45,8 @@ __all__ = [
     "InboxEvent",
     "InboxPruneResult",
     "Installed",
+    "TransactionAborted",
+    "check_committable",
     "install",
     "install_report",
     "prune",
@@ -295,6 +297,35 @@ def receive(
     except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
     return event if row is not None else None
+
+
+class TransactionAborted(RuntimeError):
+    """The transaction an event was received in cannot commit it (:func:`check_committable`)."""
+
+
+def check_committable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Raise :class:`TransactionAborted` unless ``conn``'s transaction can still commit the
+    received id with the writes it guards. Call it after your writes, before the commit.
+
+    A database error caught inside the transaction (``except UniqueViolation: pass``
+    around a statement) aborts it, and PostgreSQL then answers its COMMIT by rolling back,
+    without an error: the id and every write are gone while the code goes on to answer
+    2xx, and the sender stops. Catch database errors inside a savepoint instead
+    (``with conn.transaction():`` around the statement), which leaves the outer
+    transaction usable. A ROLLBACK or COMMIT run as SQL by the handler is refused too."""
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INTRANS:
+        return
+    if status == TransactionStatus.INERROR:
+        raise TransactionAborted(
+            "a database error inside the transaction was caught without a savepoint, so"
+            " the transaction cannot commit: the event was not applied (catch database"
+            " errors inside a nested `with conn.transaction():`)"
+        )
+    raise TransactionAborted(
+        "the transaction the event was received in was ended by a COMMIT or ROLLBACK of"
+        " its own: the id no longer commits with the writes it guards"
+    )
 
 
 async def _receive_async(

@@ -7,6 +7,7 @@ same way), 5xx asks for a retry (the transaction rolled back: nothing happened).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from ..errors import SchemaError, VerificationError
 from ..logs import scrub
 from ..signing import DEFAULT_TOLERANCE_SECONDS
-from . import Headers, InboxEvent, _verified_event, receive
+from . import Headers, InboxEvent, TransactionAborted, _verified_event, check_committable, receive
 
 log = logging.getLogger("fluxora_webhooks.inbox")
 
@@ -33,6 +34,12 @@ ConnectionSource: TypeAlias = (
 )
 # The reasons that a signed request can carry: refusing it for good is right (400).
 _MALFORMED = frozenset({"bad_payload", "bad_delivery_id"})
+# How long a request waits for a connection and for its id (another copy of the delivery
+# may hold it uncommitted: a consumer process paused mid-request holds it until its
+# session ends) before it is answered 503. Below the sender's 15 s timeout: a request
+# still waiting when the sender has given up would hold a pool connection for nothing,
+# and a few such requests would hold them all.
+RECEIVE_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,26 +112,31 @@ async def deliver(
         return _refused(exc)
     delivery_id = checked.delivery_id
     try:
-        async with connect() as conn, conn.transaction():
-            event = await receive(
-                conn,
-                body=body,
-                headers=headers,
-                secret=verification.secret,
-                previous_secret=verification.previous_secret,
-                tolerance_s=verification.tolerance_s,
-                scheme=verification.scheme,
-            )
-            if event is not None:
-                try:
-                    await apply(event, conn)
-                except Exception as exc:
-                    if _transient(exc, conn):
-                        raise  # the database's doing, not the handler's: 503 below
-                    raise _HandlerFailed from exc
+        async with asyncio.timeout(RECEIVE_WAIT_S) as waiting:
+            async with connect() as conn, conn.transaction():
+                event = await receive(
+                    conn,
+                    body=body,
+                    headers=headers,
+                    secret=verification.secret,
+                    previous_secret=verification.previous_secret,
+                    tolerance_s=verification.tolerance_s,
+                    scheme=verification.scheme,
+                )
+                waiting.reschedule(None)  # the handler takes the time it takes
+                if event is not None:
+                    try:
+                        await apply(event, conn)
+                        check_committable(conn)
+                    except Exception as exc:
+                        if _transient(exc, conn):
+                            raise  # the database's doing, not the handler's: 503 below
+                        raise _HandlerFailed from exc
     except _HandlerFailed as failed:
         cause = failed.__cause__
-        if isinstance(cause, psycopg.Rollback):
+        if isinstance(cause, TransactionAborted):
+            log.warning("webhook %s not applied, the sender will retry: %s", delivery_id, cause)
+        elif isinstance(cause, psycopg.Rollback):
             # Caught here, psycopg.Rollback would end the transaction quietly: the id
             # would not be recorded, yet the sender would get a 2xx and stop.
             log.warning(
@@ -144,6 +156,15 @@ async def deliver(
     except SchemaError as exc:
         log.error("webhook %s not received: %s", delivery_id, exc)
         return Answer(500, {"error": "inbox_not_installed"})
+    except TimeoutError:
+        # Cancelled in the server too (psycopg cancels a query its task leaves).
+        log.warning(
+            "webhook %s not received: no connection, or another copy of it still"
+            " uncommitted, within %g s; the sender will retry",
+            delivery_id,
+            RECEIVE_WAIT_S,
+        )
+        return Answer(503, {"error": "database_unavailable"})
     except (psycopg.OperationalError, PoolTimeout) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         log.warning(

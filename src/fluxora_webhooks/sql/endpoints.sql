@@ -10,6 +10,13 @@ VALUES (%(id)s, %(tenant)s, %(url)s, %(event_types)s, %(secret)s, %(description)
         %(headers)s, %(rate_limit)s, %(ordered)s)
 RETURNING *;
 
+-- name: endpoint_tenant_lock
+-- Creates for one tenant one at a time while its endpoints are counted against a cap.
+SELECT pg_advisory_xact_lock(hashtextextended(%(tenant)s, 8512097725384027151));
+
+-- name: endpoint_tenant_count
+SELECT count(*) AS n FROM webhook_endpoints WHERE tenant = %(tenant)s;
+
 -- name: endpoint_get
 SELECT * FROM webhook_endpoints
 WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s);

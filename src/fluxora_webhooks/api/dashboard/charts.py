@@ -1,6 +1,8 @@
 """The overview's charts as data for server-rendered SVG (``templates/chart.html``): no
 JavaScript library, nothing from elsewhere. Each line is a polyline scaled into the
-chart's box; the template draws it with CSS classes (the CSP allows no inline style)."""
+chart's box; the template draws it with CSS classes (the CSP allows no inline style): a
+colour and a dash pattern of its own (told apart without the colour), and the same values
+as a table."""
 
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ from typing import Any
 
 WIDTH, HEIGHT = 560, 160
 LEFT, RIGHT, TOP, BOTTOM = 48, 8, 10, 22
+# Each line's dash pattern, in the order of the chart's lines (app.css: stroke-dasharray).
+PATTERNS = ("p-solid", "p-dash", "p-dot")
+# The most rows a chart's table has (the stats have 30 buckets): the latest ones.
+TABLE_ROWS = 60
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,7 @@ class Line:
     points: str
     last: str
     dots: tuple[tuple[str, str], ...] = ()  # a lone value shows as a dot, not a line
+    pattern: str = PATTERNS[0]
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class Chart:
     lines: tuple[Line, ...]
     start: str
     end: str
+    rows: tuple[tuple[Any, tuple[str, ...]], ...] = ()  # (bucket's end, each line's value)
     width: int = WIDTH
     height: int = HEIGHT
     left: int = LEFT
@@ -67,7 +75,7 @@ def chart(
     span_y = HEIGHT - TOP - BOTTOM
     n = max(1, len(series) - 1)
     lines = []
-    for key, label, css in keys:
+    for index, (key, label, css) in enumerate(keys):
         points: list[tuple[str, str]] = []
         for i, bucket in enumerate(series):
             value = bucket.get(key)
@@ -79,10 +87,16 @@ def chart(
         last = next((b[key] for b in reversed(series) if b.get(key) is not None), None)
         shown = "-" if last is None else _fmt(float(last), unit)
         line = " ".join(f"{x},{y}" for x, y in points)
-        lines.append(Line(label, css, line, shown, tuple(points) if len(points) <= 60 else ()))
+        dots = tuple(points) if len(points) <= 60 else ()
+        pattern = PATTERNS[index % len(PATTERNS)]
+        lines.append(Line(label, css, line, shown, dots, pattern))
     start = series[0]["at"] if series else ""
     end = series[-1]["at"] if series else ""
-    return Chart(title, unit, _fmt(top, unit), tuple(lines), start, end)
+    rows = tuple(
+        (b["at"], tuple("-" if b.get(k) is None else _fmt(float(b[k]), unit) for k, _, _ in keys))
+        for b in series[-TABLE_ROWS:]
+    )
+    return Chart(title, unit, _fmt(top, unit), tuple(lines), start, end, rows)
 
 
 def overview_charts(series: list[dict[str, Any]]) -> list[Chart]:

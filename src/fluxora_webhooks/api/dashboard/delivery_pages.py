@@ -100,8 +100,16 @@ async def delivery_page(
     async with api_state(request).connection() as conn:
         found = await deliveries.get_delivery(conn, delivery_id, tenant=who.tenant)
         existing = await existing_endpoints(conn, [found["endpoint_id"]], who.tenant)
-    message = "Replay queued under the same delivery id." if done == "replayed" else None
-    return render(request, "delivery.html", who, delivery=found, existing=existing, message=message)
+    replayed = done == "replayed"
+    return render(
+        request,
+        "delivery.html",
+        who,
+        delivery=found,
+        existing=existing,
+        result="Replay queued" if replayed else None,
+        flash="Replay queued under the same delivery id." if replayed else None,
+    )
 
 
 @router.post("/deliveries/{delivery_id}/replay")

@@ -1,10 +1,11 @@
 """The endpoints pages: the list with each one's health, one endpoint, and its actions
-(disable, enable, rotate the secret -- shown once -- and recover dead letters)."""
+(disable, enable, rotate the secret -- asked first, then shown once -- and recover dead
+letters)."""
 
 from __future__ import annotations
 
-from typing import Annotated
-from urllib.parse import urlencode
+from typing import Annotated, Any
+from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -15,17 +16,25 @@ from ..deps import api_state
 from ..pagination import decode, encode
 from ..routes.endpoints import audit
 from ..routes.stats import with_breakers
-from .render import Viewer, back_to, posted, render, viewer
+from .render import Forbidden, Viewer, back_to, env, posted, render, viewer
 
 FROM_DASHBOARD = " from the dashboard"
 
 router = APIRouter(include_in_schema=False)
 WINDOW_MS = 3_600_000
 PAGE = 50  # endpoints a page, as the deliveries' list
-MESSAGES = {
-    "disabled": "Endpoint disabled: its deliveries are parked until it is enabled.",
-    "enabled": "Endpoint enabled: its parked deliveries are due again.",
+# An action's result: (first in the title, shown above the page).
+RESULTS = {
+    "disabled": (
+        "Endpoint disabled",
+        "Endpoint disabled: its deliveries are parked until it is enabled.",
+    ),
+    "enabled": ("Endpoint enabled", "Endpoint enabled: its parked deliveries are due again."),
 }
+NO_RESULT = (None, None)
+# How long a rotated-out secret keeps signing, as the rotation's form offers it.
+KEEP_CHOICES = (("24h", "24 hours"), ("1h", "1 hour"), ("0", "no time (it leaked)"))
+env.globals.update(keep_choices=KEEP_CHOICES)  # the endpoint's page and the rotation's
 
 
 @router.get("/endpoints", response_class=HTMLResponse)
@@ -49,6 +58,7 @@ async def endpoint_list(
         following = "/endpoints?" + urlencode({"cursor": encode("endpoints", shown[-1].id)})
     # The actions bring the viewer back to this page, not to the first.
     here = "/endpoints?" + urlencode({"cursor": cursor}) if cursor else "/endpoints"
+    result, flash = RESULTS.get(done, NO_RESULT)
     return render(
         request,
         "endpoints.html",
@@ -56,7 +66,8 @@ async def endpoint_list(
         endpoints=[e.as_json() for e in shown],
         health={h["id"]: h for h in health},
         redis=redis,
-        message=MESSAGES.get(done),
+        result=result,
+        flash=flash,
         here=here,
         following=following,
         first="/endpoints" if cursor else None,
@@ -71,6 +82,21 @@ async def endpoint_page(
     done: str = "",
     requeued: int | None = None,
 ) -> HTMLResponse:
+    result, flash = RESULTS.get(done, NO_RESULT)
+    if done == "recovered" and requeued is not None:
+        result = f"Requeued {requeued} dead letter(s)"
+        flash = f"{result} under their delivery ids."
+    return await _endpoint_view(request, endpoint_id, who, result=result, flash=flash)
+
+
+async def _endpoint_view(
+    request: Request,
+    endpoint_id: str,
+    who: Viewer,
+    *,
+    status: int = 200,
+    **context: Any,
+) -> HTMLResponse:
     state = api_state(request)
     async with state.connection() as conn:
         endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
@@ -79,17 +105,15 @@ async def endpoint_page(
             conn, [endpoint.id], tenant=who.tenant, window_ms=WINDOW_MS
         )
     redis = await with_breakers(state, found, detail=who.tenant is None)
-    message = MESSAGES.get(done)
-    if done == "recovered" and requeued is not None:
-        message = f"Requeued {requeued} dead letter(s) under their delivery ids."
     return render(
         request,
         "endpoint.html",
         who,
+        status=status,
         endpoint=endpoint.as_json(),
         health=found[0] if found else None,
         redis=redis,
-        message=message,
+        **context,
     )
 
 
@@ -101,9 +125,11 @@ async def _state_change(request: Request, endpoint_id: str, action: str) -> Resp
     done = "disabled" if action == "disable" else "enabled"
     if changed:
         audit(f"endpoint %s {done}", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
-    target = back_to(form.get("next", ""), f"/endpoints/{endpoint_id}")
+    target = back_to(form.get("next", "").split("#")[0], f"/endpoints/{endpoint_id}")
     joiner = "&" if "?" in target else "?"
-    return RedirectResponse(f"{target}{joiner}done={done}", status_code=303)
+    # Back on the list: at the endpoint's own row (app.js gives its button the focus).
+    row = f"#ep-{quote(endpoint_id, safe='')}" if target.split("?")[0] == "/endpoints" else ""
+    return RedirectResponse(f"{target}{joiner}done={done}{row}", status_code=303)
 
 
 @router.post("/endpoints/{endpoint_id}/disable")
@@ -116,23 +142,51 @@ async def enable(request: Request, endpoint_id: str) -> Response:
     return await _state_change(request, endpoint_id, "enable")
 
 
+@router.get("/endpoints/{endpoint_id}/rotate", response_class=HTMLResponse)
+async def rotate_form(
+    request: Request,
+    endpoint_id: str,
+    who: Annotated[Viewer, Depends(viewer)],
+    keep_previous: str = "24h",
+) -> HTMLResponse:
+    """Asks before a rotation (the new secret must then reach every consumer; after a
+    leak, the old one stops at once): the form that rotates, with the choice made."""
+    if not who.can_write:
+        raise Forbidden("this token is read-only")
+    async with api_state(request).connection() as conn:
+        endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
+    return _rotate_form(request, who, endpoint.as_json(), keep_previous)
+
+
+def _rotate_form(
+    request: Request, who: Viewer, endpoint: dict[str, Any], keep_previous: str
+) -> HTMLResponse:
+    chosen = keep_previous.strip() if keep_previous.strip() in dict(KEEP_CHOICES) else "24h"
+    return render(request, "rotate.html", who, endpoint=endpoint, chosen=chosen)
+
+
 @router.post("/endpoints/{endpoint_id}/rotate", response_class=HTMLResponse)
 async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
     """The new secret is in this response only (not cached: no-store), never again. The
     old one keeps signing as long as the form says (``keep_previous``: 24h, as the API and
-    the CLI, unless chosen; ``0`` ends it at once, after a leak)."""
+    the CLI, unless chosen; ``0`` ends it at once, after a leak). Only the confirmation
+    form (``confirm=yes``) rotates: any other post is asked again."""
     who, form = await posted(request)
     keep_text = form.get("keep_previous", "").strip() or "24h"
+    if form.get("confirm") != "yes":
+        async with api_state(request).connection() as conn:
+            endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
+        return _rotate_form(request, who, endpoint.as_json(), keep_text)
     keep_ms = endpoints.keep_previous_ms(keep_text)
     async with api_state(request).connection() as conn:
-        endpoint, secret = await endpoints.rotate_secret(
+        rotated, secret = await endpoints.rotate_secret(
             conn, endpoint_id, keep_previous_ms=keep_ms, tenant=who.tenant
         )
     name = who.principal.name  # never the secret
-    audit("secret of endpoint %s rotated", endpoint.id, who=name, where=FROM_DASHBOARD)
+    audit("secret of endpoint %s rotated", rotated.id, who=name, where=FROM_DASHBOARD)
     return render(
-        request, "secret.html", who, endpoint=endpoint.as_json(), secret=secret,
-        kept=keep_text if keep_ms else None,
+        request, "secret.html", who, endpoint=rotated.as_json(), secret=secret,
+        kept=keep_text if keep_ms else None, result="Secret rotated",
     )  # fmt: skip
 
 
@@ -140,15 +194,29 @@ async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
 async def recover(request: Request, endpoint_id: str) -> Response:
     who, form = await posted(request)
     since_text = form.get("since", "").strip()
-    if not since_text:
-        raise ConfigError("since", "is required: an ISO 8601 time or a duration ago such as 2h")
-    async with api_state(request).connection() as conn:
-        await endpoints.get(conn, endpoint_id, tenant=who.tenant)
-        since = await endpoints.moment(conn, since_text, "since")
-        until_text = form.get("until", "").strip()
-        until = await endpoints.moment(conn, until_text, "until") if until_text else None
-        count = await endpoints.recover(
-            conn, endpoint_id, since=since, until=until, tenant=who.tenant
+    until_text = form.get("until", "").strip()
+    try:
+        if not since_text:
+            raise ConfigError("since", "is required: an ISO 8601 time or a duration ago such as 2h")
+        async with api_state(request).connection() as conn:
+            await endpoints.get(conn, endpoint_id, tenant=who.tenant)
+            since = await endpoints.moment(conn, since_text, "since")
+            until = await endpoints.moment(conn, until_text, "until") if until_text else None
+            count = await endpoints.recover(
+                conn, endpoint_id, since=since, until=until, tenant=who.tenant
+            )
+    except ConfigError as exc:
+        if exc.variable not in ("since", "until"):
+            raise
+        # The form again, as filled in, its field marked and described by the problem.
+        return await _endpoint_view(
+            request,
+            endpoint_id,
+            who,
+            status=422,
+            result=f"Error in {exc.variable}",
+            recover_error={"field": exc.variable, "message": str(exc)},
+            recover_values={"since": since_text, "until": until_text},
         )
     audit(
         "%d dead letter(s) of endpoint %s recovered", count, endpoint_id,

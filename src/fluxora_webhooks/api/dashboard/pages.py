@@ -32,6 +32,14 @@ from .render import (
 )
 
 WINDOWS = ("15m", "1h", "6h", "24h", "7d")
+# What a screen reader says for each window (the links show the short form).
+WINDOW_NAMES = {
+    "15m": "15 minutes",
+    "1h": "1 hour",
+    "6h": "6 hours",
+    "24h": "24 hours",
+    "7d": "7 days",
+}
 LOGIN_TTL_S = 600
 
 
@@ -117,4 +125,5 @@ async def overview(
         charts=overview_charts(found["series"] or []),
         window=window,
         windows=WINDOWS,
+        window_names=WINDOW_NAMES,
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -87,14 +88,63 @@ class Forbidden(Exception):
 def render(
     request: Request, name: str, viewer: Viewer | None, status: int = 200, **context: Any
 ) -> HTMLResponse:
+    """``flash``: an action's result, shown above the page (and, with ``result``, its
+    short form, first in the title: a screen reader says it as the page loads)."""
     html = env.get_template(name).render(request_path=request.url.path, viewer=viewer, **context)
     return HTMLResponse(html, status_code=status)
+
+
+# The short reason in an error page's title and heading.
+REASONS = {
+    400: "Bad request",
+    403: "Not allowed",
+    404: "Not found",
+    405: "Method not allowed",
+    409: "Conflict",
+    413: "Too large",
+    415: "Unsupported media type",
+    422: "Not valid",
+    500: "Internal error",
+    503: "Unavailable",
+}
+# The pages a failed request can lead back to: a list, and one of its items.
+_LISTS = {"endpoints": "the endpoints", "deliveries": "the deliveries", "events": "the deliveries"}
+_ITEMS = {"endpoints": "endpoint", "deliveries": "delivery", "events": "event"}
+
+
+def _way_back(request: Request, status: int) -> tuple[str, str] | None:
+    """A link to the page the failed request was made from: the form's ``next`` when it
+    had one, else the page of the item acted on (its list when that item is not found,
+    or when the request was a page's own)."""
+    came_from: str = getattr(request.state, "fluxora_form_page", "")
+    parts = (came_from or request.url.path).split("?")[0].split("/")[1:]
+    kind = parts[0] if parts else ""
+    if kind not in _LISTS:
+        return None
+    item = parts[1] if len(parts) > 1 else ""
+    if came_from:
+        return came_from, f"Back to {_ITEMS[kind]} {item}" if item else f"Back to {_LISTS[kind]}"
+    if item and len(parts) > 2 and status != 404:  # a form's action: its item's page
+        return f"/{kind}/{quote(item, safe='')}", f"Back to {_ITEMS[kind]} {item}"
+    return ("/deliveries" if kind == "events" else f"/{kind}"), f"Back to {_LISTS[kind]}"
 
 
 def error_page(request: Request, status: int, message: str) -> Response:
     if status == 401:
         return RedirectResponse("/login", status_code=303)
-    return render(request, "error.html", None, status=status, status_code=status, message=message)
+    # The signed-in viewer (its session found before the error) keeps the navigation: an
+    # unauthenticated request never got as far, and sees none.
+    who: Viewer | None = getattr(request.state, "fluxora_viewer", None)
+    return render(
+        request,
+        "error.html",
+        who,
+        status=status,
+        status_code=status,
+        reason=REASONS.get(status, "Error"),
+        error=message,
+        back=_way_back(request, status),
+    )
 
 
 async def viewer(request: Request) -> Viewer:
@@ -106,7 +156,9 @@ async def viewer(request: Request) -> Viewer:
         found = await tokens.find_session(conn, session_id)
     if found is None:
         raise SignInRequired()
-    return Viewer(*found)
+    who = Viewer(*found)
+    request.state.fluxora_viewer = who  # for an error page of this request
+    return who
 
 
 async def posted(request: Request, *, write: bool = True) -> tuple[Viewer, dict[str, str]]:
@@ -114,6 +166,7 @@ async def posted(request: Request, *, write: bool = True) -> tuple[Viewer, dict[
     its token may write)."""
     who = await viewer(request)
     form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+    request.state.fluxora_form_page = back_to(form.get("next", "").split("#")[0], "")
     if not hmac.compare_digest(form.get("csrf", "").encode(), who.csrf.encode()):
         raise Forbidden("the form has expired or did not come from this dashboard; reload it")
     if write and not who.can_write:

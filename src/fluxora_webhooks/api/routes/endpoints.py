@@ -59,7 +59,18 @@ async def list_endpoints(
     return page("endpoints", [e.as_json() for e in shown], shown[-1].id if more and shown else None)
 
 
-@router.post("", status_code=201, response_model=EndpointCreated, summary="Create an endpoint")
+@router.post(
+    "",
+    status_code=201,
+    response_model=EndpointCreated,
+    summary="Create an endpoint",
+    responses={
+        409: {
+            "model": ErrorBody,
+            "description": "the tenant token's tenant has as many endpoints as it may",
+        }
+    },
+)
 async def create_endpoint(
     request: Request, who: Writer, conn: Conn, body: EndpointIn
 ) -> dict[str, Any]:
@@ -75,6 +86,9 @@ async def create_endpoint(
         rate_limit=body.rate_limit,
         ordered=body.ordered,
         allowed_networks=api_state(request).config.allowed_networks,
+        max_for_tenant=api_state(request).config.max_endpoints_per_tenant
+        if who.tenant is not None
+        else 0,
     )
     audit("endpoint %s created for tenant %r", endpoint.id, endpoint.tenant, who=who.name)
     return {**endpoint.as_json(), "secret": secret}
@@ -155,7 +169,9 @@ async def rotate_secret(
     conn: Conn,
     body: Annotated[RotateIn | None, Body()] = None,
 ) -> dict[str, Any]:
-    """A new secret, shown this once; the old one keeps signing for `keep_previous`."""
+    """A new secret, shown this once; the old one keeps signing for `keep_previous` as a
+    second signature in `webhook-signature` (`x-fluxora-signature` is the new secret's at
+    once)."""
     wanted = body or RotateIn.model_validate({})
     keep_ms = endpoints.keep_previous_ms(wanted.keep_previous)
     endpoint, secret = await endpoints.rotate_secret(
