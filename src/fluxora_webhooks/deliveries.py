@@ -466,7 +466,9 @@ async def stats(
     """Backlog, dead letters, recent outcomes and per-endpoint health of the scope (breaker
     states are added by :func:`breaker_states`, which needs Redis). The endpoints are a
     page by id (``endpoints_after``: the last id of the previous page); ``endpoints_after``
-    in the answer is the next page's, None when this page is the last."""
+    in the answer is the next page's, None when this page is the last. Dead letters
+    ``waiting`` are those a replay or a recovery can send; ``of_removed_endpoints`` those
+    whose endpoint was removed, which only a purge settles."""
     check_window(window_ms)
     _check_limit(endpoints_limit)
     scope = _scope(tenant)
@@ -486,7 +488,10 @@ async def stats(
             "oldest_due_age_seconds": round(max(0.0, float(backlog["oldest_due_age_s"] or 0)), 3),
             "capped_at": STATS_COUNT_CAP,
         },
-        "dead_letters": {"waiting": int(backlog["dead_letters"])},
+        "dead_letters": {
+            "waiting": int(backlog["dead_letters"]),
+            "of_removed_endpoints": int(backlog["dead_letters_of_removed"]),
+        },
         "recent": {
             o: {
                 "attempts": int(by_outcome[o]["attempts"]) if o in by_outcome else 0,

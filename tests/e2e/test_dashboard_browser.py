@@ -17,24 +17,15 @@ import psycopg
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from playwright.async_api import Browser, Dialog, Page, async_playwright, expect
+from playwright.async_api import Browser, Dialog, Page, expect
 
 from tests.support.api import LOOPBACK, Api, serving
+from tests.support.browser import chromium
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
 from tests.support.receiver import Receiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
-CHROMIUM = Path("/usr/bin/chromium")
-HAVE_CHROMIUM = CHROMIUM.exists()
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SHOTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots"
 XSS_PAYLOAD = {
     "note": "<script>window.__pwned = 'script'; alert('script')</script>",
@@ -46,14 +37,8 @@ BULK = 55  # more than one page of the dashboard's list (50)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def browser() -> AsyncIterator[Browser]:
-    if not HAVE_CHROMIUM:
-        pytest.fail("Debian's chromium is not installed (apt-get install chromium)")
-    async with async_playwright() as pw:
-        launched = await pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        try:
-            yield launched
-        finally:
-            await launched.close()
+    async with chromium() as launched:
+        yield launched
 
 
 @dataclasses.dataclass

@@ -208,7 +208,14 @@ class Backlog(BaseModel):
 
 
 class DeadLetters(BaseModel):
-    waiting: int
+    waiting: int = Field(
+        description="dead letters waiting to be replayed or recovered (their endpoint exists)"
+    )
+    of_removed_endpoints: int = Field(
+        description="dead letters of endpoints removed since: a replay answers 409 and a"
+        " recovery 404; kept for the record until purged (`dlq purge`). With `waiting`,"
+        " counted up to `backlog.capped_at`"
+    )
 
 
 class Outcome(BaseModel):

@@ -304,6 +304,12 @@ FROM queued q;
 -- name: stats_backlog
 -- The scope's backlog: counts stop at the cap (webhook_outbox_due_idx and
 -- webhook_dead_letter_dead_idx serve them), as ops.read_backlog does for the service.
+-- The dead letters waiting are told apart by their endpoint: one removed since (as
+-- dlq_orphaned finds them; reason endpoint_removed, or dead before the removal) is refused
+-- by a replay and a recovery, and waits for a purge only. The cap bounds the dead letters
+-- read, both parts together (all of them: webhook_dead_letter_endpoint_idx, partial on
+-- state 'dead', which holds the endpoint; one tenant's: an index by tenant, then the
+-- rows); their endpoints are looked up after it, once (a hash of the endpoints).
 SELECT
     (SELECT count(*) FROM (
         SELECT 1 FROM webhook_outbox
@@ -323,10 +329,21 @@ SELECT
      FROM webhook_outbox
      WHERE NOT processed AND created_at <= now()
        AND (NOT %(scoped)s OR tenant = %(tenant)s)) AS oldest_due_age_s,
-    (SELECT count(*) FROM (
-        SELECT 1 FROM webhook_dead_letter
-        WHERE state = 'dead' AND (NOT %(scoped)s OR tenant = %(tenant)s) LIMIT %(cap)s
-    ) x) AS dead_letters;
+    x.waiting AS dead_letters,
+    x.of_removed AS dead_letters_of_removed
+FROM (
+    SELECT count(*) FILTER (WHERE NOT removed) AS waiting,
+           count(*) FILTER (WHERE removed) AS of_removed
+    FROM (
+        SELECT d.endpoint_id IS NOT NULL AND d.endpoint_id NOT IN ('default', 'operator')
+               AND e.id IS NULL AS removed
+        FROM (
+            SELECT endpoint_id FROM webhook_dead_letter
+            WHERE state = 'dead' AND (NOT %(scoped)s OR tenant = %(tenant)s) LIMIT %(cap)s
+        ) d
+        LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
+    ) y
+) x;
 
 -- name: stats_outcomes
 -- Attempts completed within the window, by outcome (webhook_outbox_processed_at_idx).

@@ -4,7 +4,7 @@ paging, one delivery with every attempt and a replay button, and one event."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -36,6 +36,75 @@ async def existing_endpoints(conn: Any, ids: Iterable[str], tenant: str | None) 
 
 PAGE = 50
 FILTERS = ("stream_id", "event_type", "tenant", "status", "endpoint_id")
+
+PARKED = "its endpoint is disabled; it is sent when the endpoint is enabled"
+# The reasons a dead letter can have without a request made (delivery_rows: no status, no
+# duration); the others had one, whose row retention may have pruned since.
+UNSENT_REASONS = frozenset({"endpoint_removed", "invalid_request", "internal_error"})
+
+
+def _attempts(count: int) -> str:
+    return f"{count} attempt" if count == 1 else f"{count} attempts"
+
+
+def why_it_ended(delivery: Mapping[str, Any]) -> str:
+    """Why a dead-lettered delivery ended, in plain words: its dead letter's reason (as
+    the API and `dlq list` name it, metrics.DEAD_LETTER_REASONS), with what its last
+    attempt, if any, says of it."""
+    reason = delivery["dead_letter_reason"]
+    tried = delivery["attempts"]
+    last = tried[-1] if tried else None
+    answer = last["status_code"] if last is not None else None
+    if reason == "attempts_exhausted":
+        # A replay numbers its attempts afresh: the count is the last run's.
+        if last is None:
+            return "every attempt failed"
+        return f"every attempt failed ({_attempts(int(last['attempt']))})"
+    if reason == "http_4xx":
+        return (
+            f"the receiver answered {answer or '4xx'}: a 4xx answer (but 408, 425 or 429)"
+            " is not retried"
+        )
+    if reason == "http_3xx":
+        return (
+            f"the receiver answered {answer or '3xx'}: a redirect is neither followed nor retried"
+        )
+    if reason == "endpoint_refused":
+        return "its endpoint's URL was refused by the address policy (the error says why)"
+    if reason == "endpoint_removed":
+        if last is None:
+            return "its endpoint was removed before it was sent"
+        return "its endpoint was removed before it was sent again"
+    if reason == "invalid_request":
+        if last is None:
+            return "its endpoint or its event could not be used, so no request was made"
+        return "its request could not be made (the error says why), which is not retried"
+    if reason == "internal_error":
+        return "an internal error of the dispatcher (its log says more), not retried"
+    if reason is None:
+        return "not known: its dead letter is no longer kept"
+    return str(reason)
+
+
+def why_it_waits_or_ended(delivery: Mapping[str, Any]) -> str | None:
+    """The delivery page's account of a dead letter or a parked delivery (else None)."""
+    if delivery["status"] == "dead_letter":
+        return why_it_ended(delivery)
+    if delivery["status"] == "parked":
+        return f"waiting: {PARKED}"
+    return None
+
+
+def no_attempts(delivery: Mapping[str, Any]) -> str:
+    """What a delivery without an attempt says in their place: as its status has it (a
+    dead letter that was never sent is not waiting for its first attempt)."""
+    if delivery["status"] == "dead_letter":
+        if delivery["dead_letter_reason"] in UNSENT_REASONS:
+            return f"Never attempted: {why_it_ended(delivery)}."
+        return "Its attempts are no longer kept (pruned)."
+    if delivery["status"] == "parked":
+        return f"Not attempted yet: {PARKED}."
+    return "Not attempted yet."
 
 
 @router.get("/deliveries", response_class=HTMLResponse)
@@ -107,6 +176,8 @@ async def delivery_page(
         who,
         delivery=found,
         existing=existing,
+        why=why_it_waits_or_ended(found),
+        no_attempts=no_attempts(found),
         result="Replay queued" if replayed else None,
         flash="Replay queued under the same delivery id." if replayed else None,
     )
@@ -122,7 +193,7 @@ async def replay(request: Request, delivery_id: str) -> Response:
 
 @router.get("/events/{event_id}", response_class=HTMLResponse)
 async def event_page(
-    request: Request, event_id: str, who: Annotated[Viewer, Depends(viewer)]
+    request: Request, event_id: str, who: Annotated[Viewer, Depends(viewer)], done: str = ""
 ) -> HTMLResponse:
     if not event_id.isascii() or not event_id.isdigit() or len(event_id) > 18:
         raise NotFoundError(f"no event {event_id[:40]!r}")
@@ -131,4 +202,16 @@ async def event_page(
         existing = await existing_endpoints(
             conn, (d["endpoint_id"] for d in found["deliveries"]), who.tenant
         )
-    return render(request, "event.html", who, event=found, existing=existing)
+    sent = done == "sent"  # from the dashboard's own form
+    return render(
+        request,
+        "event.html",
+        who,
+        event=found,
+        existing=existing,
+        result="Event sent" if sent else None,
+        flash="Event sent. Its deliveries are listed here once a dispatcher has routed it:"
+        " reload to follow them."
+        if sent
+        else None,
+    )

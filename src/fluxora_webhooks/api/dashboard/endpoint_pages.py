@@ -4,6 +4,7 @@ letters)."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
@@ -12,6 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from ... import deliveries, endpoints
 from ...errors import ConfigError
+from ...settings import retry_rps
 from ..deps import api_state
 from ..pagination import decode, encode
 from ..routes.endpoints import audit
@@ -30,6 +32,19 @@ RESULTS = {
         "Endpoint disabled: its deliveries are parked until it is enabled.",
     ),
     "enabled": ("Endpoint enabled", "Endpoint enabled: its parked deliveries are due again."),
+    "updated": ("Endpoint changed", "Endpoint changed: its next requests use the new settings."),
+    "removed": (
+        "Endpoint removed",
+        "Endpoint removed. Its pending deliveries, if it had any, are dead letters now.",
+    ),
+}
+# Why an endpoint is disabled, in its owner's words (the page's state line).
+DISABLED_WHY = {
+    "manual": "disabled by hand; its deliveries wait until it is enabled",
+    "gone": "the receiver answered 410 Gone, which asks for no more requests; its deliveries"
+    " wait until it is enabled",
+    "failing": "every request failed for longer than the service allows; its deliveries wait"
+    " until it is enabled (fix the receiver first)",
 }
 NO_RESULT = (None, None)
 # How long a rotated-out secret keeps signing, as the rotation's form offers it.
@@ -113,6 +128,8 @@ async def _endpoint_view(
         endpoint=endpoint.as_json(),
         health=found[0] if found else None,
         redis=redis,
+        default_rps=retry_rps(os.environ),
+        disabled_why=DISABLED_WHY,
         **context,
     )
 

@@ -7,7 +7,7 @@ import hmac
 import secrets
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -15,7 +15,7 @@ from ... import tokens
 from ...settings import parse_duration_ms
 from ..deps import api_state
 from ..routes.stats import read_stats
-from . import delivery_pages, endpoint_pages
+from . import delivery_pages, endpoint_forms, endpoint_pages
 from .charts import overview_charts
 from .render import (
     HERE,
@@ -24,6 +24,7 @@ from .render import (
     Forbidden,
     SignInRequired,
     Viewer,
+    back_to,
     error_page,
     posted,
     render,
@@ -41,6 +42,11 @@ WINDOW_NAMES = {
     "7d": "7 days",
 }
 LOGIN_TTL_S = 600
+# The session cookie outlives its session by this much: a page asked for with a session
+# that has ended (expired, its token revoked) says so and leads back after the sign-in,
+# rather than a cookie gone with the session leaving a bare sign-in form. The cookie holds
+# only the session's random id, worth nothing once the session has ended.
+ENDED_SESSION_NOTICE_S = 7 * 86_400
 
 
 def install(app: FastAPI) -> None:
@@ -49,20 +55,42 @@ def install(app: FastAPI) -> None:
     app.add_api_route("/login", sign_in, methods=["POST"], include_in_schema=False)
     app.add_api_route("/logout", sign_out, methods=["POST"], include_in_schema=False)
     app.add_api_route("/", overview, methods=["GET"], include_in_schema=False)
+    # First: its /endpoints/new is not an endpoint's id.
+    app.include_router(endpoint_forms.router)
     app.include_router(endpoint_pages.router)
     app.include_router(delivery_pages.router)
 
     @app.exception_handler(SignInRequired)
     async def _sign_in(request: Request, exc: SignInRequired) -> Response:
-        return RedirectResponse("/login", status_code=303)
+        return RedirectResponse(exc.login_url(), status_code=303)
 
     @app.exception_handler(Forbidden)
     async def _forbidden(request: Request, exc: Forbidden) -> Response:
         return error_page(request, 403, exc.message)
 
 
-async def login_form(request: Request, failed: bool = False) -> HTMLResponse:
+def _after_sign_in(target: str) -> str:
+    """Where a sign-in leads: ``next`` when it is a page of this site (checked again: the
+    form's field can be anything), else the overview."""
+    page = back_to(target, "/")
+    return "/" if page.split("?")[0] in ("/login", "/logout") else page
+
+
+async def login_form(
+    request: Request,
+    expired: str = "",
+    next_page: Annotated[str, Query(alias="next")] = "",
+) -> HTMLResponse:
+    """``expired=1``: a page was asked for with a session that has ended; ``next``: that
+    page, gone to after the sign-in."""
+    return _login_page(request, ended=expired == "1", next_page=next_page)
+
+
+def _login_page(
+    request: Request, *, failed: bool = False, ended: bool = False, next_page: str = ""
+) -> HTMLResponse:
     nonce = secrets.token_urlsafe(24)
+    after = _after_sign_in(next_page)
     response = render(
         request,
         "login.html",
@@ -70,6 +98,9 @@ async def login_form(request: Request, failed: bool = False) -> HTMLResponse:
         status=401 if failed else 200,
         nonce=nonce,
         failed=failed,
+        ended=ended and not failed,
+        result="Session ended" if ended and not failed else None,
+        next_page=after if after != "/" else "",
     )
     set_cookie(request, response, LOGIN_COOKIE, nonce, LOGIN_TTL_S)
     return response
@@ -79,16 +110,18 @@ async def sign_in(request: Request) -> Response:
     form = await request.form()
     token = str(form.get("token", "")).strip()
     nonce = str(form.get("nonce", ""))
+    next_page = str(form.get("next", ""))
     expected = request.cookies.get(LOGIN_COOKIE, "")
     if not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
-        return await login_form(request, failed=True)
+        return _login_page(request, failed=True, next_page=next_page)
     async with api_state(request).connection() as conn:
         principal = await tokens.authenticate(conn, token)
         if principal is None:
-            return await login_form(request, failed=True)
+            return _login_page(request, failed=True, next_page=next_page)
         session_id, _ = await tokens.open_session(conn, principal)
-    response = RedirectResponse("/", status_code=303)
-    set_cookie(request, response, SESSION_COOKIE, session_id, tokens.SESSION_TTL_S)
+    response = RedirectResponse(_after_sign_in(next_page), status_code=303)
+    cookie_s = tokens.SESSION_TTL_S + ENDED_SESSION_NOTICE_S
+    set_cookie(request, response, SESSION_COOKIE, session_id, cookie_s)
     response.delete_cookie(LOGIN_COOKIE, path="/")
     return response
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode, urlsplit
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -76,7 +76,20 @@ class Viewer:
 
 
 class SignInRequired(Exception):
-    """No valid session: a page answers with the sign-in form."""
+    """No valid session: a page answers with the sign-in form. ``ended``: the request
+    carried a session that is no longer valid (expired, its token revoked): the form says
+    so, and the sign-in leads back to ``page`` (a path of this site, or '')."""
+
+    def __init__(self, ended: bool = False, page: str = "") -> None:
+        super().__init__("sign in")
+        self.ended = ended
+        self.page = page
+
+    def login_url(self) -> str:
+        if not self.ended:
+            return "/login"
+        wanted = {"expired": "1", **({"next": self.page} if self.page else {})}
+        return "/login?" + urlencode(wanted)
 
 
 class Forbidden(Exception):
@@ -155,7 +168,7 @@ async def viewer(request: Request) -> Viewer:
     async with api_state(request).connection() as conn:
         found = await tokens.find_session(conn, session_id)
     if found is None:
-        raise SignInRequired()
+        raise SignInRequired(ended=True, page=came_from(request))
     who = Viewer(*found)
     request.state.fluxora_viewer = who  # for an error page of this request
     return who
@@ -174,11 +187,41 @@ async def posted(request: Request, *, write: bool = True) -> tuple[Viewer, dict[
     return who, form
 
 
+# A page to go back to longer than this is not one the dashboard wrote.
+MAX_BACK_TO = 2000
+
+
 def back_to(target: str, fallback: str) -> str:
-    """A redirect target from a form: a path on this site only (never //host or a URL)."""
-    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+    """A redirect target from a form: a path on this site only (never //host or a URL,
+    nor a control character or a space a browser would drop from it)."""
+    if (
+        target.startswith("/")
+        and not target.startswith("//")
+        and "\\" not in target
+        and len(target) <= MAX_BACK_TO
+        and target.isprintable()
+        and " " not in target
+    ):
         return target
     return fallback
+
+
+def came_from(request: Request) -> str:
+    """The page a request whose session ended was made from, to go back to once signed in
+    again (a path of this site, or ''): a page's own path and query; for a form, the page
+    it was posted from (its ``next`` field is not read before the session is: the
+    Referer, when it is this site's, else the page of the item the form acts on)."""
+    url = request.url
+    if request.method in ("GET", "HEAD"):
+        return back_to(url.path + (f"?{url.query}" if url.query else ""), "")
+    referer = urlsplit(request.headers.get("referer", ""))
+    if (referer.scheme, referer.netloc) == (url.scheme, url.netloc) and referer.path:
+        return back_to(referer.path + (f"?{referer.query}" if referer.query else ""), "")
+    parts = url.path.split("/")
+    if parts[1:2] == ["logout"]:
+        return ""
+    # /endpoints/{id}/disable: the endpoint's page; /endpoints/new: its own form's page.
+    return back_to("/".join(parts[:3]) if len(parts) > 3 else url.path, "")
 
 
 def secure(request: Request) -> bool:

@@ -1,0 +1,300 @@
+"""The forms of the endpoints a tenant manages itself in its portal (an admin for any
+tenant): add one (its secret shown once), change it, remove it (asked first), and send an
+event to see a delivery arrive. The same functions as the API's, with its rules: a tenant
+token's tenant only, its cap on endpoints, the URL policy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from ... import deliveries, endpoints
+from ...endpoints import check_event_type
+from ...errors import ConfigError, EndpointLimitReached
+from ..deps import api_state
+from ..routes.endpoints import audit
+from .endpoint_pages import FROM_DASHBOARD
+from .render import Forbidden, Viewer, posted, render, viewer
+
+router = APIRouter(include_in_schema=False)
+
+TEST_EVENT_TYPE = "webhook.test"
+# A payload typed into the form: as large as the API's body allows.
+MAX_PAYLOAD_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is wrong with a form: the field (its input is marked) and the message."""
+
+    field: str
+    message: str
+
+
+def _writer(who: Viewer) -> None:
+    if not who.can_write:
+        raise Forbidden("this token is read-only")
+
+
+def _form_values(endpoint: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The form's fields as text: an endpoint's, or a new one's defaults."""
+    if endpoint is None:
+        return {"url": "", "event_types": "*", "description": "", "headers": "", "rate_limit": ""}
+    return {
+        "url": endpoint["url"],
+        "event_types": ", ".join(endpoint["event_types"]),
+        "description": endpoint["description"],
+        "headers": "\n".join(f"{k}: {v}" for k, v in endpoint["headers"].items()),
+        "rate_limit": "" if endpoint["rate_limit"] is None else str(endpoint["rate_limit"]),
+        "ordered": "on" if endpoint["ordered"] else "",
+    }
+
+
+def _event_types(text: str) -> list[str]:
+    return [part for part in text.replace(",", " ").split() if part]
+
+
+def _headers(text: str) -> dict[str, str]:
+    """``Name: value`` lines (blank lines skipped); checked by endpoints.check_headers."""
+    found: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not name.strip():
+            raise ConfigError("headers", f"line {number} is not a header written Name: value")
+        if name.strip() in found:
+            raise ConfigError("headers", f"{name.strip()} is given twice")
+        found[name.strip()] = value.strip()
+    return found
+
+
+def _rate_limit(text: str) -> int | None:
+    if not text.strip():
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError("rate_limit", "must be a whole number of retries a second") from None
+
+
+def _form(
+    request: Request,
+    who: Viewer,
+    *,
+    values: Mapping[str, str],
+    endpoint: Mapping[str, Any] | None = None,
+    problem: Problem | None = None,
+    status: int = 200,
+) -> HTMLResponse:
+    return render(
+        request,
+        "endpoint_form.html",
+        who,
+        status=status,
+        endpoint=endpoint,
+        values=values,
+        problem=problem,
+        result=f"Error in {problem.field}" if problem else None,
+    )
+
+
+@router.get("/endpoints/new", response_class=HTMLResponse)
+async def new_form(request: Request, who: Annotated[Viewer, Depends(viewer)]) -> HTMLResponse:
+    _writer(who)
+    return _form(request, who, values=_form_values())
+
+
+@router.post("/endpoints/new", response_class=HTMLResponse)
+async def create(request: Request) -> HTMLResponse:
+    who, form = await posted(request)
+    state = api_state(request)
+    tenant = who.tenant if who.tenant is not None else form.get("tenant", "").strip()
+    try:
+        async with state.connection() as conn:
+            endpoint, secret = await endpoints.create(
+                conn,
+                url=form.get("url", "").strip(),
+                tenant=tenant,
+                event_types=_event_types(form.get("event_types", "")) or ["*"],
+                description=form.get("description", "").strip(),
+                headers=_headers(form.get("headers", "")),
+                rate_limit=_rate_limit(form.get("rate_limit", "")),
+                ordered=form.get("ordered") == "on",
+                allowed_networks=state.config.allowed_networks,
+                max_for_tenant=state.config.max_endpoints_per_tenant
+                if who.tenant is not None
+                else 0,
+            )
+    except ConfigError as exc:
+        problem = Problem(exc.variable, str(exc))
+        return _form(request, who, values=form, problem=problem, status=422)
+    except EndpointLimitReached as exc:
+        return _form(request, who, values=form, problem=Problem("", str(exc)), status=409)
+    name = who.principal.name
+    audit(
+        "endpoint %s created for tenant %r", endpoint.id, endpoint.tenant, who=name,
+        where=FROM_DASHBOARD,
+    )  # fmt: skip
+    return render(
+        request,
+        "secret.html",
+        who,
+        endpoint=endpoint.as_json(),
+        secret=secret,
+        created=True,
+    )
+
+
+@router.get("/endpoints/{endpoint_id}/edit", response_class=HTMLResponse)
+async def edit_form(
+    request: Request, endpoint_id: str, who: Annotated[Viewer, Depends(viewer)]
+) -> HTMLResponse:
+    _writer(who)
+    async with api_state(request).connection() as conn:
+        endpoint = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+    if endpoint["builtin"]:
+        raise Forbidden(f"{endpoint_id} is configured from the environment; it cannot be changed")
+    return _form(request, who, values=_form_values(endpoint), endpoint=endpoint)
+
+
+@router.post("/endpoints/{endpoint_id}/edit", response_class=HTMLResponse)
+async def edit(request: Request, endpoint_id: str) -> Response:
+    who, form = await posted(request)
+    state = api_state(request)
+    async with state.connection() as conn:
+        current = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+        try:
+            rate_limit = _rate_limit(form.get("rate_limit", ""))
+            changes = endpoints.Changes(
+                url=form.get("url", "").strip(),
+                event_types=_event_types(form.get("event_types", "")) or ["*"],
+                description=form.get("description", "").strip(),
+                headers=_headers(form.get("headers", "")),
+                rate_limit=rate_limit,
+                clear_rate_limit=rate_limit is None,
+                ordered=form.get("ordered") == "on",
+            )
+            await endpoints.update(
+                conn,
+                endpoint_id,
+                changes,
+                tenant=who.tenant,
+                allowed_networks=state.config.allowed_networks,
+            )
+        except ConfigError as exc:
+            problem = Problem(exc.variable, str(exc))
+            return _form(request, who, values=form, endpoint=current, problem=problem, status=422)
+    audit("endpoint %s updated", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
+    return RedirectResponse(f"/endpoints/{endpoint_id}?done=updated", status_code=303)
+
+
+@router.get("/endpoints/{endpoint_id}/remove", response_class=HTMLResponse)
+async def remove_form(
+    request: Request, endpoint_id: str, who: Annotated[Viewer, Depends(viewer)]
+) -> HTMLResponse:
+    _writer(who)
+    return await _remove_form(request, who, endpoint_id)
+
+
+async def _remove_form(request: Request, who: Viewer, endpoint_id: str) -> HTMLResponse:
+    state = api_state(request)
+    async with state.connection() as conn:
+        endpoint = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+        health = await deliveries.endpoint_health(conn, [endpoint_id], tenant=who.tenant)
+    if endpoint["builtin"]:
+        raise Forbidden(f"{endpoint_id} is configured from the environment; it cannot be removed")
+    pending = health[0]["pending"] if health else 0
+    return render(request, "endpoint_remove.html", who, endpoint=endpoint, pending=pending)
+
+
+@router.post("/endpoints/{endpoint_id}/remove")
+async def remove(request: Request, endpoint_id: str) -> Response:
+    """Only the confirmation form (``confirm=yes``) removes: any other post is asked again."""
+    who, form = await posted(request)
+    if form.get("confirm") != "yes":
+        return await _remove_form(request, who, endpoint_id)
+    async with api_state(request).connection() as conn:
+        await endpoints.remove(conn, endpoint_id, tenant=who.tenant)
+    audit("endpoint %s removed", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
+    return RedirectResponse("/endpoints?done=removed", status_code=303)
+
+
+@router.get("/events/new", response_class=HTMLResponse)
+async def event_form(
+    request: Request,
+    who: Annotated[Viewer, Depends(viewer)],
+    endpoint_id: str = "",
+) -> HTMLResponse:
+    """An event to send to the viewer's endpoints (to one endpoint's subscriptions when
+    opened from its page): every endpoint of the tenant subscribed to its type gets it."""
+    _writer(who)
+    values = {"stream_id": "test", "event_type": TEST_EVENT_TYPE, "payload": '{"test": true}'}
+    endpoint = None
+    if endpoint_id:
+        async with api_state(request).connection() as conn:
+            endpoint = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+        exact = [t for t in endpoint["event_types"] if not t.endswith("*")]
+        prefixes = [t[:-1] for t in endpoint["event_types"] if t.endswith("*") and t != "*"]
+        if exact:
+            values["event_type"] = exact[0]
+        elif prefixes:
+            values["event_type"] = prefixes[0] + "test"
+        values["tenant"] = endpoint["tenant"] or ""
+    return render(request, "event_form.html", who, values=values, endpoint=endpoint)
+
+
+@router.post("/events/new", response_class=HTMLResponse)
+async def send_event(request: Request) -> Response:
+    who, form = await posted(request)
+    tenant = who.tenant if who.tenant is not None else form.get("tenant", "").strip()
+    try:
+        event_type = check_event_type(form.get("event_type", "").strip())
+        stream_id = form.get("stream_id", "").strip()
+        payload = _payload(form.get("payload", ""))
+        async with api_state(request).connection() as conn:
+            answer, _ = await deliveries.enqueue_event(
+                conn,
+                tenant=endpoints.check_tenant(tenant),
+                stream_id=stream_id,
+                event_type=event_type,
+                payload=payload,
+            )
+    except ConfigError as exc:
+        problem = Problem(exc.variable, str(exc))
+    except ValueError as exc:  # enqueue's own checks: "stream_id must be ...", say
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        problem = Problem(field if field in _EVENT_FIELDS else "", message)
+    else:
+        return RedirectResponse(f"/events/{answer['id']}?done=sent", status_code=303)
+    return render(
+        request, "event_form.html", who, status=422, values=form, endpoint=None,
+        problem=problem, result=f"Error in {problem.field or 'the event'}",
+    )  # fmt: skip
+
+
+_EVENT_FIELDS = ("tenant", "stream_id", "event_type", "payload")
+
+
+def _payload(text: str) -> Any:
+    if len(text) > MAX_PAYLOAD_CHARS:
+        raise ConfigError("payload", f"must be at most {MAX_PAYLOAD_CHARS} characters")
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError("payload", f"is not JSON ({_first_line(exc)})") from None
+    return value
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:120]
