@@ -136,6 +136,36 @@ async def _kept_answer(
     return answer
 
 
+async def answered_before(
+    conn: psycopg.AsyncConnection[Any], tenant: str, key: str
+) -> dict[str, Any] | None:
+    """What a request under this idempotency key answered (a dashboard form's one-time
+    key: a form posted again is told what the first post did), or None."""
+    found = await _rows(
+        conn, "idempotency_find", {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S}
+    )
+    return found[0]["response"] if found else None
+
+
+async def keep_answer(
+    conn: psycopg.AsyncConnection[Any], tenant: str, key: str, answer: dict[str, Any]
+) -> bool:
+    """Keep ``answer`` under the key, in the caller's transaction; False when another
+    request holds the key (it ran at the same moment and committed: roll back)."""
+    taken = await _rows(
+        conn,
+        "idempotency_keep",
+        {
+            "tenant": tenant,
+            "key": key,
+            "request_hash": "",
+            "response": Jsonb(answer),
+            "ttl_s": IDEMPOTENCY_TTL_S,
+        },
+    )
+    return bool(taken)
+
+
 async def enqueue_event(
     conn: psycopg.AsyncConnection[Any],
     *,

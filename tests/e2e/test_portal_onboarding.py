@@ -7,8 +7,11 @@ token gets no form."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import AsyncIterator
 
+import psycopg
 import pytest
 import pytest_asyncio
 from playwright.async_api import Browser, Page, expect
@@ -85,9 +88,9 @@ async def test_a_customer_adds_tests_changes_and_removes_its_endpoints(
             await expect(url_field).to_have_attribute("aria-invalid", "true")
             described = await url_field.get_attribute("aria-describedby") or ""
             assert "form-error" in described.split()
-            await expect(page.locator("#form-error")).to_contain_text("url")
+            await expect(page.locator("#form-error")).to_contain_text("URL: scheme")
             assert await page.input_value("#f-event_types") == "invoice.*"
-            assert (await page.title()).startswith("Error in url")
+            assert (await page.title()).startswith("Error in URL")
 
             await page.fill("#f-url", receiver.url)
             await page.click("#endpoint-form button[type=submit]")
@@ -97,13 +100,21 @@ async def test_a_customer_adds_tests_changes_and_removes_its_endpoints(
             endpoint = page.url  # the answer to the post: the id is in the heading
             heading = await page.locator("h1 code").inner_text()
             assert endpoint.endswith("/endpoints/new") and heading.startswith("ep_")
+            send = page.get_by_role("link", name="Send it an event")
+            await expect(send).to_have_attribute("href", f"/events/new?endpoint_id={heading}")
+            # A reload of that answer posts the form again: nothing more is added.
+            await page.reload()
+            await expect(page.locator("#added-before")).to_contain_text(heading)
+            mine = await api.all_pages("/api/v1/endpoints", token="acme", limit=10)
+            assert [e["id"] for e in mine] == [heading]
             listed = await api.get(f"/api/v1/endpoints/{heading}")
             assert listed.body["tenant"] == "acme"
             assert listed.body["headers"] == {"X-Team": "billing"}
             assert listed.body["event_types"] == ["invoice.*"]
 
             # An event to it: the type filled in from its subscription.
-            await page.get_by_role("link", name="Send it an event").click()
+            await page.get_by_role("link", name="Go to the endpoint").click()
+            await page.click("#send-event")
             assert await page.input_value("#f-event_type") == "invoice.test"
             await page.click("#event-form button[type=submit]")
             await page.wait_for_url("**/events/*")
@@ -131,6 +142,9 @@ async def test_a_customer_adds_tests_changes_and_removes_its_endpoints(
             await page.fill("#f-headers", "X-Team billing")
             await page.click("#endpoint-form button[type=submit]")
             await expect(page.locator("#f-headers")).to_have_attribute("aria-invalid", "true")
+            await expect(page.locator("#f-headers")).to_be_focused()
+            assert (await page.title()).startswith("Error in Custom headers")
+            await expect(page.locator("#form-error")).to_contain_text("Custom headers: line 1")
             assert (await api.get(f"/api/v1/endpoints/{heading}")).body["event_types"] == [
                 "invoice.*"
             ]
@@ -151,6 +165,8 @@ async def test_a_customer_adds_tests_changes_and_removes_its_endpoints(
             await expect(page.locator("#form-error")).to_contain_text(
                 f"the most it may have ({CAP})"
             )
+            await expect(page.locator("#form-error")).to_be_focused()
+            assert (await page.title()).startswith("Not saved")
             mine = await api.all_pages("/api/v1/endpoints", token="acme", limit=1)
             assert len(mine) == CAP
             second = next(e["id"] for e in mine if e["id"] != heading)
@@ -191,15 +207,44 @@ async def test_an_admin_adds_an_endpoint_and_sends_an_event_for_any_tenant(
         await page.goto(api.url + "/endpoints/new")
         await page.fill("#f-tenant", "bolt")
         await page.fill("#f-url", "http://127.0.0.1:9/bolt-hook")
-        await page.fill("#f-rate_limit", "many")
-        await page.click("#endpoint-form button[type=submit]")
-        await expect(page.locator("#f-rate_limit")).to_have_attribute("aria-invalid", "true")
+        for typed in ("many", "1_000", "\u0663"):  # int() takes the last two
+            await page.fill("#f-rate_limit", typed)
+            await page.click("#endpoint-form button[type=submit]")
+            await expect(page.locator("#f-rate_limit")).to_have_attribute("aria-invalid", "true")
         await page.fill("#f-rate_limit", "5")
         await page.check("#f-ordered")
         await page.click("#endpoint-form button[type=submit]")
         made = await page.locator("h1 code").inner_text()
         body = (await api.get(f"/api/v1/endpoints/{made}")).body
         assert (body["tenant"], body["rate_limit"], body["ordered"]) == ("bolt", 5, True)
+        # A stored header the rules now refuse for new ones: a change of the description
+        # alone keeps it, unchecked (as PATCH does).
+        async with await psycopg.AsyncConnection.connect(api.database_url) as conn:
+            await conn.execute(
+                'UPDATE webhook_endpoints SET headers = \'{"Keep-Alive": "5"}\' WHERE id = %s',
+                (made,),
+            )
+        await page.goto(f"{api.url}/endpoints/{made}/edit")
+        await page.fill("#f-description", "kept as it was")
+        await page.click("#endpoint-form button[type=submit]")
+        await page.wait_for_url(f"**/endpoints/{made}?done=updated")
+        kept = (await api.get(f"/api/v1/endpoints/{made}")).body
+        assert (kept["headers"], kept["description"]) == ({"Keep-Alive": "5"}, "kept as it was")
+        # One form posted twice at once (a double click without the script): one endpoint.
+        await page.goto(api.url + "/endpoints/new")
+        fields: dict[str, str | float | bool] = {
+            "csrf": await page.locator("input[name=csrf]").first.input_value(),
+            "form_key": await page.locator("input[name=form_key]").input_value(),
+            "tenant": "twice",
+            "url": "http://127.0.0.1:9/twice",
+        }
+        answers = await asyncio.gather(
+            *(page.request.post(api.url + "/endpoints/new", form=fields) for _ in range(2))
+        )
+        assert sorted(a.status for a in answers) == [200, 409]
+        twice = await api.all_pages("/api/v1/endpoints", tenant="twice")
+        assert len(twice) == 1
+        assert twice[0]["id"] in await next(a for a in answers if a.status == 409).text()
         # The admin is not capped, whatever the tenants' cap.
         for n in range(CAP):
             await add_endpoint(page, api, f"http://127.0.0.1:9/bolt-{n}", tenant="bolt")
@@ -207,9 +252,26 @@ async def test_an_admin_adds_an_endpoint_and_sends_an_event_for_any_tenant(
 
         await page.goto(f"{api.url}/events/new?endpoint_id={made}")
         assert await page.input_value("#f-tenant") == "bolt"
-        await page.fill("#f-payload", "{not json")
-        await page.click("#event-form button[type=submit]")
-        await expect(page.locator("#f-payload")).to_have_attribute("aria-invalid", "true")
+        for payload in ("{not json", '{"a": 1e999}'):
+            await page.fill("#f-payload", payload)
+            await page.click("#event-form button[type=submit]")
+            await expect(page.locator("#f-payload")).to_have_attribute("aria-invalid", "true")
+            # Opened for an endpoint, the form stays that endpoint's.
+            await expect(page.locator("#event-form + p a, #event-form a")).to_have_attribute(
+                "href", f"/endpoints/{made}"
+            )
+        # enqueue's own check of the stream id, marked at its field too.
+        csrf = await page.locator("input[name=csrf]").first.input_value()
+        long_stream = await page.request.post(
+            f"{api.url}/events/new?endpoint_id={made}",
+            form={"csrf": csrf, "tenant": "bolt", "event_type": "a.b", "stream_id": "s" * 501,
+                  "payload": "{}"},
+        )  # fmt: skip
+        assert long_stream.status == 422
+        marked = await long_stream.text()
+        assert 'id="f-stream_id" name="stream_id" value="' in marked
+        assert re.search(r'id="f-stream_id"[^>]*aria-invalid="true"', marked)
+        assert "Stream id: must be" in marked
         await page.fill("#f-payload", '{"amount": 42}')
         await page.click("#event-form button[type=submit]")
         await page.wait_for_url("**/events/*")

@@ -225,6 +225,11 @@ async def test_a_form_posted_after_the_token_was_revoked_changes_nothing_and_lea
     elsewhere = {"Referer": "https://evil.example/endpoints?cursor=abc"}
     status, _, headers = await portal.post(f"/endpoints/{endpoint_id}/enable", form, elsewhere)
     assert headers["location"] == ended_login(f"/endpoints/{endpoint_id}")
+    # A form's own page: that form again (with the endpoint it was opened for).
+    status, _, headers = await portal.post(f"/endpoints/{endpoint_id}/edit", form)
+    assert headers["location"] == ended_login(f"/endpoints/{endpoint_id}/edit")
+    status, _, headers = await portal.post(f"/events/new?endpoint_id={endpoint_id}", form)
+    assert headers["location"] == ended_login(f"/events/new?endpoint_id={endpoint_id}")
     # Signing out of a session that has ended: nothing to go back to.
     status, _, headers = await portal.post("/logout", {"csrf": csrf})
     assert status == 303 and headers["location"] == ended_login()

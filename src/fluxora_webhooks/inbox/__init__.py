@@ -34,7 +34,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
-from ..errors import SchemaError, VerificationError
+from ..errors import FluxoraError, SchemaError, VerificationError
 from ..queries import query
 from ..retention import MAX_OLDER_THAN_MS
 from ..signing import DEFAULT_TOLERANCE_SECONDS, Verified, verify_request
@@ -299,7 +299,7 @@ def receive(
     return event if row is not None else None
 
 
-class TransactionAborted(RuntimeError):
+class TransactionAborted(FluxoraError, RuntimeError):
     """The transaction an event was received in cannot commit it (:func:`check_committable`)."""
 
 

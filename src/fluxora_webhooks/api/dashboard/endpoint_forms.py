@@ -6,6 +6,9 @@ token's tenant only, its cap on endpoints, the URL policy."""
 from __future__ import annotations
 
 import json
+import math
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -14,7 +17,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from ... import deliveries, endpoints
-from ...endpoints import check_event_type
 from ...errors import ConfigError, EndpointLimitReached
 from ..deps import api_state
 from ..routes.endpoints import audit
@@ -24,16 +26,52 @@ from .render import Forbidden, Viewer, posted, render, viewer
 router = APIRouter(include_in_schema=False)
 
 TEST_EVENT_TYPE = "webhook.test"
-# A payload typed into the form: as large as the API's body allows.
-MAX_PAYLOAD_CHARS = 1 << 20
+# A payload typed into the form: the form's encoding of it (a quote, a brace: 3 bytes)
+# must stay within the API's 1 MiB body limit.
+MAX_PAYLOAD_CHARS = 300 * 1024
+# The form's fields by their names in errors (ConfigError's variable, enqueue's first word).
+LABELS = {
+    "url": "URL",
+    "tenant": "Tenant",
+    "event_types": "Event types",
+    "description": "Description",
+    "headers": "Custom headers",
+    "rate_limit": "Retries a second",
+    "event_type": "Event type",
+    "stream_id": "Stream id",
+    "payload": "Payload",
+}
+# A form's one-time key (secrets.token_urlsafe(18)): the same form posted again (a reload
+# of the page that shows the new secret, a second click) adds no second endpoint. Kept as
+# an idempotency key of the tenant, "dashboard:" + it, for as long as the API's keys.
+_FORM_KEY = re.compile(r"[A-Za-z0-9_-]{24}")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """What is wrong with a form: the field (its input is marked) and the message."""
+    """What is wrong with a form: the field (its input is marked; '' for none) and the
+    message, in the form's words."""
 
     field: str
     message: str
+
+    @classmethod
+    def of(cls, exc: ConfigError) -> Problem:
+        field, message = exc.variable, exc.problem
+        if field not in LABELS:  # "event": enqueue's own check, "stream_id must be ..."
+            first, _, rest = message.partition(" ")
+            field, message = (first, rest) if first in LABELS else ("", message)
+        return cls(field, f"{LABELS[field]}: {message}" if field else message)
+
+    @property
+    def title(self) -> str:
+        return f"Error in {LABELS[self.field]}" if self.field else "Not saved"
+
+
+class _AddedBefore(Exception):
+    def __init__(self, endpoint_id: str) -> None:
+        super().__init__(endpoint_id)
+        self.endpoint_id = endpoint_id
 
 
 def _writer(who: Viewer) -> None:
@@ -42,9 +80,17 @@ def _writer(who: Viewer) -> None:
 
 
 def _form_values(endpoint: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """The form's fields as text: an endpoint's, or a new one's defaults."""
+    """The form's fields as text: an endpoint's, or a new one's defaults (and its one-time
+    key: the same form posted again, a reload of its answer, adds nothing more)."""
     if endpoint is None:
-        return {"url": "", "event_types": "*", "description": "", "headers": "", "rate_limit": ""}
+        return {
+            "url": "",
+            "event_types": "*",
+            "description": "",
+            "headers": "",
+            "rate_limit": "",
+            "form_key": secrets.token_urlsafe(18),
+        }
     return {
         "url": endpoint["url"],
         "event_types": ", ".join(endpoint["event_types"]),
@@ -75,12 +121,12 @@ def _headers(text: str) -> dict[str, str]:
 
 
 def _rate_limit(text: str) -> int | None:
-    if not text.strip():
+    value = text.strip()
+    if not value:
         return None
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError("rate_limit", "must be a whole number of retries a second") from None
+    if not (value.isascii() and value.isdigit()):  # int() would take "1_000" and "٣"
+        raise ConfigError("rate_limit", "must be a whole number of retries a second")
+    return int(value)
 
 
 def _form(
@@ -100,7 +146,7 @@ def _form(
         endpoint=endpoint,
         values=values,
         problem=problem,
-        result=f"Error in {problem.field}" if problem else None,
+        result=problem.title if problem else None,
     )
 
 
@@ -115,8 +161,17 @@ async def create(request: Request) -> HTMLResponse:
     who, form = await posted(request)
     state = api_state(request)
     tenant = who.tenant if who.tenant is not None else form.get("tenant", "").strip()
+    form_key = form.get("form_key", "")
+    if not _FORM_KEY.fullmatch(form_key):
+        form_key = secrets.token_urlsafe(18)
+        form = {**form, "form_key": form_key}
+    key = "dashboard:" + form_key
     try:
-        async with state.connection() as conn:
+        async with state.connection() as conn, conn.transaction():
+            tenant = endpoints.check_tenant(tenant)
+            before = await deliveries.answered_before(conn, tenant, key)
+            if before is not None:
+                raise _AddedBefore(str(before["endpoint_id"]))
             endpoint, secret = await endpoints.create(
                 conn,
                 url=form.get("url", "").strip(),
@@ -131,11 +186,21 @@ async def create(request: Request) -> HTMLResponse:
                 if who.tenant is not None
                 else 0,
             )
+            if not await deliveries.keep_answer(conn, tenant, key, {"endpoint_id": endpoint.id}):
+                # The same form, posted at the same moment, added it: this one is undone.
+                first = await deliveries.answered_before(conn, tenant, key)
+                raise _AddedBefore(str(first["endpoint_id"]) if first else "")
     except ConfigError as exc:
-        problem = Problem(exc.variable, str(exc))
-        return _form(request, who, values=form, problem=problem, status=422)
+        return _form(request, who, values=form, problem=Problem.of(exc), status=422)
     except EndpointLimitReached as exc:
-        return _form(request, who, values=form, problem=Problem("", str(exc)), status=409)
+        limit = Problem("", str(exc))
+        return _form(request, who, values=form, problem=limit, status=409)
+    except _AddedBefore as first:
+        # This form was posted before (a reload of its answer): its endpoint exists, and
+        # its secret was shown then, once.
+        return render(
+            request, "endpoint_added_before.html", who, status=409, endpoint_id=first.endpoint_id
+        )
     name = who.principal.name
     audit(
         "endpoint %s created for tenant %r", endpoint.id, endpoint.tenant, who=name,
@@ -171,11 +236,15 @@ async def edit(request: Request, endpoint_id: str) -> Response:
         current = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
         try:
             rate_limit = _rate_limit(form.get("rate_limit", ""))
+            url = form.get("url", "").strip()
+            headers = _headers(form.get("headers", ""))
             changes = endpoints.Changes(
-                url=form.get("url", "").strip(),
+                # Unchanged, the URL and the headers are not checked again as new ones (a
+                # stored header or address that the rules now refuse keeps working).
+                url=None if url == current["url"] else url,
                 event_types=_event_types(form.get("event_types", "")) or ["*"],
                 description=form.get("description", "").strip(),
-                headers=_headers(form.get("headers", "")),
+                headers=None if headers == current["headers"] else headers,
                 rate_limit=rate_limit,
                 clear_rate_limit=rate_limit is None,
                 ordered=form.get("ordered") == "on",
@@ -188,8 +257,9 @@ async def edit(request: Request, endpoint_id: str) -> Response:
                 allowed_networks=state.config.allowed_networks,
             )
         except ConfigError as exc:
-            problem = Problem(exc.variable, str(exc))
-            return _form(request, who, values=form, endpoint=current, problem=problem, status=422)
+            return _form(
+                request, who, values=form, endpoint=current, problem=Problem.of(exc), status=422
+            )
     audit("endpoint %s updated", endpoint_id, who=who.principal.name, where=FROM_DASHBOARD)
     return RedirectResponse(f"/endpoints/{endpoint_id}?done=updated", status_code=303)
 
@@ -235,10 +305,8 @@ async def event_form(
     opened from its page): every endpoint of the tenant subscribed to its type gets it."""
     _writer(who)
     values = {"stream_id": "test", "event_type": TEST_EVENT_TYPE, "payload": '{"test": true}'}
-    endpoint = None
-    if endpoint_id:
-        async with api_state(request).connection() as conn:
-            endpoint = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+    endpoint = await _endpoint_of(request, who, endpoint_id)
+    if endpoint is not None:
         exact = [t for t in endpoint["event_types"] if not t.endswith("*")]
         prefixes = [t[:-1] for t in endpoint["event_types"] if t.endswith("*") and t != "*"]
         if exact:
@@ -246,15 +314,45 @@ async def event_form(
         elif prefixes:
             values["event_type"] = prefixes[0] + "test"
         values["tenant"] = endpoint["tenant"] or ""
-    return render(request, "event_form.html", who, values=values, endpoint=endpoint)
+    return _event_form(request, who, values=values, endpoint=endpoint)
+
+
+async def _endpoint_of(request: Request, who: Viewer, endpoint_id: str) -> dict[str, Any] | None:
+    if not endpoint_id:
+        return None
+    async with api_state(request).connection() as conn:
+        return (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).as_json()
+
+
+def _event_form(
+    request: Request,
+    who: Viewer,
+    *,
+    values: Mapping[str, str],
+    endpoint: Mapping[str, Any] | None,
+    problem: Problem | None = None,
+) -> HTMLResponse:
+    return render(
+        request,
+        "event_form.html",
+        who,
+        status=422 if problem else 200,
+        values=values,
+        endpoint=endpoint,
+        problem=problem,
+        result=problem.title if problem else None,
+        max_payload=MAX_PAYLOAD_CHARS,
+    )
 
 
 @router.post("/events/new", response_class=HTMLResponse)
-async def send_event(request: Request) -> Response:
+async def send_event(request: Request, endpoint_id: str = "") -> Response:
+    """``endpoint_id``: the endpoint whose page the form was opened from (its form again
+    on a problem, and its page the way back)."""
     who, form = await posted(request)
     tenant = who.tenant if who.tenant is not None else form.get("tenant", "").strip()
     try:
-        event_type = check_event_type(form.get("event_type", "").strip())
+        event_type = form.get("event_type", "").strip()
         stream_id = form.get("stream_id", "").strip()
         payload = _payload(form.get("payload", ""))
         async with api_state(request).connection() as conn:
@@ -266,27 +364,20 @@ async def send_event(request: Request) -> Response:
                 payload=payload,
             )
     except ConfigError as exc:
-        problem = Problem(exc.variable, str(exc))
+        problem = Problem.of(exc)
     except ValueError as exc:  # enqueue's own checks: "stream_id must be ...", say
-        message = str(exc)
-        field = message.split(" ", 1)[0]
-        problem = Problem(field if field in _EVENT_FIELDS else "", message)
+        problem = Problem.of(ConfigError("event", str(exc)))
     else:
         return RedirectResponse(f"/events/{answer['id']}?done=sent", status_code=303)
-    return render(
-        request, "event_form.html", who, status=422, values=form, endpoint=None,
-        problem=problem, result=f"Error in {problem.field or 'the event'}",
-    )  # fmt: skip
-
-
-_EVENT_FIELDS = ("tenant", "stream_id", "event_type", "payload")
+    endpoint = await _endpoint_of(request, who, endpoint_id)
+    return _event_form(request, who, values=form, endpoint=endpoint, problem=problem)
 
 
 def _payload(text: str) -> Any:
     if len(text) > MAX_PAYLOAD_CHARS:
         raise ConfigError("payload", f"must be at most {MAX_PAYLOAD_CHARS} characters")
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise ConfigError("payload", f"is not JSON ({_first_line(exc)})") from None
     return value
@@ -294,6 +385,13 @@ def _payload(text: str) -> Any:
 
 def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e999: no JSON number PostgreSQL stores
+        raise ValueError(f"{text[:40]} is too large a number")
+    return value
 
 
 def _first_line(exc: BaseException) -> str:

@@ -220,8 +220,11 @@ def came_from(request: Request) -> str:
     parts = url.path.split("/")
     if parts[1:2] == ["logout"]:
         return ""
-    # /endpoints/{id}/disable: the endpoint's page; /endpoints/new: its own form's page.
-    return back_to("/".join(parts[:3]) if len(parts) > 3 else url.path, "")
+    # /endpoints/{id}/disable: the endpoint's page; a form's own page (/endpoints/new,
+    # /endpoints/{id}/edit, /events/new?endpoint_id=...): that form again.
+    if len(parts) > 3 and parts[3] != "edit":
+        return back_to("/".join(parts[:3]), "")
+    return back_to(url.path + (f"?{url.query}" if url.query else ""), "")
 
 
 def secure(request: Request) -> bool:

@@ -9,7 +9,10 @@
 window.addEventListener("load", function () {
   var active = document.activeElement;
   if (active && active !== document.body) return; // the user has moved it already
-  var invalid = document.querySelector("main [aria-invalid=true]");
+  // A form's problem that no field of it has (a cap reached): the message itself.
+  var invalid =
+    document.querySelector("main [aria-invalid=true]") ||
+    document.querySelector("main .error[tabindex='-1']");
   var flash = document.getElementById("flash");
   if (invalid) {
     invalid.focus();
