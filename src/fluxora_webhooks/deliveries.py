@@ -114,15 +114,14 @@ def request_hash(tenant: str, stream_id: str, event_type: str, payload: Any) -> 
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-async def _kept_answer(
-    conn: psycopg.AsyncConnection[Any], tenant: str, key: str, digest: str
+async def answered_before(
+    conn: psycopg.AsyncConnection[Any], tenant: str, key: str, digest: str = ""
 ) -> dict[str, Any] | None:
     """The first answer to the request ``key`` names, or None (no live key); raises
-    :class:`IdempotencyKeyReused` when the key names another request."""
+    :class:`IdempotencyKeyReused` when the key names another request (its ``digest``
+    differs; a dashboard form's one-time key has none)."""
     found = await _rows(
-        conn,
-        "idempotency_find",
-        {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S},
+        conn, "idempotency_find", {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S}
     )
     if not found:
         return None
@@ -136,19 +135,12 @@ async def _kept_answer(
     return answer
 
 
-async def answered_before(
-    conn: psycopg.AsyncConnection[Any], tenant: str, key: str
-) -> dict[str, Any] | None:
-    """What a request under this idempotency key answered (a dashboard form's one-time
-    key: a form posted again is told what the first post did), or None."""
-    found = await _rows(
-        conn, "idempotency_find", {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S}
-    )
-    return found[0]["response"] if found else None
-
-
 async def keep_answer(
-    conn: psycopg.AsyncConnection[Any], tenant: str, key: str, answer: dict[str, Any]
+    conn: psycopg.AsyncConnection[Any],
+    tenant: str,
+    key: str,
+    answer: dict[str, Any],
+    digest: str = "",
 ) -> bool:
     """Keep ``answer`` under the key, in the caller's transaction; False when another
     request holds the key (it ran at the same moment and committed: roll back)."""
@@ -158,7 +150,7 @@ async def keep_answer(
         {
             "tenant": tenant,
             "key": key,
-            "request_hash": "",
+            "request_hash": digest,
             "response": Jsonb(answer),
             "ttl_s": IDEMPOTENCY_TTL_S,
         },
@@ -192,7 +184,7 @@ async def enqueue_event(
     digest = ""  # only a key is bound to its request
     if idempotency_key is not None:
         digest = request_hash(tenant, stream_id, event_type, payload)
-        kept = await _kept_answer(conn, tenant, idempotency_key, digest)
+        kept = await answered_before(conn, tenant, idempotency_key, digest)
         if kept is not None:
             return kept, True
     try:
@@ -219,25 +211,15 @@ async def enqueue_event(
                 **event_json(row),
                 "delivery_id": delivery_id if row["to_default"] else None,
             }
-            if idempotency_key is not None:
-                taken = await _rows(
-                    conn,
-                    "idempotency_keep",
-                    {
-                        "tenant": tenant,
-                        "key": idempotency_key,
-                        "request_hash": digest,
-                        "response": Jsonb(answer),
-                        "ttl_s": IDEMPOTENCY_TTL_S,
-                    },
-                )
-                if not taken:
-                    raise _KeyTaken
+            if idempotency_key is not None and not await keep_answer(
+                conn, tenant, idempotency_key, answer, digest
+            ):
+                raise _KeyTaken
     except ValueError as exc:
         raise ConfigError("event", str(exc)) from None
     except _KeyTaken:
         assert idempotency_key is not None
-        first = await _kept_answer(conn, tenant, idempotency_key, digest)
+        first = await answered_before(conn, tenant, idempotency_key, digest)
         if first is None:  # expired in between: a day-long request, not a case to serve
             raise ConflictError("the Idempotency-Key's request could not be read back") from None
         return first, True

@@ -20,7 +20,6 @@ from aiohttp import web
 from playwright.async_api import Browser, Dialog, Page, expect
 
 from tests.support.api import LOOPBACK, Api, serving
-from tests.support.browser import chromium
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
 from tests.support.receiver import Receiver
 
@@ -33,12 +32,6 @@ XSS_PAYLOAD = {
 }
 XSS_RESPONSE = "<img src=x onerror=\"window.__pwned='response'\"><b>bold?</b>"
 BULK = 55  # more than one page of the dashboard's list (50)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser() -> AsyncIterator[Browser]:
-    async with chromium() as launched:
-        yield launched
 
 
 @dataclasses.dataclass

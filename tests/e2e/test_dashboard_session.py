@@ -16,18 +16,11 @@ from playwright.async_api import Browser, expect
 from fluxora_webhooks import tokens
 from tests.e2e.test_dashboard_browser import SHOTS
 from tests.support.api import Api, serving
-from tests.support.browser import chromium
 from tests.support.dispatch import scalar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
 ENDED = "Your session has ended (it expired, or its token was revoked). Sign in again to go on."
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser() -> AsyncIterator[Browser]:
-    async with chromium() as launched:
-        yield launched
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -18,19 +18,12 @@ from playwright.async_api import Browser, Page, expect
 
 from fluxora_webhooks import verify
 from tests.support.api import LOOPBACK, Api, serving
-from tests.support.browser import chromium
 from tests.support.dispatch import make_settings, running_dispatcher, wait_until
 from tests.support.receiver import Receiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
 CAP = 2
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser() -> AsyncIterator[Browser]:
-    async with chromium() as launched:
-        yield launched
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -18,7 +18,7 @@ from ..deps import api_state
 from ..pagination import decode, encode
 from ..routes.endpoints import audit
 from ..routes.stats import with_breakers
-from .render import Forbidden, Viewer, back_to, env, posted, render, viewer
+from .render import Viewer, back_to, env, posted, render, require_write, viewer
 
 FROM_DASHBOARD = " from the dashboard"
 
@@ -168,8 +168,7 @@ async def rotate_form(
 ) -> HTMLResponse:
     """Asks before a rotation (the new secret must then reach every consumer; after a
     leak, the old one stops at once): the form that rotates, with the choice made."""
-    if not who.can_write:
-        raise Forbidden("this token is read-only")
+    require_write(who)
     async with api_state(request).connection() as conn:
         endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
     return _rotate_form(request, who, endpoint.as_json(), keep_previous)

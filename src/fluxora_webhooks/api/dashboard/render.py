@@ -182,9 +182,15 @@ async def posted(request: Request, *, write: bool = True) -> tuple[Viewer, dict[
     request.state.fluxora_form_page = back_to(form.get("next", "").split("#")[0], "")
     if not hmac.compare_digest(form.get("csrf", "").encode(), who.csrf.encode()):
         raise Forbidden("the form has expired or did not come from this dashboard; reload it")
-    if write and not who.can_write:
-        raise Forbidden("this token is read-only")
+    if write:
+        require_write(who)
     return who, form
+
+
+def require_write(who: Viewer) -> None:
+    """A page or form that changes something: :class:`Forbidden` for a read-only token."""
+    if not who.can_write:
+        raise Forbidden("this token is read-only")
 
 
 # A page to go back to longer than this is not one the dashboard wrote.
