@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser
+.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser pgbouncer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: lint typecheck browser
+# The tests behind a connection pooler start Debian's PgBouncer of their own.
+pgbouncer:
+	@command -v pgbouncer >/dev/null 2>&1 || test -x /usr/sbin/pgbouncer || { \
+	  apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null; }
+
+test: lint typecheck browser pgbouncer
 	$(BIN)/pytest -n 2 --dist loadfile
 
 unit: $(STAMP)

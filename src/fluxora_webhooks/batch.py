@@ -63,7 +63,15 @@ log = logging.getLogger("fluxora_webhooks.dispatcher")
 # Errors after which nothing more is tried on the connection: psycopg's OperationalError (the
 # database unreachable, or the statement cancelled, timed out or deadlocked), a broken
 # connection, no connection to be had. Any other psycopg.Error is a statement refused.
-DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+# A prepared statement the session does not have, or has twice: the connection's doing (a
+# pooler in transaction mode handed it another session's), never the rows'.
+DB_ERRORS = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    PoolTimeout,
+    psycopg.errors.InvalidSqlStatementName,
+    psycopg.errors.DuplicatePreparedStatement,
+)
 # Among DB_ERRORS, what refuses one statement for what its rows hold (an index entry past
 # the btree's limit: a stream id written by SQL thousands of characters long): the rows are
 # at fault, not the database, so they are recorded one by one as after any other refused

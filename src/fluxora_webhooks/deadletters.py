@@ -14,6 +14,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .outbox import promote_after_commit
+from .pgtypes import open_session
 from .queries import query
 from .settings import retry_rps
 
@@ -65,7 +66,7 @@ async def orphaned(
 ) -> list[tuple[str, str, str]]:
     """Waiting dead letters among ``keys`` (or all) that replay leaves where they are: their
     endpoint was removed. Returns (delivery id, row id, endpoint id) of each."""
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+    async with await open_session(database_url, autocommit=True) as conn:
         cur = await conn.execute(query("dlq_orphaned"), {"keys": list(keys), "all": include_all})
         return [(str(d), str(r), str(e)) for d, r, e in await cur.fetchall()]
 
@@ -79,7 +80,7 @@ async def list_dead(
     tenant: str | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`list_on` on a connection of its own."""
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+    async with await open_session(database_url, autocommit=True) as conn:
         return await list_on(
             conn, limit=limit, include_all=include_all, endpoint_id=endpoint_id, tenant=tenant
         )
@@ -87,7 +88,7 @@ async def list_dead(
 
 async def show(database_url: str, key: str) -> list[dict[str, Any]]:
     """Every dead letter of a delivery id (or the one with that row id)."""
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+    async with await open_session(database_url, autocommit=True) as conn:
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(query("dlq_show"), {"key": key})
         return list(await cur.fetchall())
@@ -97,7 +98,7 @@ async def replay_or_purge(
     database_url: str, action: str, keys: Sequence[str], *, include_all: bool = False
 ) -> tuple[list[str], list[str]]:
     """:func:`replay_or_purge_on` on a connection of its own."""
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+    async with await open_session(database_url, autocommit=True) as conn:
         return await replay_or_purge_on(conn, action, keys, include_all=include_all)
 
 

@@ -50,7 +50,7 @@ from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, warm_ssl_context
 from .migrations import READ_ONLY_HINT, discard, read_only_reason
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome, bring_forward
-from .pgtypes import read_far_timestamps, session_name
+from .pgtypes import SESSION_SETTINGS_SQL, described, read_far_timestamps, session_name
 from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
@@ -263,18 +263,18 @@ class Dispatcher:
         requests are in flight, so a server-wide idle_in_transaction_session_timeout shorter
         than the request timeout would kill every slow batch; and a lock that never comes
         (an operator's ALTER TABLE, say) must not hang a claim loop (or a drain) forever.
-        A due time out of Python's range is read, not refused (pgtypes), in the one
-        DateStyle psycopg reads. The dispatcher's own inserts (the deliveries a routing
-        batch leaves to other processes, operator events) keep their wake-up where the
-        producers' is switched off for the database or a role (``fluxora.notify``)."""
+        A due time out of Python's range is read, not refused (pgtypes); the session's
+        DateStyle, isolation and float digits are ours (pgtypes.SESSION_SETTINGS). The
+        dispatcher's own inserts (the deliveries a routing batch leaves to other processes,
+        operator events) keep their wake-up where the producers' is switched off for the
+        database or a role (``fluxora.notify``)."""
         read_far_timestamps(conn)
         idle_ms = self.settings.timeout_ms + 60_000
         await conn.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
             " set_config('lock_timeout', %s, false),"
             " set_config('statement_timeout', %s, false),"
-            " set_config('DateStyle', 'ISO', false),"
-            " set_config('fluxora.notify', 'on', false)",
+            " set_config('fluxora.notify', 'on', false), " + SESSION_SETTINGS_SQL,
             (str(idle_ms), str(LOCK_TIMEOUT_MS), str(STATEMENT_TIMEOUT_MS)),
         )
 
@@ -294,6 +294,7 @@ class Dispatcher:
         ordered streams and deliveries parked on an enabled endpoint swept every SWEEP_S."""
         synced = False
         last_sweep = time.monotonic()
+        said_at = -60.0
         while True:
             try:
                 try:
@@ -319,6 +320,17 @@ class Dispatcher:
                         )
             except asyncio.CancelledError:
                 raise
+            except psycopg.errors.InsufficientPrivilege as exc:
+                # Not passing: the operator's to grant. Said at most once a minute.
+                if time.monotonic() - said_at >= 60:
+                    said_at = time.monotonic()
+                    log.error(
+                        "registry not read (%s): the dispatcher's role needs the privileges"
+                        ' of docs/operations.md, "Roles and privileges"; next try soon',
+                        described(exc),
+                    )
+                await asyncio.sleep(1.0)
+                continue
             except Exception as exc:
                 log.debug("registry not read (%s); next try soon", type(exc).__name__)
                 await asyncio.sleep(1.0)
@@ -447,6 +459,14 @@ class Dispatcher:
             except REFUSED_ERRORS as exc:
                 metrics.CLAIM_ERRORS.inc()
                 log.error("claim loop %d: claim refused (%s); retrying", index, exc.sqlstate)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                metrics.CLAIM_ERRORS.inc()
+                log.error(
+                    "claim loop %d: %s; retrying (the dispatcher's role needs the privileges"
+                    ' of docs/operations.md, "Roles and privileges")',
+                    index,
+                    described(exc),
+                )
             except DB_ERRORS as exc:
                 metrics.CLAIM_ERRORS.inc()
                 if self.stopping:
@@ -520,7 +540,7 @@ class Dispatcher:
             if not batch.completions and not batch.sends and not batch.route_failed:
                 self.after_rollback(batch)
                 raise  # nothing was sent: the claim itself failed
-            log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+            log.error("batch completion failed (%s); completing row by row", described(exc))
             # The claim rolled back: rows it held that are not recorded again (deliveries of
             # a batch whose routing failed, rows not yet planned) are claimable again.
             self.claim_front.clear()
@@ -821,6 +841,14 @@ class Dispatcher:
 
         await asyncio.gather(*(one(url, results) for url, results in reports.items()))
 
+    def report_later(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
+        """:meth:`report` in a task of its own: the gate's reports wait for a connection of
+        theirs (redis_gate.GATE_CONNECTIONS), and nothing that records attempts waits
+        for them."""
+        if reports:
+            task = asyncio.ensure_future(self.report(reports))
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
     def commit_started(self, batch: Batch) -> None:
         self._committing[id(batch)] = time.monotonic()
 
@@ -866,9 +894,7 @@ class Dispatcher:
             tally[Outcome.UNROUTED, None] += unrouted
         for (outcome, reason), n in tally.items():
             self.count(outcome, reason, n)
-        if reports:
-            task = asyncio.ensure_future(self.report(reports))
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        self.report_later(reports)
         if batch.promoted:
             self._waker.wake()
 

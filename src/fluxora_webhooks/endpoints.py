@@ -97,6 +97,57 @@ REFUSED_NEW_HEADERS = frozenset(
         "content-range",
     }
 )
+# What an endpoint's objects (the CLI, the API, the dashboard) show for the value of a
+# custom header whose name says it carries a credential: the value is sent, never shown.
+# Given back in an update, it stands for the stored value (a read, a change of another
+# field or header, and the write of the whole map keep it).
+HIDDEN_HEADER_VALUE = "********"
+# Words a credential header's name holds anywhere (X-AuthToken, X-ApiKey), and short ones
+# only as a whole part of it (X-Api-Key, X-Auth, X-Sig; not X-Author, X-Monkey, X-Signal).
+_CREDENTIAL_WORDS = re.compile(
+    r"token|secret|passw|passphrase|credential|cookie|bearer|apikey|authori[sz]ation"
+    r"|signature|session",
+    re.IGNORECASE,
+)
+_CREDENTIAL_PARTS = frozenset({"auth", "key", "pass", "pwd", "sig", "jwt", "otp", "hmac", "sid"})
+
+
+def credential_header(name: str) -> bool:
+    """Whether a custom header's name says its value is a credential (``Authorization``,
+    ``X-Api-Key``, ``X-Auth-Token``, ``Cookie``...): such a value is never shown."""
+    if _CREDENTIAL_WORDS.search(name):
+        return True
+    return any(part in _CREDENTIAL_PARTS for part in re.split(r"[-_.]", name.lower()))
+
+
+def shown_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """Custom headers as shown: a credential's value as :data:`HIDDEN_HEADER_VALUE`."""
+    return {
+        name: HIDDEN_HEADER_VALUE if value and credential_header(name) else value
+        for name, value in headers.items()
+    }
+
+
+def resolve_hidden_headers(
+    given: Mapping[str, str], stored: Mapping[str, str], name: str = "headers"
+) -> dict[str, str]:
+    """``given`` with each credential written as :data:`HIDDEN_HEADER_VALUE` (as it was
+    shown) replaced by its stored value. One with none stored is refused by name."""
+    if not isinstance(given, Mapping):
+        return given  # check_headers says what is wrong with it
+    by_name = {key.lower(): value for key, value in stored.items()}
+    out: dict[str, str] = {}
+    for key, value in given.items():
+        if isinstance(key, str) and value == HIDDEN_HEADER_VALUE and credential_header(key):
+            if key.lower() not in by_name:
+                raise ConfigError(
+                    name,
+                    f"{key}: {HIDDEN_HEADER_VALUE} stands for a stored value, and {key} has"
+                    " none; give its value",
+                )
+            value = by_name[key.lower()]
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -130,14 +181,15 @@ class Endpoint:
         return self.id in BUILTIN_IDS
 
     def as_json(self) -> dict[str, Any]:
-        """The endpoint as the CLI and the API show it (never its secret)."""
+        """The endpoint as the CLI and the API show it (never its secret, nor a custom
+        header's credential: :func:`shown_headers`)."""
         return {
             "id": self.id,
             "tenant": None if self.tenant == OPERATOR_TENANT else self.tenant,
             "url": self.url,
             "event_types": list(self.event_types),
             "description": self.description,
-            "headers": dict(self.headers),
+            "headers": shown_headers(self.headers),
             "rate_limit": self.rate_limit,
             "ordered": self.ordered,
             "state": self.state,
@@ -421,7 +473,7 @@ async def create(
         "event_types": list(check_event_types(event_types)),
         "secret": chosen,
         "description": check_description(description),
-        "headers": Jsonb(check_headers(headers or {}, new=True)),
+        "headers": Jsonb(check_headers(resolve_hidden_headers(headers or {}, {}), new=True)),
         "rate_limit": check_rate_limit(rate_limit),
         "ordered": bool(ordered),
     }
@@ -493,7 +545,9 @@ async def update(
         else check_description(changes.description),
         "headers": None
         if changes.headers is None
-        else Jsonb(check_headers(changes.headers, new=True)),
+        else Jsonb(
+            check_headers(resolve_hidden_headers(changes.headers, current.headers), new=True)
+        ),
         "set_rate_limit": changes.clear_rate_limit or changes.rate_limit is not None,
         "rate_limit": None if changes.clear_rate_limit else check_rate_limit(changes.rate_limit),
         "ordered": changes.ordered,

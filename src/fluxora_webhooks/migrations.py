@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import secrets
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -29,9 +30,11 @@ from importlib import resources
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 
 from . import logs
-from .errors import SchemaError
+from .errors import ConfigError, SchemaError
+from .pgtypes import open_session
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +170,38 @@ async def applied_versions(conn: psycopg.AsyncConnection[Any]) -> dict[int, str]
         return {}
     cur = await conn.execute("SELECT version, checksum FROM fluxora_schema_migrations")
     return {int(v): str(c) for v, c in await cur.fetchall()}
+
+
+async def installed_elsewhere(conn: psycopg.AsyncConnection[Any]) -> str | None:
+    """When this session's search_path finds no schema of ours but another schema of the
+    database holds one: what to do about it (a role or a URL without the search_path the
+    installation was made with; migrating would make a second, empty installation that the
+    producers of the other would never reach). Else None."""
+    cur = await conn.execute(
+        "SELECT n.nspname, current_setting('search_path'),"
+        " has_schema_privilege(n.oid, 'USAGE'), session_user FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relname = 'fluxora_schema_migrations' AND c.relkind IN ('r', 'p')"
+        " AND n.oid <> pg_my_temp_schema() ORDER BY 1"
+    )
+    rows = await cur.fetchall()
+    if not rows:
+        return None
+    barred = [str(r[0]) for r in rows if not r[2]]
+    if barred and len(barred) == len(rows):
+        return (
+            f"this role may not use schema {', '.join(barred)}, which holds the"
+            f" fluxora-webhooks schema: GRANT USAGE ON SCHEMA {barred[0]} TO {rows[0][3]}"
+            ' (docs/operations.md, "Roles and privileges")'
+        )
+    names = ", ".join(str(r[0]) for r in rows)
+    first = rows[0][0]
+    return (
+        f"no fluxora-webhooks schema on this session's search_path ({rows[0][1]}), but schema"
+        f" {names} of this database holds one: add options=-c%20search_path%3D{first} to"
+        f" DATABASE_URL (written so in a URL; options='-c search_path={first}' in a"
+        " key=value one), or ALTER ROLE ... SET search_path, rather than migrating again"
+    )
 
 
 async def migrate(conn: psycopg.AsyncConnection[Any]) -> list[Migration]:
@@ -428,11 +463,101 @@ def unreachable_reason(exc: BaseException) -> str:
     return f"database unreachable ({logs.scrub(hosts) if hosts else type(exc).__name__})"
 
 
+# How long a NOTIFY this process sends itself may take to arrive before the connection is
+# taken for one through a pooler in transaction mode: it arrives in milliseconds otherwise.
+POOLER_PROBE_S = 5.0
+POOLER_HINT = (
+    "DATABASE_URL goes through a connection pooler in transaction mode (PgBouncer's"
+    " pool_mode=transaction, say), which this command cannot use: it needs its session's"
+    " LISTEN, locks and settings. Point DATABASE_URL at PostgreSQL or at a pool in session"
+    ' mode (docs/scaling.md, "Connection poolers")'
+)
+
+
+async def check_session_pooling(conn: psycopg.AsyncConnection[Any], conninfo: str) -> None:
+    """Raise :class:`ConfigError` unless a NOTIFY sent from another connection reaches this
+    one's LISTEN within :data:`POOLER_PROBE_S`: through a pooler in transaction mode it
+    never does (the server's notice has no client to go to between transactions), and
+    neither do the producers' wake-ups; its session advisory locks do not exclude, and its
+    session settings reach other clients of the pool. ``conn`` is in autocommit."""
+    cur = await conn.execute(
+        "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool"
+    )
+    row = await cur.fetchone()
+    if row and row[0]:
+        # A standby refuses LISTEN and NOTIFY: an API or a command that reads from one is
+        # let through (read_only_reason says what a writer finds there).
+        log.debug("the pooler check is skipped: the database is read-only")
+        return
+    channel = f"fluxora_probe_{secrets.token_hex(8)}"
+    await conn.execute(f"LISTEN {channel}")
+    try:
+        # The server this connection reached, whatever else a multi-host URL names.
+        pinned = {"host": conn.info.host, "port": str(conn.info.port)}
+        if "hostaddr" in psycopg.conninfo.conninfo_to_dict(conninfo):
+            pinned["hostaddr"] = conn.info.hostaddr
+        here = psycopg.conninfo.make_conninfo(conninfo, **pinned)
+        async with await open_session(here, autocommit=True, connect_timeout=10) as other:
+            await other.execute("SELECT pg_notify(%s, '')", (channel,))
+        arrived = [n async for n in conn.notifies(timeout=POOLER_PROBE_S, stop_after=1)]
+    finally:
+        await conn.execute(f"UNLISTEN {channel}")
+    if not arrived:
+        raise ConfigError(
+            "DATABASE_URL",
+            f"a NOTIFY sent to this connection did not arrive within {POOLER_PROBE_S:.0f} s: "
+            + POOLER_HINT,
+        )
+
+
+# What the dispatcher writes and reads (docs/operations.md, "Roles and privileges", whose
+# dispatcher block grants exactly these): without one, batches failed after their requests
+# and were sent again, or a dead letter could not be written and its delivery was sent for
+# ever, while /readyz said ready.
+DISPATCHER_PRIVILEGES = (
+    ("webhook_outbox", ("SELECT", "INSERT", "UPDATE")),
+    ("webhook_builtin_seen", ("SELECT", "INSERT", "UPDATE")),
+    ("webhook_endpoints", ("SELECT", "INSERT", "UPDATE", "DELETE")),
+    ("webhook_dead_letter", ("SELECT", "INSERT")),
+)
+DISPATCHER_SEQUENCES = ("webhook_outbox_id_seq", "webhook_dead_letter_id_seq")
+
+
+async def check_dispatcher_privileges(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Raise :class:`ConfigError` naming each privilege the session's role lacks of
+    :data:`DISPATCHER_PRIVILEGES` (and USAGE of :data:`DISPATCHER_SEQUENCES`)."""
+    wanted = [
+        (table, privilege)
+        for table, privileges in DISPATCHER_PRIVILEGES
+        for privilege in privileges
+    ]
+    cur = await conn.execute(
+        "SELECT w.t, w.p FROM unnest(%s::text[], %s::text[]) AS w(t, p)"
+        " WHERE NOT has_table_privilege(w.t, w.p)"
+        " UNION ALL SELECT s, 'USAGE' FROM unnest(%s::text[]) AS s"
+        " WHERE NOT has_sequence_privilege(s, 'USAGE')",
+        ([t for t, _ in wanted], [p for _, p in wanted], list(DISPATCHER_SEQUENCES)),
+    )
+    missing = await cur.fetchall()
+    if not missing:
+        return
+    role = await (await conn.execute("SELECT session_user")).fetchone()
+    said = "; ".join(f"{p} on {t}" for t, p in missing)
+    raise ConfigError(
+        "DATABASE_URL",
+        f"its role {role[0] if role else '?'} may not do what the dispatcher does ({said}):"
+        ' grant it the privileges of docs/operations.md, "Roles and privileges"',
+    )
+
+
 async def check_schema(conn: psycopg.AsyncConnection[Any]) -> None:
     """Raise :class:`SchemaError` unless the schema is exactly what this code expects."""
     await check_encoding(conn)
     done = await applied_versions(conn)
     if not done:
+        elsewhere = await installed_elsewhere(conn)
+        if elsewhere:
+            raise SchemaError(elsewhere)
         raise SchemaError(
             "the database has no fluxora-webhooks schema; run `fluxora-webhooks migrate` first"
         )

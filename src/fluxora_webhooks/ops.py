@@ -21,6 +21,7 @@ from .endpoints import OPERATOR_TENANT
 from .logs import scrub
 from .migrations import check_schema
 from .outbox import Outcome
+from .pgtypes import open_session
 from .queries import query
 from .redis_connect import client_for
 from .redis_gate import RATE_WINDOW_MS, rate_limit_key, read_breaker_state
@@ -250,9 +251,7 @@ async def read_status(
 ) -> dict[str, Any]:
     """Everything ``status`` shows, as a JSON-ready dict (``endpoints``: how many of the
     worst endpoints)."""
-    async with await psycopg.AsyncConnection.connect(
-        database_url, autocommit=True, connect_timeout=10
-    ) as conn:
+    async with await open_session(database_url, autocommit=True, connect_timeout=10) as conn:
         await check_schema(conn)
         backlog = await read_backlog(conn, STATUS_COUNT_CAP)
         recent = await read_recent_outcomes(conn, minutes * 60_000)

@@ -15,18 +15,29 @@ migrate --partitioned``, which also converts an existing outbox in place.
   that drops it.
 - The claim is the same query; each partition has its own partial due index, and a
   partition whose rows are all processed has an empty one.
+- Privileges: neither ``CREATE TABLE (LIKE ...)`` nor a new partition copies any, and a
+  table is its creator's. The new parent takes the old table's owner and privileges (every
+  grantee's, its columns' too, grant options included) in the transaction of the swap;
+  every partition takes the parent's when it is created, and the maintenance
+  (:func:`ensure_ahead`, run by the owner) gives a later GRANT or REVOKE on the parent to
+  every partition. Creating, attaching, detaching and dropping partitions need the owner
+  of ``webhook_outbox`` (or a member of its role): see :data:`OWNER_HINT`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from .errors import FluxoraError
+from .pgtypes import described
 from .queries import query, session_lock
 
 log = logging.getLogger(__name__)
@@ -44,6 +55,28 @@ PARTITION_LOCK_KEY = 0x666C7570617274
 # Detaching takes the parent's strongest lock for a moment: never queue behind a batch for
 # long (the next maintenance run tries again).
 DETACH_LOCK_TIMEOUT = "2s"
+# What to do when a role may not create or drop partitions (PostgreSQL lets only a table's
+# owner, or a member of its role, create, attach, detach or drop its partitions).
+OWNER_HINT = (
+    "outbox partitions are created and dropped only by the owner of webhook_outbox or a"
+    " member of its role: run this as that role, or create the partitions ahead as the owner"
+    ' with `fluxora-webhooks migrate --partitioned` (docs/operations.md, "Partitions and'
+    ' roles")'
+)
+DROP_HINT = (
+    "outbox partitions are detached and dropped only by the owner of webhook_outbox or a"
+    " member of its role: run prune, or the dispatchers' WEBHOOK_RETENTION, as that role"
+    " (meanwhile a dispatcher's retention deletes their processed rows one by one;"
+    ' docs/operations.md, "Partitions and roles")'
+)
+READ_HINT = (
+    "a role needs its privileges on webhook_outbox on each partition too, and SELECT on"
+    " fluxora_outbox_partitioning: the owner's partition maintenance gives them (a"
+    " dispatcher running as the owner, or `fluxora-webhooks migrate --partitioned` run as"
+    ' the owner; docs/operations.md, "Partitions and roles")'
+)
+# The dispatcher's warning that it cannot read a partition, at most this often.
+UNREADABLE_WARNING_S = 600.0
 
 # The outbox's indexes and checks, as the migrations define them, created on the parent.
 _INDEXES = (
@@ -174,13 +207,18 @@ async def convert(
     ``first_partition_at``: where the first partition starts (the old table holds what is
     before it). By default an interval boundary more than one interval ahead, so that rows
     written while converting still fit the old table; an earlier one is only for an outbox
-    nobody writes to meanwhile (a new installation, a test)."""
+    nobody writes to meanwhile (a new installation, a test).
+
+    On an outbox already partitioned, it makes the partitions ahead and gives every
+    partition the parent's privileges, as the service's maintenance does (the command an
+    owner runs when the dispatchers' role may not create partitions)."""
     if not MIN_INTERVAL_MS <= interval_ms <= 31 * 86_400_000:
         raise ValueError("the partition interval must be from 1h to 31d")
     if (await layout(conn)).partitioned:
+        await _ensure_ahead_waiting(conn)
         return False
     if first_partition_at is None and await _convert_empty(conn, interval_ms):
-        await ensure_ahead(conn)
+        await _ensure_ahead_waiting(conn)
         return True
     now = await _db_now(conn)
     if first_partition_at is None:
@@ -204,8 +242,15 @@ async def convert(
     async with conn.transaction():
         await conn.execute("LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE")
         await _swap(conn, cut, interval_ms)
-    await ensure_ahead(conn)
+    await _ensure_ahead_waiting(conn)
     return True
+
+
+async def _ensure_ahead_waiting(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`ensure_ahead` under the partitions' session lock, waited for (a dispatcher's
+    maintenance holds it for a moment): two never create the same partition at once."""
+    async with session_lock(conn, PARTITION_LOCK_KEY, wait=True):
+        await ensure_ahead(conn)
 
 
 async def _convert_empty(conn: psycopg.AsyncConnection[Any], interval_ms: int) -> bool:
@@ -243,6 +288,10 @@ async def _swap(conn: psycopg.AsyncConnection[Any], cut: dt.datetime, interval_m
         f"CREATE TABLE {PARENT} (LIKE {LEGACY} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
         " PARTITION BY RANGE (partition_at)"
     )
+    # LIKE copies no privilege, and the new table is the current user's: the old table's
+    # owner (before the sequence is given to it: they must have the same) and privileges
+    # go with the name. The sequence keeps its own.
+    await _take_privileges(conn, LEGACY, [PARENT])
     await conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
         sql.Identifier(PARENT), sql.Identifier(_BOUND)
     ))  # fmt: skip
@@ -258,6 +307,7 @@ async def _swap(conn: psycopg.AsyncConnection[Any], cut: dt.datetime, interval_m
     ))  # fmt: skip
     await conn.execute(f"CREATE TABLE {DEFAULT} PARTITION OF {PARENT} DEFAULT")
     await conn.execute(f"ALTER TABLE {DEFAULT} SET ({_AUTOVACUUM})")
+    await _take_privileges(conn, PARENT, [DEFAULT])
     await conn.execute(
         "CREATE TRIGGER webhook_outbox_notify_trg AFTER INSERT ON webhook_outbox"
         " REFERENCING NEW TABLE AS inserted"
@@ -271,6 +321,8 @@ async def _swap(conn: psycopg.AsyncConnection[Any], cut: dt.datetime, interval_m
         f"INSERT INTO {CONFIG} (interval_ms, legacy_until) VALUES (%s, %s)",
         (interval_ms, cut),
     )
+    await _align_owner(conn, PARENT, CONFIG)
+    await _share_config(conn)
 
 
 async def ensure_ahead(
@@ -299,6 +351,17 @@ async def ensure_ahead(
         lower += interval
     if created:
         log.info("outbox partitions created: %s", ", ".join(created))
+    if await _acts_as_owner(conn):
+        # A GRANT or REVOKE on the parent since a partition was created reaches it now (a
+        # non-owner could not: a GRANT it may not make is only a warning).
+        cur = await conn.execute(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+            " WHERE i.inhparent = to_regclass(%s)",
+            (PARENT,),
+        )
+        every = [str(row[0]) for row in await cur.fetchall()]
+        await _take_privileges(conn, PARENT, every, owner=False)
+        await _share_config(conn)
     return created
 
 
@@ -315,13 +378,19 @@ async def create_partition(
         sql.Literal(lower), sql.Literal(upper)
     )
     if not await default_rows(conn, 1, in_range):
-        await conn.execute(
-            sql.SQL(
-                "CREATE TABLE {} PARTITION OF webhook_outbox FOR VALUES FROM ({}) TO ({}) WITH ({})"
-            ).format(
-                sql.Identifier(name), sql.Literal(lower), sql.Literal(upper), sql.SQL(_AUTOVACUUM)
+        async with conn.transaction():  # never seen without the parent's privileges
+            await conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {} PARTITION OF webhook_outbox FOR VALUES FROM ({}) TO ({})"
+                    " WITH ({})"
+                ).format(
+                    sql.Identifier(name),
+                    sql.Literal(lower),
+                    sql.Literal(upper),
+                    sql.SQL(_AUTOVACUUM),
+                )
             )
-        )
+            await _take_privileges(conn, PARENT, [name])
         return name
     # Rows of this range are in the default partition (no dispatcher made partitions ahead
     # for a while, or a producer wrote a far partition_at): a partition cannot be created
@@ -337,6 +406,7 @@ async def create_partition(
                 " WITH ({})"
             ).format(sql.Identifier(name), sql.SQL(_AUTOVACUUM))
         )
+        await _take_privileges(conn, PARENT, [name])
         cur = await conn.execute(
             sql.SQL(
                 "WITH moved AS (DELETE FROM {} WHERE {} RETURNING *)"
@@ -375,7 +445,29 @@ async def pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | Non
     """The lower bound of the oldest partition holding an unprocessed row, at least one
     interval back from now; None when the outbox is not partitioned or the oldest such
     partition has no lower bound (the one from before the conversion, or the default).
-    The claim looks only from there on (``claim_due_partitioned``)."""
+    The claim looks only from there on (``claim_due_partitioned``).
+
+    None too, with a warning (at most every :data:`UNREADABLE_WARNING_S`), when this role
+    may not read a partition: the claim then looks everywhere, slower but complete."""
+    global _unreadable_warned
+    try:
+        return await _pending_since(conn)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        if time.monotonic() - _unreadable_warned >= UNREADABLE_WARNING_S:
+            _unreadable_warned = time.monotonic()
+            log.warning(
+                "outbox partitions not read for the claim's start (%s); the claim looks at"
+                " every partition meanwhile: %s",
+                described(exc),
+                READ_HINT,
+            )
+        return None
+
+
+_unreadable_warned = -UNREADABLE_WARNING_S
+
+
+async def _pending_since(conn: psycopg.AsyncConnection[Any]) -> dt.datetime | None:
     current = await layout(conn)
     if not current.partitioned:
         return None
@@ -437,7 +529,28 @@ async def drop_expired(
 ) -> tuple[list[Dropped], list[str]]:
     """Drop every partition whose range ended before the cutoff (now - ``older_than_ms``)
     and whose rows were all processed before it. Returns (dropped, kept: expired partitions
-    still holding an unprocessed or recent row). ``dry_run``: only say which would go."""
+    still holding an unprocessed or recent row). ``dry_run``: only say which would go.
+
+    Raises :class:`PartitionsNotDropped` when this role may not: only the owner of
+    ``webhook_outbox`` may detach and drop its partitions, and a role must be able to read
+    them (and how the outbox is partitioned)."""
+    try:
+        return await _drop_expired(conn, older_than_ms=older_than_ms, dry_run=dry_run)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise PartitionsNotDropped(
+            f"outbox partitions not read ({described(exc)}): {READ_HINT}"
+        ) from exc
+
+
+class PartitionsNotDropped(FluxoraError):
+    """Retention's partition drops refused: the role is not the owner of the outbox, or may
+    not read a partition. The message has PostgreSQL's (the table it names) and what to
+    do."""
+
+
+async def _drop_expired(
+    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int, dry_run: bool
+) -> tuple[list[Dropped], list[str]]:
     current = await layout(conn)
     if not current.partitioned:
         return [], []
@@ -503,6 +616,10 @@ async def _drop_one(
     except psycopg.errors.LockNotAvailable:
         log.info("partition %s not dropped now: the outbox is busy; next run", name)
         return None
+    except psycopg.errors.InsufficientPrivilege as exc:  # it was read just before
+        raise PartitionsNotDropped(
+            f"outbox partitions not dropped ({described(exc)}): {DROP_HINT}"
+        ) from exc
     log.info("retention: dropped outbox partition %s (%d processed rows)", name, looked.rows)
     return looked
 
@@ -563,3 +680,217 @@ async def whole_partitions(
 
 class _Keep(Exception):
     """The partition holds a row retention must keep: roll back its detach."""
+
+
+def describe_maintenance_failure(exc: BaseException) -> str:
+    """The error as :func:`~fluxora_webhooks.pgtypes.described` says it, with what to do
+    when the role may not create partitions."""
+    said = described(exc)
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return f"{said}; {OWNER_HINT}"
+    return said
+
+
+# -- privileges -------------------------------------------------------------------------
+
+# A relation's privileges: (column, or None for the table's own; the grantee's oid, 0 for
+# PUBLIC; the privilege) -> whether with the grant option, whoever granted it.
+_Acl = dict[tuple[str | None, int, str], bool]
+
+
+@dataclass(frozen=True)
+class _Privileges:
+    owner: int
+    acl: _Acl
+    names: dict[int, str]  # the role names of the oids above (the owner's included)
+    columns: frozenset[str]
+
+
+# Each relation's owner and columns; then its ACL (its owner's default one while it has
+# none) and each column's, exploded (one row a grantor, grantee and privilege).
+_RELATIONS_QUERY = """
+SELECT n, c.relowner::bigint, pg_get_userbyid(c.relowner)::text,
+       array(SELECT t.attname::text FROM pg_attribute t
+             WHERE t.attrelid = c.oid AND t.attnum > 0 AND NOT t.attisdropped)
+FROM unnest(%(names)s::text[]) n JOIN pg_class c ON c.oid = to_regclass(n)
+"""
+_ACL_QUERY = """
+SELECT n, NULL::text, a.grantee::bigint, pg_get_userbyid(a.grantee)::text,
+       a.privilege_type, a.is_grantable
+FROM unnest(%(names)s::text[]) n
+JOIN pg_class c ON c.oid = to_regclass(n)
+CROSS JOIN LATERAL aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a
+UNION ALL
+SELECT n, t.attname::text, a.grantee::bigint, pg_get_userbyid(a.grantee)::text,
+       a.privilege_type, a.is_grantable
+FROM unnest(%(names)s::text[]) n
+JOIN pg_attribute t ON t.attrelid = to_regclass(n) AND t.attnum > 0 AND NOT t.attisdropped
+CROSS JOIN LATERAL aclexplode(t.attacl) a
+"""
+
+
+async def _read_privileges(
+    conn: psycopg.AsyncConnection[Any], names: Sequence[str]
+) -> dict[str, _Privileges]:
+    """The privileges of those of ``names`` that exist."""
+    params = {"names": list(names)}
+    cur = await conn.execute(_RELATIONS_QUERY, params)
+    relations = {
+        name: (owner, owner_name, cols) for name, owner, owner_name, cols in await cur.fetchall()
+    }
+    acls: dict[str, _Acl] = {name: {} for name in relations}
+    roles: dict[str, dict[int, str]] = {
+        name: {owner: owner_name} for name, (owner, owner_name, _) in relations.items()
+    }
+    cur = await conn.execute(_ACL_QUERY, params)
+    for name, column, grantee, grantee_name, privilege, grantable in await cur.fetchall():
+        if name not in relations:
+            continue  # made or dropped between the two reads
+        roles[name][grantee] = grantee_name
+        key = (column, grantee, privilege)
+        acls[name][key] = acls[name].get(key, False) or bool(grantable)
+    return {
+        name: _Privileges(owner, acls[name], roles[name], frozenset(cols))
+        for name, (owner, _, cols) in relations.items()
+    }
+
+
+async def _take_privileges(
+    conn: psycopg.AsyncConnection[Any],
+    source: str,
+    targets: Sequence[str],
+    *,
+    owner: bool = True,
+) -> None:
+    """Give each of ``targets`` the privileges ``source`` has: the same for every grantee
+    (PUBLIC too), on the table and on each column, with the same grant options; what the
+    source's owner has goes to the target's. Those it has and the source has not are
+    revoked. With ``owner``, a target first takes the source's owner (a new table is its
+    creator's: a superuser's, a member's of the owner's role). The grants are the current
+    user's (as the owner's: a grant another grantee made is made again by the owner)."""
+    if owner:
+        for target in targets:
+            await _align_owner(conn, source, target)
+    found = await _read_privileges(conn, [source, *targets])
+    if source not in found:
+        return
+    for target in targets:
+        if target not in found:
+            continue
+        want = _mapped(found[source], found[target])
+        revokes = _revokes(target, want, found[target].acl, found[target].names)
+        for statement in revokes:
+            await conn.execute(statement)
+        have = (await _read_privileges(conn, [target]))[target] if revokes else found[target]
+        for statement in _grants(target, want, have.acl, found[source].names | have.names):
+            await conn.execute(statement)
+
+
+def _mapped(source: _Privileges, target: _Privileges) -> _Acl:
+    """The source's privileges as the target's: its owner's are the target's owner's; a
+    column the target does not have is left out."""
+    acl: _Acl = {}
+    for (column, grantee, privilege), grantable in source.acl.items():
+        if column is not None and column not in target.columns:
+            continue
+        key = (column, target.owner if grantee == source.owner else grantee, privilege)
+        acl[key] = acl.get(key, False) or grantable
+    return acl
+
+
+def _revokes(target: str, want: _Acl, have: _Acl, names: dict[int, str]) -> list[sql.Composed]:
+    statements = []
+    for key, grantable in sorted(have.items(), key=_order):
+        if key not in want:
+            statements.append(_privilege_statement("REVOKE", target, key, names))
+        elif grantable and not want[key]:
+            statements.append(_privilege_statement("REVOKE GRANT OPTION FOR", target, key, names))
+    return statements
+
+
+def _grants(target: str, want: _Acl, have: _Acl, names: dict[int, str]) -> list[sql.Composed]:
+    return [
+        _privilege_statement("GRANT", target, key, names, grantable=grantable)
+        for key, grantable in sorted(want.items(), key=_order)
+        if key not in have or (grantable and not have[key])
+    ]
+
+
+def _order(item: tuple[tuple[str | None, int, str], bool]) -> tuple[str, int, str]:
+    (column, grantee, privilege), _ = item
+    return (column or "", grantee, privilege)
+
+
+def _privilege_statement(
+    verb: str,
+    target: str,
+    key: tuple[str | None, int, str],
+    names: dict[int, str],
+    *,
+    grantable: bool = False,
+) -> sql.Composed:
+    column, grantee, privilege = key
+    if not (privilege.isalpha() and privilege.isupper()):  # a keyword, from aclexplode
+        raise ValueError(f"unexpected privilege {privilege!r} on {target}")
+    who = sql.SQL("PUBLIC") if grantee == 0 else sql.Identifier(names[grantee])
+    granting = verb == "GRANT"
+    return sql.SQL("{verb} {privilege}{column} ON TABLE {table} {direction} {who}{tail}").format(
+        verb=sql.SQL(verb),
+        privilege=sql.SQL(privilege),
+        column=sql.SQL("") if column is None else sql.SQL(" ({})").format(sql.Identifier(column)),
+        table=sql.Identifier(target),
+        direction=sql.SQL("TO" if granting else "FROM"),
+        who=who,
+        tail=sql.SQL((" WITH GRANT OPTION" if grantable else "") if granting else " CASCADE"),
+    )
+
+
+async def _align_owner(conn: psycopg.AsyncConnection[Any], source: str, target: str) -> None:
+    """``target`` owned by ``source``'s owner (a table is its creator's). Not possible (the
+    current user may not give it to that role): said, and left as it is."""
+    cur = await conn.execute(
+        "SELECT pg_get_userbyid(s.relowner)::text FROM pg_class s, pg_class t"
+        " WHERE s.oid = to_regclass(%s) AND t.oid = to_regclass(%s) AND s.relowner <> t.relowner",
+        (source, target),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                sql.SQL("ALTER TABLE {} OWNER TO {}").format(
+                    sql.Identifier(target), sql.Identifier(row[0])
+                )
+            )
+    except psycopg.errors.InsufficientPrivilege as exc:
+        log.warning(
+            "%s stays its creator's, not the owner of %s (%s)",
+            target,
+            source,
+            described(exc),
+        )
+
+
+async def _acts_as_owner(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the current user has the outbox owner's rights (the owner, a member of its
+    role, a superuser)."""
+    cur = await conn.execute(
+        "SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass(%s)",
+        (PARENT,),
+    )
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
+async def _share_config(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Every role with a privilege on the outbox may read how it is partitioned (every
+    command and the dispatcher read it); nothing else of it."""
+    found = await _read_privileges(conn, [PARENT, CONFIG])
+    if PARENT not in found or CONFIG not in found:
+        return
+    parent, config = found[PARENT], found[CONFIG]
+    readers = {grantee for _, grantee, _ in parent.acl} - {parent.owner, config.owner}
+    want: _Acl = {(None, grantee, "SELECT"): False for grantee in readers}
+    for statement in _grants(CONFIG, want, config.acl, parent.names):
+        await conn.execute(statement)

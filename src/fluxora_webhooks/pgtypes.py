@@ -69,3 +69,66 @@ def session_name(conninfo: str, name: str) -> dict[str, Any]:
     if given or os.environ.get("PGAPPNAME"):
         return {}
     return {"application_name": name}
+
+
+# What every session of ours sets, whatever the server, the database or the role has as
+# its default (docs/operations.md, "What the database may have set"): the one DateStyle
+# psycopg reads times in (under 'SQL, DMY' every command that read a time failed, some
+# after writing: a token or an endpoint made and its secret never shown); READ COMMITTED,
+# which the claim's SKIP LOCKED, the completion and every read-modify-write are written
+# for (under SERIALIZABLE a third of the batches failed and were sent again); floats read
+# whole (extra_float_digits below 1 rounds them in text).
+SESSION_SETTINGS = (
+    ("DateStyle", "ISO"),
+    ("default_transaction_isolation", "read committed"),
+    ("extra_float_digits", "1"),
+)
+# Each set only where the session's differs (a DateStyle of ISO with any order, 1 or more
+# float digits, are as good): a default session sets nothing, so nothing of ours reaches
+# other clients of a pool that hands sessions around.
+_DIFFERS = {
+    # (No "%" in the text: it goes into statements with parameters.)
+    "DateStyle": "left(current_setting('DateStyle'), 3) <> 'ISO'",
+    "default_transaction_isolation": (
+        "current_setting('default_transaction_isolation') <> 'read committed'"
+    ),
+    "extra_float_digits": "current_setting('extra_float_digits')::int < 1",
+}
+SESSION_SETTINGS_SQL = ", ".join(
+    f"CASE WHEN {_DIFFERS[name]} THEN set_config('{name}', '{value}', false) END"
+    for name, value in SESSION_SETTINGS
+)
+
+
+async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Apply :data:`SESSION_SETTINGS` to ``conn`` (one round trip; committed when the
+    connection is not in autocommit, so they outlive the transaction it began)."""
+    await conn.execute(f"SELECT {SESSION_SETTINGS_SQL}")
+    if not conn.autocommit:
+        await conn.commit()
+
+
+async def open_session(conninfo: str, **options: Any) -> psycopg.AsyncConnection[Any]:
+    """A connection of ours (``options`` are psycopg's), configured by
+    :func:`configure_session`; psycopg prepares none of its statements unless
+    ``prepare_threshold`` is given (what such a connection runs is not its hot path, and a
+    pooler in transaction mode hands a prepared statement's name to other sessions)."""
+    options.setdefault("prepare_threshold", None)
+    conn = await psycopg.AsyncConnection.connect(conninfo, **options)
+    try:
+        await configure_session(conn)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+def described(exc: BaseException) -> str:
+    """A database error as a log line says it: its kind, and for a missing privilege
+    PostgreSQL's own words, which name the table (or ``must be owner of ...``) and hold no
+    data (other errors' may hold a row's values, so only their kind is said)."""
+    kind = type(exc).__name__
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        said = (exc.diag.message_primary or str(exc)).strip().splitlines()
+        return f"{kind}: {said[0][:200]}" if said else kind
+    return kind

@@ -10,7 +10,6 @@ letter, then to a deferral).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -35,6 +34,7 @@ from .batch import (
 from .delivery import AttemptResult
 from .endpoints import DEFAULT_ID
 from .outbox import Completion, Outcome, Recorded, complete, relock_claimed
+from .pgtypes import described
 from .retry import Decision
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Recorder:
             except psycopg.Error as exc:
                 if outage(exc):
                     raise
-                log.error("batch completion failed (%s); completing row by row", type(exc).__name__)
+                log.error("batch completion failed (%s); completing row by row", described(exc))
                 batch.completions = await self._one_by_one(
                     conn, batch.completions, batch.parts, route=route, prerouted=prerouted
                 )
@@ -234,7 +234,8 @@ class Recorder:
         then the last two without (what failed may be the fan-out itself: rejected again
         on every claim, it would never end). Returns what was recorded (None: nothing
         could be; the row stays pending)."""
-        rejected = f"could not record outcome {one.outcome!r}: database rejected the row"
+        said = getattr(one.outcome, "value", one.outcome)
+        rejected = f"could not record outcome {said!r}: database rejected the row"
         dead = Completion(
             one.id,
             Outcome.DEAD_LETTER,
@@ -278,7 +279,11 @@ class Recorder:
                 if outage(exc):
                     raise
                 log.error(
-                    "row %d: recording %s failed (%s)", one.id, recording.outcome, exc.sqlstate
+                    "row %d: recording %s failed (%s, %s)",
+                    one.id,
+                    recording.outcome,
+                    exc.sqlstate,
+                    described(exc),
                 )
                 said = (exc.diag.message_primary or type(exc).__name__)[:200]
                 dead = replace(dead, error=f"{rejected} ({exc.sqlstate}: {said})")
@@ -416,5 +421,4 @@ class Completer:
                 reports.setdefault(item.send.target.url, []).append(
                     (item.send.admission, breaker_signal(item.result))
                 )
-        with contextlib.suppress(Exception):
-            await self.d.report(reports)
+        self.d.report_later(reports)

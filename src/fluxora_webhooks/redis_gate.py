@@ -29,13 +29,30 @@ each script touches one slot):
   while open, reports change nothing, so stragglers cannot extend ``reset_at``.
 
 Redis is a protection, not a dependency: when it is down, slow or answers an error, the
-gate fails open (``admit`` allows everything, ``report`` does nothing), counts
-``fluxora_webhook_redis_fail_open_total{component}`` and logs one warning per outage. After
-a failure it leaves Redis alone for a short back-off, so an outage costs one timeout per
-back-off period rather than one per batch; the first call after the back-off tries again,
-and the gate protects again as soon as Redis answers. On a Redis Cluster all of this is
-kept per node where the node cannot be reached, and per slot where the node answers but
-refuses the call (a slot being migrated): either leaves every other consumer protected.
+gate fails open (``admit`` allows everything, ``report`` does nothing) and counts
+``fluxora_webhook_redis_fail_open_total{component}``. An outage (no connection, a broken
+one, no answer within the call's bound, a cluster without a master for the slot) is logged
+once, and the gate leaves Redis alone for a short back-off, so an outage costs one timeout
+per back-off period rather than one per batch; the first call after the back-off tries
+again, and the gate protects again as soon as Redis answers. On a Redis Cluster all of this
+is kept per node where the node cannot be reached, and per slot where the node answers but
+refuses the call (a slot being migrated): either leaves every other consumer protected. An
+answer that refuses one call (out of memory under ``noeviction``, an ACL refusal, a script
+error, a key of another type) is no outage: that call goes ahead without the gate, the next
+ones still ask Redis, and it is logged at most once a minute.
+
+Connections: at most :data:`GATE_CONNECTIONS` of the gate's calls run at once on one Redis
+node, each on a connection of its own, kept for the next call; more wait for one within
+their own call's bound (a call that waits its whole bound goes ahead without the gate, and
+is no outage either). Reports take at most ``GATE_CONNECTIONS - ADMIT_RESERVE`` of them, so
+a batch's admit never queues behind a burst of reports. redis-py's pool raises at its own
+cap rather than waiting, and a worker reporting on a hundred failing consumers at once
+would otherwise hold a hundred connections.
+
+At start-up (:func:`connect_gate`) a ``REDIS_URL`` that can never serve the gate stops the
+command (:class:`~fluxora_webhooks.errors.ConfigError`): credentials refused, an ACL without
+a command the scripts run, TLS not verified (see
+:mod:`.redis_connect`); and a Redis that may evict the gate's keys is warned about.
 """
 
 from __future__ import annotations
@@ -57,13 +74,33 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import AskError, ClusterError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MaxConnectionsError,
+    MovedError,
+    NoScriptError,
+    OutOfMemoryError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import metrics
 from .errors import ConfigError
 from .gate import ALLOW, ALLOW_CLEAN, Admission, AdmitCode, AdmitRequest
-from .redis_connect import ClusterAwareRedis, client_for, detect_cluster
+from .redis_connect import (
+    REDIS_DOCS,
+    ClusterAwareRedis,
+    acl_denied,
+    client_for,
+    detect_cluster,
+    misconfiguration,
+    refuse_misconfigured,
+)
 from .settings import Settings
 from .urlpolicy import redacted
 
@@ -75,6 +112,16 @@ T = TypeVar("T")
 CONNECT_TIMEOUT_S = 0.25
 SOCKET_TIMEOUT_S = 0.5
 HEALTH_CHECK_INTERVAL_S = 10
+# Each gate call's bound (waiting for a connection included), and how long the gate leaves
+# a node alone after an outage.
+CALL_TIMEOUT_MS = 750
+FAILURE_BACKOFF_MS = 1000
+# At most this many gate calls at once per Redis node, each on a connection of its own;
+# reports leave ADMIT_RESERVE of them to admits.
+GATE_CONNECTIONS = 8
+ADMIT_RESERVE = 2
+# A refused call (not an outage) is logged at most once per this many seconds.
+NOTICE_INTERVAL_S = 60.0
 # A half-open probe's lease outlives its attempt's timeout by this much.
 PROBE_MARGIN_MS = 5_000
 
@@ -163,9 +210,11 @@ class RedisGate:
     are counted, never refused). ``breaker_threshold`` consecutive retryable failures open
     the circuit for ``breaker_reset_ms``; 0 disables the breaker. ``probe_ttl_ms`` bounds
     how long a half-open probe may hold its lease (longer than one HTTP attempt).
-    ``prefix`` goes before every key. ``timeout_ms`` bounds each Redis call,
-    ``failure_backoff_ms`` is how long the gate fails open without trying Redis after a
-    failure. Each call that fails open counts once in ``REDIS_FAIL_OPEN``, labelled
+    ``prefix`` goes before every key. ``timeout_ms`` bounds each Redis call (its wait for a
+    connection included), ``failure_backoff_ms`` is how long the gate fails open without
+    trying Redis after an outage. ``connections``: at most this many calls at once per Redis
+    node (fewer when the client's pool is small: half its cap). Each call that fails open
+    counts once in ``REDIS_FAIL_OPEN``, labelled
     ``gate`` (admit, breaker on), ``ratelimit`` (admit, breaker off) or ``breaker``
     (report).
 
@@ -183,8 +232,9 @@ class RedisGate:
         probe_ttl_ms: int,
         prefix: str = "",
         window_ms: int = RATE_WINDOW_MS,
-        timeout_ms: int = 750,
-        failure_backoff_ms: int = 1000,
+        timeout_ms: int = CALL_TIMEOUT_MS,
+        failure_backoff_ms: int = FAILURE_BACKOFF_MS,
+        connections: int = GATE_CONNECTIONS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value, low in (
@@ -195,6 +245,7 @@ class RedisGate:
             ("window_ms", window_ms, 1),
             ("timeout_ms", timeout_ms, 1),
             ("failure_backoff_ms", failure_backoff_ms, 0),
+            ("connections", connections, 1),
         ):
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
@@ -218,6 +269,14 @@ class RedisGate:
         password = redis.connection_pool.connection_kwargs.get("password")
         self._outages = _Outages(failure_backoff_ms / 1000, clock, str(password or ""))
         self._config_error_logged = False
+        # redis-py's pool raises at its cap (100 unless the URL says): stay well below it.
+        pool_cap = getattr(redis.connection_pool, "max_connections", None)
+        if isinstance(pool_cap, int) and pool_cap > 0:
+            connections = min(connections, max(1, pool_cap // 2))
+        self.connections = connections
+        self._lanes: dict[str, _Lanes] = {}
+        self._refused = _Notice(clock)
+        self._busy = _Notice(clock)
         # The ids of the endpoints a URL serves, for the breaker's transition lines (set by
         # the service to read its dispatcher's endpoints; None: the scheme and host only).
         self.endpoints_of: EndpointsOf | None = None
@@ -343,10 +402,96 @@ class RedisGate:
         self._outages.answered("", None)
         return True
 
+    async def check_at_start(self) -> None:
+        """Whether this Redis can serve the gate as configured, asked once at start-up
+        (bounded; a Redis that does not answer passes: the gate fails open until it does).
+        Raises :class:`ConfigError` (``REDIS_URL``) for credentials refused, an ACL without
+        a command the scripts run (each one named), TLS not verified; a Redis that refuses
+        writes for now (out of memory; a read-only replica, a failover's seconds) is
+        logged, not refused."""
+        options = self._redis.connection_pool.connection_kwargs
+        tag = f"{{fluxora-check-{secrets.token_hex(8)}}}"
+        keys = [f"{self.prefix}{name}{tag}" for name in (RATE_LIMIT_KEY, BREAKER_KEY, PROBE_KEY)]
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._redis.ping()
+                # Loaded whether or not Redis has it: the gate loads its scripts again after
+                # a restart of Redis or a SCRIPT FLUSH, so SCRIPT LOAD must be allowed.
+                sha = await self._redis.script_load(lua_script("check"))
+                breaker = 1 if self.breaker_threshold > 0 else 0
+                reply = await self._redis.evalsha(sha, len(keys), *keys, breaker)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            refuse_misconfigured(exc, options)
+            if isinstance(exc, MovedError) and self._single_node():
+                raise ConfigError(
+                    "REDIS_URL",
+                    "names a node of a Redis Cluster (it answered MOVED) whose user may not "
+                    "run CLUSTER INFO: give it +cluster|info +cluster|slots +command as well "
+                    f"({REDIS_DOCS})",
+                ) from None
+            if not _outage(exc):  # an answer that refused (an outage is said by ping below)
+                log.warning(
+                    "Redis refused the delivery gate's start-up check (%s)%s",
+                    self._outages.describe(exc),
+                    _OOM_HINT if isinstance(exc, OutOfMemoryError) else "",
+                )
+            return
+        refused = _decode_transitions(reply)  # (command, error) pairs
+        denied = [name for name, error in refused if acl_denied(ResponseError(error))]
+        if denied:
+            raise ConfigError(
+                "REDIS_URL",
+                f"the Redis user may not run {', '.join(sorted(set(denied)))} (its ACL), which "
+                f"the delivery gate needs; give it the ACL in {REDIS_DOCS}",
+            )
+        for _, error in refused:
+            problem = misconfiguration(ResponseError(error), options)
+            if problem is not None:
+                raise ConfigError("REDIS_URL", problem)
+        if refused:
+            log.warning(
+                "Redis refuses the delivery gate's writes (%s: %s); until it accepts them, "
+                "each refused call goes ahead without the gate%s",
+                refused[0][0],
+                self._outages.describe(ResponseError(refused[0][1])),
+                _OOM_HINT if any(e.startswith("OOM") for _, e in refused) else "",
+            )
+
+    async def warn_if_evicting(self) -> None:
+        """Log one warning when this Redis may evict the gate's keys (``maxmemory`` set and
+        a ``maxmemory-policy`` other than ``noeviction``): an evicted rate-limit window or
+        breaker silently lets attempts through, with no fail-open counted. ``CONFIG`` may
+        be refused (a managed Redis, an ACL without it): then nothing is said."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                found = await self._redis.config_get("maxmemory*")
+        except Exception as exc:
+            log.debug("Redis's eviction policy not read: %s", self._outages.describe(exc))
+            return
+        values = {_text(k): _text(v) for k, v in dict(found).items()}
+        policy = values.get("maxmemory-policy", "")
+        limit = values.get("maxmemory", "0")
+        if policy and policy != "noeviction" and limit.isdigit() and int(limit) > 0:
+            log.warning(
+                "Redis may evict the delivery gate's keys (maxmemory %s bytes, "
+                "maxmemory-policy %s): an evicted rate-limit window or circuit breaker "
+                "silently lets attempts through (no fail-open is counted); give the gate "
+                "maxmemory-policy noeviction, or a Redis of its own with enough memory (%s)",
+                limit,
+                policy,
+                REDIS_DOCS,
+            )
+
     async def close(self) -> None:
         await self._direct.close()
         if self._owns_client:
             await self._redis.aclose()
+
+    def _lanes_of(self, node: str) -> _Lanes:
+        lanes = self._lanes[node] = _Lanes(self.connections)
+        return lanes
 
     async def _call(
         self,
@@ -356,24 +501,55 @@ class RedisGate:
         args: list[str | int],
         decode: Callable[[Any], T],
     ) -> T | None:
-        """Run one script (one EVALSHA); ``None`` (fail open, counted) on any failure."""
+        """Run one script (one EVALSHA); ``None`` (fail open, counted) on any failure. A
+        report (``component`` "breaker") leaves some of the node's connections to admits."""
         node, slot = self._places(keys[0])
         if not self._outages.should_try(node, slot):
             metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
             return None
+        lanes = self._lanes.get(node) or self._lanes_of(node)
+        first = lanes.reports if component == "breaker" else None
+        held = 0  # 1: a report's lane; 2: a connection of the node's (the call runs)
         try:
             async with asyncio.timeout(self._timeout_s):
+                if first is not None:
+                    await first.acquire()
+                    held = 1
+                await lanes.calls.acquire()
+                held = 2
                 if self._single_node():
                     reply = await self._direct.run(script, keys, args)
                 else:
                     reply = await script(keys=keys, args=args)
                 result = decode(reply)
         except Exception as exc:  # any failure: deliveries must go on without the gate
-            self._failed(node, slot, exc)
+            if held < 2:
+                self._waited_out(component)
+            else:
+                self._failed(node, slot, exc)
             metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
             return None
+        finally:
+            if held == 2:
+                lanes.calls.release()
+            if held and first is not None:
+                first.release()
         self._outages.answered(node, slot)
         return result
+
+    def _waited_out(self, component: str) -> None:
+        """A call that waited its whole bound for one of the node's connections: the calls
+        holding them say what Redis does (a timeout among them is an outage)."""
+        said = self._busy.due()
+        if said is not None:
+            log.warning(
+                "the delivery gate's %d connections to Redis were all busy for %d ms: a %s "
+                "call went ahead without the gate%s",
+                self.connections,
+                round(self._timeout_s * 1000),
+                component,
+                _unsaid(said),
+            )
 
     def _failed(self, node: str, slot: int | None, exc: BaseException) -> None:
         if isinstance(exc, ConfigError):
@@ -388,7 +564,29 @@ class RedisGate:
                 )
             self._outages.failed(node, None, exc, quiet=True)
             return
-        self._outages.failed(node, slot if _slot_only(exc) else None, exc)
+        if _slot_only(exc):
+            self._outages.failed(node, slot, exc)
+        elif _outage(exc):
+            self._outages.failed(node, None, exc)
+        else:
+            self._refused_call(node, slot, exc)
+
+    def _refused_call(self, node: str, slot: int | None, exc: BaseException) -> None:
+        """Redis answered and refused this one call (out of memory, an ACL refusal, a script
+        error), or the client's pool was at its cap: no outage, so the gate does not stop
+        asking Redis for its back-off (the rate limit would be off for every consumer)."""
+        if not isinstance(exc, MaxConnectionsError):
+            self._outages.answered(node, slot)  # Redis is there: it answered
+        said = self._refused.due()
+        if said is not None:
+            log.warning(
+                "Redis%s refused a delivery gate call (%s); that call went ahead without the "
+                "gate, the next ones still ask Redis%s%s",
+                f" at {node}" if node else "",
+                self._outages.describe(exc),
+                _OOM_HINT if isinstance(exc, OutOfMemoryError) else "",
+                _unsaid(said),
+            )
 
 
 async def connect_gate(
@@ -400,16 +598,20 @@ async def connect_gate(
     probe_ttl_ms: int,
     prefix: str = "",
     window_ms: int = RATE_WINDOW_MS,
-    timeout_ms: int = 750,
-    failure_backoff_ms: int = 1000,
+    timeout_ms: int = CALL_TIMEOUT_MS,
+    failure_backoff_ms: int = FAILURE_BACKOFF_MS,
+    warn_eviction: bool = True,
 ) -> RedisGate:
     """A :class:`RedisGate` with its own client (closed by :meth:`RedisGate.close`).
 
     The client has short connect and read timeouts, health checks idle connections, and
     retries a command once, at once, only when the connection broke (a stale pooled
     connection after a Redis restart). A Redis that is down at start is not an error:
-    the gate starts failing open and picks Redis up when it comes. A URL that names a node
-    of a Redis Cluster gets redis-py's cluster client (:mod:`.redis_connect`).
+    the gate starts failing open and picks Redis up when it comes. A Redis that answers
+    but can never serve the gate (:meth:`RedisGate.check_at_start`) is a
+    :class:`ConfigError`; one that may evict the gate's keys is warned about
+    (``warn_eviction``). A URL that names a node of a Redis Cluster gets redis-py's
+    cluster client (:mod:`.redis_connect`).
     """
     client = client_for(
         redis_url,
@@ -418,20 +620,33 @@ async def connect_gate(
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
-    await detect_cluster(client, timeout_ms / 1000)  # a Redis Cluster node: see redis_connect
-    gate = RedisGate(
-        client,
-        retry_rps=retry_rps,
-        breaker_threshold=breaker_threshold,
-        breaker_reset_ms=breaker_reset_ms,
-        probe_ttl_ms=probe_ttl_ms,
-        prefix=prefix,
-        window_ms=window_ms,
-        timeout_ms=timeout_ms,
-        failure_backoff_ms=failure_backoff_ms,
-    )
+    try:
+        # A Redis Cluster node (see redis_connect); None: Redis did not answer.
+        found = await detect_cluster(client, timeout_ms / 1000)
+        gate = RedisGate(
+            client,
+            retry_rps=retry_rps,
+            breaker_threshold=breaker_threshold,
+            breaker_reset_ms=breaker_reset_ms,
+            probe_ttl_ms=probe_ttl_ms,
+            prefix=prefix,
+            window_ms=window_ms,
+            timeout_ms=timeout_ms,
+            failure_backoff_ms=failure_backoff_ms,
+        )
+    except BaseException:
+        await client.aclose()
+        raise
     gate._owns_client = True
-    await gate.ping()
+    try:
+        if found is not None:
+            await gate.check_at_start()
+            if warn_eviction:
+                await gate.warn_if_evicting()
+        await gate.ping()
+    except BaseException:
+        await gate.close()
+        raise
     return gate
 
 
@@ -445,8 +660,9 @@ class _DirectScripts:
     client's pool (its address, credentials, database, TLS and health checks) and reads
     the reply with that connection's parser: 155-170 us for the whole admit call. Each
     call has a connection to itself, as many as run at once (the claim loops' admits, the
-    reports), taken from the client's pool once and kept until :meth:`close` (the pool
-    also closes them with the client), with no socket timeout of their own: the gate's
+    reports; at most the gate's ``connections`` on one node, see :class:`_Lanes`), taken from
+    the client's pool once and kept until :meth:`close` (the pool also closes them with the
+    client), with no socket timeout of their own: the gate's
     timeout bounds each whole call. A connection that broke is reconnected and the call
     sent once more at once, as the client's own retry does (a script call is safe to
     repeat: its members are unique per call); a server that does not know the script
@@ -522,6 +738,69 @@ def _pack_command(parts: Sequence[str | int]) -> bytes:
             raise TypeError(f"a script argument must be str or int, not {type(part).__name__}")
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
+
+
+class _Lanes:
+    """The gate's calls at once on one Redis node: ``calls`` bounds them (each on a
+    connection of its own), ``reports`` bounds the reports among them, so that admits always
+    find a connection free of a burst of reports (a batch's reports go all at once)."""
+
+    __slots__ = ("calls", "reports")
+
+    def __init__(self, connections: int) -> None:
+        self.calls = asyncio.Semaphore(connections)
+        self.reports = asyncio.Semaphore(max(1, connections - ADMIT_RESERVE))
+
+
+class _Notice:
+    """A line said at most once per :data:`NOTICE_INTERVAL_S`: :meth:`due` is None while
+    it is not due, else how many went unsaid since the last time."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._said_at: float | None = None
+        self._unsaid = 0
+
+    def due(self) -> int | None:
+        now = self._clock()
+        if self._said_at is not None and now - self._said_at < NOTICE_INTERVAL_S:
+            self._unsaid += 1
+            return None
+        unsaid, self._said_at, self._unsaid = self._unsaid, now, 0
+        return unsaid
+
+
+def _unsaid(count: int) -> str:
+    if not count:
+        return f" (said at most once a minute, counted in {_FAIL_OPEN_SERIES})"
+    return f" ({count} more since this was last said; counted in {_FAIL_OPEN_SERIES})"
+
+
+_FAIL_OPEN_SERIES = "fluxora_webhook_redis_fail_open_total"
+_OOM_HINT = (
+    ". Redis is out of memory (maxmemory, maxmemory-policy noeviction): until it has room it "
+    "refuses the breaker's reports (failures go uncounted, no circuit opens); the rate limit "
+    "still works"
+)
+
+
+def _outage(exc: BaseException) -> bool:
+    """Whether a failed call says the node cannot serve anyone now: no connection, a broken
+    one, no answer within the bound, Redis loading its data, a cluster that is down. An
+    answer that refuses the call, and the client's own pool at its cap, are not."""
+    if isinstance(exc, MaxConnectionsError):
+        return False
+    return isinstance(
+        exc,
+        (
+            RedisConnectionError,
+            RedisTimeoutError,
+            TimeoutError,
+            OSError,
+            ClusterDownError,
+            RedisClusterException,
+        ),
+    ) or (isinstance(exc, ClusterError) and not isinstance(exc, ResponseError))
 
 
 def _slot_only(exc: BaseException) -> bool:
@@ -726,9 +1005,10 @@ def _count_transition(
         log.info("circuit breaker for %s closed (from %s): deliveries resume", endpoint, from_state)
 
 
-async def gate_for(settings: Settings, redis_url: str) -> RedisGate:
+async def gate_for(settings: Settings, redis_url: str, *, warn: bool = True) -> RedisGate:
     """The gate a dispatcher configured by ``settings`` uses (see :func:`connect_gate`); a
-    half-open probe may hold its lease for one attempt plus a margin."""
+    half-open probe may hold its lease for one attempt plus a margin. ``warn``: say whether
+    Redis may evict the gate's keys (one worker of a supervisor says it for all)."""
     return await connect_gate(
         redis_url,
         retry_rps=settings.retry_rps,
@@ -736,4 +1016,5 @@ async def gate_for(settings: Settings, redis_url: str) -> RedisGate:
         breaker_reset_ms=settings.circuit_breaker_reset_ms,
         probe_ttl_ms=settings.timeout_ms + PROBE_MARGIN_MS,
         prefix=settings.redis_prefix,
+        warn_eviction=warn,
     )

@@ -30,7 +30,14 @@ from .endpoints import BUILTIN_SEEN_S, DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
 from .host import raise_open_files_limit
-from .migrations import READ_ONLY_HINT, check_schema, read_only_reason, unreachable_reason
+from .migrations import (
+    READ_ONLY_HINT,
+    check_dispatcher_privileges,
+    check_schema,
+    check_session_pooling,
+    read_only_reason,
+    unreachable_reason,
+)
 from .ops import (
     BACKLOG_COUNT_CAP,
     METRIC_ENDPOINTS,
@@ -39,6 +46,7 @@ from .ops import (
     set_backlog_gauges,
     set_endpoint_gauges,
 )
+from .pgtypes import open_session
 from .queries import session_lock
 from .redis_gate import gate_for
 from .settings import Settings, cannot_listen, register_engine_secrets
@@ -94,6 +102,7 @@ _CURABLE_STATES = ("57P01", "57P02", "57P03", "53300")
 _CURABLE_REFUSALS = (
     "the database system is",
     "too many clients already",
+    "too many connections for",  # a role's or a database's CONNECTION LIMIT
     "remaining connection slots are reserved",
     "try again later",
 )
@@ -292,7 +301,7 @@ async def _writable_connection(
     stop came first. Raises psycopg's error, or :class:`_ReadOnly`; no connection is left
     open but the one returned."""
     conn = await unless_stopping(
-        psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10),
+        open_session(url, autocommit=True, connect_timeout=10),
         stopping,
         late=_close,
     )
@@ -361,7 +370,7 @@ class Service:
         """/readyz's look at the database: raise :class:`SchemaError` on a missing, older or
         newer schema; return why it refuses writes (a standby, as a fresh connection finds
         it or as the claim loops last found it), or None."""
-        async with await psycopg.AsyncConnection.connect(
+        async with await open_session(
             self.database_url, autocommit=True, connect_timeout=10
         ) as conn:
             await check_schema(conn)
@@ -396,11 +405,19 @@ class Service:
                 return
             async with conn:
                 await check_schema(conn)  # refuse a missing, older or newer schema
+                await check_session_pooling(conn, self.database_url)
+                await check_dispatcher_privileges(conn)
                 if self.run_background:  # one worker of a supervisor says it for all
                     await warn_if_wake_up_off(conn, self.settings.poll_interval_ms)
                     await warn_if_nowhere_to_deliver(conn, self.settings)
                     await warn_if_not_vacuumed(conn)
-            redis_gate = await gate_for(self.settings, self.redis_url) if self.redis_url else None
+            # A REDIS_URL that can never serve the gate stops here (ConfigError, exit 2); a
+            # Redis that is down does not. One worker of a supervisor warns for all.
+            redis_gate = (
+                await gate_for(self.settings, self.redis_url, warn=self.run_background)
+                if self.redis_url
+                else None
+            )
             if redis_gate is not None:
                 gate = redis_gate
             self.dispatcher = Dispatcher(
@@ -605,7 +622,7 @@ class Service:
             while True:
                 try:
                     if conn is None or conn.closed or conn.broken:
-                        conn = await psycopg.AsyncConnection.connect(
+                        conn = await open_session(
                             self.database_url, autocommit=True, connect_timeout=5
                         )
                     async with asyncio.timeout(max(self.gauge_interval_s, 5.0)):
@@ -660,7 +677,7 @@ class Service:
         assert self.settings.retention_ms is not None
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
+                async with await open_session(
                     self.database_url, autocommit=True, connect_timeout=10
                 ) as conn:
                     result = await self._retention_run(conn)
@@ -717,9 +734,13 @@ class Service:
         from . import partitions
 
         assert self.settings.retention_ms is not None
-        dropped = await partitions.drop_expired_exclusive(
-            conn, older_than_ms=self.settings.retention_ms
-        )
+        try:
+            dropped = await partitions.drop_expired_exclusive(
+                conn, older_than_ms=self.settings.retention_ms
+            )
+        except partitions.PartitionsNotDropped as exc:  # their rows are pruned one by one
+            log.warning("retention: %s", exc)
+            return
         for one in dropped or ():
             metrics.RETENTION_DELETED.labels(table="outbox").inc(one.rows)
 
@@ -730,7 +751,7 @@ class Service:
 
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
+                async with await open_session(
                     self.database_url, autocommit=True, connect_timeout=10
                 ) as conn:
                     if (await partitions.layout(conn)).partitioned:
@@ -738,7 +759,10 @@ class Service:
                             if held:
                                 await partitions.ensure_ahead(conn)
             except Exception as exc:  # the partitions ahead last intervals: try again later
-                log.warning("outbox partitions not checked (%s)", type(exc).__name__)
+                log.warning(
+                    "outbox partitions not checked (%s)",
+                    partitions.describe_maintenance_failure(exc),
+                )
             await asyncio.sleep(self.partitions_interval_s)
 
 

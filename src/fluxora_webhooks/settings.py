@@ -269,13 +269,17 @@ def _check_redis_url(url: str) -> None:
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigError("REDIS_URL", "unix:// needs a socket path")
-        return
-    if not parts.hostname:
-        raise ConfigError("REDIS_URL", "has no host")
-    db = parts.path.lstrip("/")
-    number = _whole(db) if _DIGITS.fullmatch(db) else None
-    if db and (number is None or number >= 2**31):
-        raise ConfigError("REDIS_URL", "the database (after the last /) must be a number")
+    else:
+        if not parts.hostname:
+            raise ConfigError("REDIS_URL", "has no host")
+        db = parts.path.lstrip("/")
+        number = _whole(db) if _DIGITS.fullmatch(db) else None
+        if db and (number is None or number >= 2**31):
+            raise ConfigError("REDIS_URL", "the database (after the last /) must be a number")
+    if parts.query:  # an option redis-py cannot use: ?socket_timeout=abc, ?ssl_cert_reqs=x
+        from .redis_connect import check_url_options
+
+        check_url_options(url)
 
 
 # A libpq message quotes the piece it could not read, which may be a password.

@@ -49,8 +49,15 @@ from prometheus_client import (
 
 from . import logs, metrics
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
-from .migrations import check_schema, read_only_reason, unreachable_reason
+from .migrations import (
+    check_dispatcher_privileges,
+    check_schema,
+    check_session_pooling,
+    read_only_reason,
+    unreachable_reason,
+)
 from .ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
+from .pgtypes import open_session
 from .queries import query
 from .service import (
     DRAIN_GRACE_S,
@@ -98,24 +105,60 @@ class ConnectionBudget:
     max_connections: int
     reserved: int  # superuser_reserved_connections (+ reserved_connections, PostgreSQL 16+)
     in_use: int
+    # The role's and the database's own CONNECTION LIMIT (-1: none) and their use now.
+    role_limit: int = -1
+    role_in_use: int = 0
+    database_limit: int = -1
+    database_in_use: int = 0
 
     @property
     def free(self) -> int:
         return self.max_connections - self.reserved - self.in_use
 
+    def shortest(self) -> tuple[int, str, str]:
+        """The fewest connections any limit leaves: (free, what it is, what to raise)."""
+        found = [
+            (
+                self.free,
+                f"the server has {self.free} free (max_connections {self.max_connections}"
+                f" - {self.reserved} reserved - {self.in_use} in use)",
+                "raise max_connections on the server",
+            )
+        ]
+        if self.role_limit >= 0:
+            free = self.role_limit - self.role_in_use
+            found.append(
+                (
+                    free,
+                    f"the role's CONNECTION LIMIT leaves {free} (limit {self.role_limit}"
+                    f" - {self.role_in_use} in use)",
+                    "raise it (ALTER ROLE ... CONNECTION LIMIT)",
+                )
+            )
+        if self.database_limit >= 0:
+            free = self.database_limit - self.database_in_use
+            found.append(
+                (
+                    free,
+                    f"the database's CONNECTION LIMIT leaves {free} (limit"
+                    f" {self.database_limit} - {self.database_in_use} in use)",
+                    "raise it (ALTER DATABASE ... CONNECTION LIMIT)",
+                )
+            )
+        return min(found, key=lambda one: one[0])
+
 
 def check_budget(settings: Settings, budget: ConnectionBudget) -> None:
     """Refuse (naming what to change) when the workers would not fit."""
     need = connections_needed(settings.workers, settings.claim_loops)
-    if need <= budget.free:
+    free, why, fix = budget.shortest()
+    if need <= free:
         return
     raise ConfigError(
         "WEBHOOK_WORKERS",
         f"{settings.workers} workers x ({settings.claim_loops} claim loops "
         f"+ {WORKER_EXTRA_CONNECTIONS}) + {SHARED_CONNECTIONS} = {need} database connections, "
-        f"but the server has {budget.free} free (max_connections {budget.max_connections}"
-        f" - {budget.reserved} reserved - {budget.in_use} in use): lower WEBHOOK_WORKERS or "
-        "WEBHOOK_CLAIM_LOOPS, or raise max_connections on the server",
+        f"but {why}: lower WEBHOOK_WORKERS or WEBHOOK_CLAIM_LOOPS, or {fix}",
     )
 
 
@@ -123,7 +166,15 @@ async def read_budget(conn: psycopg.AsyncConnection[Any]) -> ConnectionBudget:
     row = await (await conn.execute(query("connection_budget"))).fetchone()
     assert row is not None
     # This connection closes before the workers start: it is not theirs to count.
-    return ConnectionBudget(int(row[0]), int(row[1]), max(0, int(row[2]) - 1))
+    return ConnectionBudget(
+        int(row[0]),
+        int(row[1]),
+        max(0, int(row[2]) - 1),
+        role_limit=-1 if row[3] is None else int(row[3]),
+        role_in_use=max(0, int(row[4]) - 1),
+        database_limit=-1 if row[5] is None else int(row[5]),
+        database_in_use=max(0, int(row[6]) - 1),
+    )
 
 
 @dataclass
@@ -260,6 +311,8 @@ class Supervisor:
 
     async def _check_database(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await check_schema(conn)
+        await check_session_pooling(conn, self.database_url)
+        await check_dispatcher_privileges(conn)
         check_budget(self.settings, await read_budget(conn))
 
     # -- workers ---------------------------------------------------------------------
@@ -497,7 +550,7 @@ class Supervisor:
             self._endpoints_read_at = time.monotonic()
             try:
                 async with asyncio.timeout(ENDPOINT_READING_TIMEOUT_MS / 1000 + 2):
-                    async with await psycopg.AsyncConnection.connect(
+                    async with await open_session(
                         self.database_url, autocommit=True, connect_timeout=3
                     ) as conn:
                         health = await read_endpoint_health(
@@ -517,7 +570,7 @@ class Supervisor:
     async def _readyz(self, request: web.Request) -> web.Response:
         try:
             async with asyncio.timeout(3):
-                async with await psycopg.AsyncConnection.connect(
+                async with await open_session(
                     self.database_url, autocommit=True, connect_timeout=3
                 ) as conn:
                     await check_schema(conn)

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -149,6 +150,12 @@ async def revoke(conn: psycopg.AsyncConnection[Any], name: str) -> Token:
     return Token.from_row(row)
 
 
+# How long an API whose role may not record a token's last use stops trying (per database
+# and role).
+TOUCH_REFUSED_S = 600.0
+_touch_refused_until: dict[tuple[str, int, str, str], float] = {}
+
+
 async def authenticate(conn: psycopg.AsyncConnection[Any], text: str) -> Principal | None:
     """The live token ``text`` is, or None."""
     if not text or len(text) > MAX_TOKEN_LENGTH:
@@ -159,7 +166,8 @@ async def authenticate(conn: psycopg.AsyncConnection[Any], text: str) -> Princip
     row = await cur.fetchone()
     if row is None or not hmac.compare_digest(row["token_hash"], wanted):
         return None
-    if row["stale"]:
+    who = (conn.info.host, conn.info.port, conn.info.dbname, conn.info.user)
+    if row["stale"] and time.monotonic() >= _touch_refused_until.get(who, 0.0):
         try:
             async with conn.transaction():
                 await conn.execute(query("token_touch"), {"id": row["id"]})
@@ -167,6 +175,10 @@ async def authenticate(conn: psycopg.AsyncConnection[Any], text: str) -> Princip
             # A read-only database (a standby, a server whose disk is full) still answers
             # reads; its last use is recorded once the database takes writes again.
             pass
+        except psycopg.errors.InsufficientPrivilege:
+            # An API whose role may only read (docs/operations.md, "Roles and
+            # privileges"): no last use, and not asked again on every request.
+            _touch_refused_until[who] = time.monotonic() + TOUCH_REFUSED_S
     return Principal(row["id"], row["name"], row["tenant"], row["read_only"])
 
 

@@ -61,6 +61,24 @@ async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:
     assert code == 2 and "nothing to change" in out, out
     code, same = await cli(env, "endpoints", "show", endpoint_id, "--json")
     assert same == updated
+    # A credential header is shown masked; given back masked, it keeps its value.
+    code, keyed = await cli(
+        env, "endpoints", "update", endpoint_id, "--header", "X-Api-Key=k-cli-s3cr3t",
+        "--header", "X-Team=blue", "--json",
+    )  # fmt: skip
+    assert code == 0 and keyed["headers"] == {"X-Api-Key": "********", "X-Team": "blue"}
+    code, text = await run_command("endpoints", "show", endpoint_id, env=env)
+    assert code == 0 and "k-cli-s3cr3t" not in text and "********" in text
+    code, kept = await cli(
+        env, "endpoints", "update", endpoint_id, "--header", "X-Api-Key=********",
+        "--header", "X-Team=red", "--json",
+    )  # fmt: skip
+    assert code == 0 and kept["headers"] == {"X-Api-Key": "********", "X-Team": "red"}
+    stored = await scalar(
+        database_url, "SELECT headers FROM webhook_endpoints WHERE id = %s", (endpoint_id,)
+    )
+    assert stored == {"X-Api-Key": "k-cli-s3cr3t", "X-Team": "red"}
+    updated = kept
     code, off = await cli(env, "endpoints", "disable", endpoint_id, "--json")
     assert off["state"] == "disabled" and off["disabled_reason"] == "manual"
     assert off["disabled_at"]

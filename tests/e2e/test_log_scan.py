@@ -1,6 +1,7 @@
 """No secret and no full URL in any log line or metric: the service is driven through
-deliveries, retries, dead letters, refused connections, timeouts and a Redis that refuses
-its password, in JSON and in text, and everything it wrote is scanned."""
+deliveries, retries, dead letters, refused connections, timeouts, a Redis that refuses its
+password (start-up stops) and one that is down (the gate fails open), in JSON and in text,
+and everything it wrote is scanned."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from fluxora_webhooks import logs
 from tests.e2e.test_observability import free_port, running_service
 from tests.support.dispatch import pending, rows, wait_until
-from tests.support.procs import dispatcher_env
+from tests.support.procs import dispatcher_env, run_command
 from tests.support.receiver import Received, Receiver
 
 pytestmark = pytest.mark.e2e
@@ -103,13 +104,23 @@ async def test_logs_and_metrics_never_carry_a_secret_or_a_full_url(
     }
     db_url = _with_password(database_url, DB_PASSWORD)  # trust auth: accepted, unused
     bad_redis = _with_password(redis_url, REDIS_PASSWORD)  # refused by a Redis without auth
+    # The same password for a Redis that is down: the gate fails open.
+    down_redis = _with_password(f"redis://127.0.0.1:{free_port()}/0", REDIS_PASSWORD)
     logs_seen: list[str] = []
     metrics_seen: list[str] = []
+
+    # 0. A Redis that refuses its password: `run` stops at start-up, naming REDIS_URL.
+    env = dispatcher_env(
+        db_url, bad_redis, receiver.url, redis_prefix, WEBHOOK_METRICS_PORT="0", **common
+    )
+    code, out = await run_command("run", env=env, timeout=60)
+    assert code == 2 and "REDIS_URL" in out, out
+    logs_seen.append(out)
 
     # 1. A live consumer: delivered, retried, dead-lettered (410 and timeouts).
     port = free_port()
     env = dispatcher_env(
-        db_url, bad_redis, receiver.url, redis_prefix, WEBHOOK_METRICS_PORT=str(port), **common
+        db_url, down_redis, receiver.url, redis_prefix, WEBHOOK_METRICS_PORT=str(port), **common
     )
     async with running_service(env, tmp_path / "live.log") as service:
         await _enqueue(database_url, ["ok", "ok", "gone", "flaky", "slow"])

@@ -283,3 +283,59 @@ async def test_a_tenant_token_creates_endpoints_up_to_its_cap_and_no_further(
         assert again.status == 409
         await api.call("DELETE", f"/api/v1/endpoints/{made[1]}", token="acme")
         assert (await api.post("/api/v1/endpoints", token="acme", json=hook)).status == 201
+
+
+async def test_a_custom_headers_credential_is_sent_never_shown_and_kept_by_its_mask(
+    api: Api, receiver: Receiver, database_url: str
+) -> None:
+    """A custom header whose name says it carries a credential (Authorization, an API key,
+    a token) is stored and sent as given, and shown as ******** in every endpoint object,
+    to every token; given back as shown (a read, a change, a write of the whole map), the
+    mask keeps the stored value; one with no value stored is refused by name."""
+    bearer = "Bearer s3cr3t-header-value"
+    created = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": receiver.url,
+            "tenant": "acme",
+            "headers": {"Authorization": bearer, "X-Team": "billing", "X-Api-Key": ""},
+        },
+    )
+    assert created.status == 201, created.text
+    shown_headers = {"Authorization": "********", "X-Team": "billing", "X-Api-Key": ""}
+    listing = "/api/v1/endpoints?tenant=acme"
+    assert created.body["headers"] == shown_headers
+    path = f"/api/v1/endpoints/{created.body['id']}"
+    for token in ("admin", "reader", "acme", "acme_reader"):
+        for reply in (await api.get(path, token=token), await api.get(listing, token=token)):
+            assert reply.status == 200, reply.text
+            assert "s3cr3t-header-value" not in reply.text and "********" in reply.text
+
+    def stored() -> object:
+        with psycopg.connect(database_url) as conn:
+            row = conn.execute(
+                "SELECT headers FROM webhook_endpoints WHERE id = %s", (created.body["id"],)
+            ).fetchone()
+            assert row is not None
+            return row[0]
+
+    changed = await api.call(
+        "PATCH", path, json={"headers": {**shown_headers, "X-Team": "ops"}}, token="acme"
+    )
+    assert changed.status == 200, changed.text
+    assert changed.body["headers"] == {**shown_headers, "X-Team": "ops"}
+    assert stored() == {"Authorization": bearer, "X-Team": "ops", "X-Api-Key": ""}
+
+    refused = await api.call(
+        "PATCH", path, json={"headers": {"Authorization": "********", "X-Auth-Token": "********"}}
+    )
+    assert refused.status == 422 and "X-Auth-Token" in refused.body["error"]["message"]
+    assert stored() == {"Authorization": bearer, "X-Team": "ops", "X-Api-Key": ""}
+    made = await api.post(
+        "/api/v1/endpoints", json={"url": receiver.url, "headers": {"Cookie": "********"}}
+    )
+    assert made.status == 422 and "Cookie" in made.body["error"]["message"]
+
+    replaced = await api.call("PATCH", path, json={"headers": {"authorization": "Basic bmV3"}})
+    assert replaced.status == 200 and replaced.body["headers"] == {"authorization": "********"}
+    assert stored() == {"authorization": "Basic bmV3"}

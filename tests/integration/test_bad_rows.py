@@ -127,7 +127,7 @@ async def test_an_unusable_endpoint_row_dead_letters_its_deliveries_naming_why(
 async def test_the_api_lists_an_endpoint_whose_headers_sql_wrote_badly(database_url: str) -> None:
     """One such row broke its tenant's whole list (a 500): its headers read as text."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        for endpoint_id, headers in (("ep_list", "[1, 2]"), ("ep_number", '{"X-Key": 5}')):
+        for endpoint_id, headers in (("ep_list", "[1, 2]"), ("ep_number", '{"X-Part": 5}')):
             await conn.execute(
                 "INSERT INTO webhook_endpoints (id, tenant, url, secret, headers)"
                 " VALUES (%s, 't', 'https://a.example.com/', %s, %s::jsonb)",
@@ -138,7 +138,7 @@ async def test_the_api_lists_an_endpoint_whose_headers_sql_wrote_badly(database_
         assert listed.status == 200
         assert {e["id"]: e["headers"] for e in listed.body["data"]} == {
             "ep_list": {},
-            "ep_number": {"X-Key": "5"},
+            "ep_number": {"X-Part": "5"},
         }
         assert (await api.get("/api/v1/endpoints/ep_number")).status == 200
 

@@ -499,3 +499,51 @@ async def test_dead_letters_of_removed_endpoints_are_counted_apart(
     )
     stats = await api.get("/api/v1/stats", token="acme")
     assert stats.body["dead_letters"] == {"waiting": 2, "of_removed_endpoints": 1}
+
+
+# -- a custom header's credential ---------------------------------------------------------
+
+
+async def test_a_custom_headers_credential_is_never_on_a_page_and_the_form_keeps_it(
+    api: Api, portal: Portal, database_url: str
+) -> None:
+    """The endpoint's page and its change form show a credential header as ********; the
+    form posted with it as shown keeps the stored value while another header changes."""
+    made = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": "https://a.example.com/hook",
+            "tenant": "acme",
+            "headers": {"Authorization": "Bearer page-s3cr3t-value", "X-Team": "billing"},
+        },
+    )
+    assert made.status == 201, made.text
+    endpoint_id = made.body["id"]
+    await portal.sign_in("acme")
+    for page in (f"/endpoints/{endpoint_id}", f"/endpoints/{endpoint_id}/edit", "/endpoints"):
+        status, html, _ = await portal.get(page)
+        assert status == 200 and "page-s3cr3t-value" not in html, page
+    _, html, _ = await portal.get(f"/endpoints/{endpoint_id}")
+    assert "Authorization: ********" in markup.unescape(html)
+    _, html, _ = await portal.get(f"/endpoints/{endpoint_id}/edit")
+    shown = re.search(r'<textarea[^>]*name="headers"[^>]*>(.*?)</textarea>', html, re.S)
+    assert shown is not None
+    assert sorted(markup.unescape(shown.group(1)).splitlines()) == [
+        "Authorization: ********",
+        "X-Team: billing",
+    ]
+
+    form = {
+        "csrf": await portal.csrf(),
+        "url": "https://a.example.com/hook",
+        "event_types": "*",
+        "description": "",
+        "headers": "Authorization: ********\nX-Team: ops",
+        "rate_limit": "",
+    }
+    status, html, _ = await portal.post(f"/endpoints/{endpoint_id}/edit", form)
+    assert status == 303, html
+    stored = await scalar(
+        database_url, "SELECT headers FROM webhook_endpoints WHERE id = %s", (endpoint_id,)
+    )
+    assert stored == {"Authorization": "Bearer page-s3cr3t-value", "X-Team": "ops"}

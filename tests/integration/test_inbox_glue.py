@@ -140,7 +140,9 @@ async def pool(inbox_database_url: str) -> AsyncIterator[AsyncConnectionPool[Any
 
 
 async def post(http: aiohttp.ClientSession, url: str, d: Delivery) -> tuple[int, Any]:
-    async with http.post(url, data=d.body, headers=d.headers) as resp:
+    # An answer that never comes fails the test in seconds, not after aiohttp's 5 minutes.
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with http.post(url, data=d.body, headers=d.headers, timeout=timeout) as resp:
         return resp.status, await resp.json()
 
 

@@ -232,8 +232,10 @@ async def _waits_for_the_retention_lock(database_url: str) -> bool:
     return bool(
         await scalar(
             database_url,
+            # This database's: another test's dispatcher may wait for the same key in its own.
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
-            " AND NOT granted AND classid::bigint = %s AND objid::bigint = %s)",
+            " AND NOT granted AND classid::bigint = %s AND objid::bigint = %s"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
             (RETENTION_LOCK_KEY >> 32, RETENTION_LOCK_KEY & 0xFFFFFFFF),
         )
     )

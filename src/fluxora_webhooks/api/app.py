@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 
 from .._version import __version__
-from ..pgtypes import read_far_timestamps, session_name
+from ..pgtypes import SESSION_SETTINGS_SQL, read_far_timestamps, session_name
 from ..settings import Settings
 from . import errors
 from .deps import ApiState
@@ -93,13 +93,12 @@ ASGIApp = Callable[
 
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     """A time a producer wrote that Python cannot hold (``-infinity``) is read, not a 500
-    (pgtypes); in the one DateStyle psycopg reads."""
+    (pgtypes); the session's DateStyle, isolation and float digits are ours
+    (pgtypes.SESSION_SETTINGS)."""
     read_far_timestamps(conn)
-    cur = await conn.execute(
-        "SELECT set_config('DateStyle', 'ISO', false), current_setting('statement_timeout')"
-    )
+    cur = await conn.execute(f"SELECT current_setting('statement_timeout'), {SESSION_SETTINGS_SQL}")
     row = await cur.fetchone()
-    own = str(row[1]) if row else "0"
+    own = str(row[0]) if row else "0"
     _TIMEOUTS[conn] = (own, own)
 
 

@@ -279,6 +279,19 @@ def install(app: FastAPI, html_error: Any) -> None:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
+    @app.exception_handler(psycopg.errors.InsufficientPrivilege)
+    async def _not_granted(request: Request, exc: Exception) -> Response:
+        # The API's database role lacks a privilege (a role that may only read, asked to
+        # write): the operator's to grant, said without a traceback. PostgreSQL's words
+        # name the table and hold no data.
+        said = str(getattr(getattr(exc, "diag", None), "message_primary", "") or "")[:200]
+        message = (
+            f"the API's database role may not do this ({said or 'permission denied'}): grant"
+            ' it the privileges of docs/operations.md, "Roles and privileges"'
+        )
+        log.error("%s %s: answered 500, %s", request.method, request.url.path, message)
+        return answer(request, 500, "database_privilege", message)
+
     @app.exception_handler(psycopg.DataError)
     @app.exception_handler(UnicodeEncodeError)
     async def _unstorable_value(request: Request, exc: Exception) -> Response:

@@ -61,7 +61,11 @@ class EndpointPatch(_In):
     url: str | None = None
     event_types: list[str] | None = Field(None, max_length=100)
     description: str | None = Field(None, max_length=1000)
-    headers: dict[str, str] | None = None
+    headers: dict[str, str] | None = Field(
+        None,
+        description="the whole map; a credential's value given as shown (********) keeps the"
+        " stored one",
+    )
     rate_limit: int | None = Field(None, ge=1, le=1_000_000, description="null: WEBHOOK_RETRY_RPS")
     ordered: bool | None = None
 
@@ -81,7 +85,9 @@ class Endpoint(BaseModel):
     url: str
     event_types: list[str]
     description: str
-    headers: dict[str, str]
+    headers: dict[str, str] = Field(
+        description="a header carrying a credential (Authorization, X-Api-Key...) as ********"
+    )
     rate_limit: int | None
     ordered: bool
     state: Literal["enabled", "disabled"]

@@ -20,6 +20,8 @@ DESCRIPTION = (
 )
 API_EXTRA = "fluxora-webhooks[api]"
 DEFAULT_PORT = 8080
+# A breaker that nobody has: read at start-up to find out whether REDIS_URL can be read.
+CHECK_URL = "https://fluxora-check.invalid/"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +60,13 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     async def main() -> int:
         # A missing or other schema: exit 3, saying what to run.
-        await check_database(database_url, connect_timeout=10)
+        await check_database(database_url, session=True, connect_timeout=10)
+        if redis_url:  # one that can never work: exit 2 (one that is down: shown, as before)
+            from ..redis_connect import check_usable
+            from ..redis_gate import breaker_key
+
+            reading = ("HGETALL", breaker_key(CHECK_URL, settings.redis_prefix))
+            await check_usable(redis_url, [reading])
         server = ApiServer(config, settings.api_host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

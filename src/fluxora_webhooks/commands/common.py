@@ -47,21 +47,22 @@ async def connect(database_url: str, **options: Any) -> AsyncIterator[psycopg.As
     """A command's connection (autocommit; ``options`` are psycopg's) to a database whose
     schema is exactly this code's: a missing, older or newer one stops the command with
     exit 3 saying what to run, before it reads or writes anything."""
-    import psycopg
-
     from ..migrations import check_schema
+    from ..pgtypes import open_session
 
-    async with await psycopg.AsyncConnection.connect(
-        database_url, autocommit=True, **options
-    ) as conn:
+    async with await open_session(database_url, autocommit=True, **options) as conn:
         await check_schema(conn)
         yield conn
 
 
-async def check_database(database_url: str, **options: Any) -> None:
-    """:func:`connect`'s check alone, for a command whose work opens its own connections."""
-    async with connect(database_url, **options):
-        pass
+async def check_database(database_url: str, *, session: bool = False, **options: Any) -> None:
+    """:func:`connect`'s check alone, for a command whose work opens its own connections;
+    with ``session``, also that no pooler in transaction mode is in between."""
+    from ..migrations import check_session_pooling
+
+    async with connect(database_url, **options) as conn:
+        if session:
+            await check_session_pooling(conn, database_url)
 
 
 # The fields the endpoint functions name in their errors (the API's field names), as the

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from rich.text import Text
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             if not found:
                 print(f"no dead letter with id {visible(args.id)}", file=sys.stderr)
                 return 1
-            print(json.dumps(found, default=str, indent=2))
+            print(json.dumps(found, default=json_value, indent=2))
             return 0
         done, missing = await deadletters.replay_or_purge(
             database_url, args.dlq_command, args.ids, include_all=args.all
@@ -149,9 +150,15 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return run_async(main())
 
 
+def json_value(value: Any) -> str:
+    """A value JSON has no type for: a time in ISO 8601 (as the API and `status` write
+    it), anything else as its text."""
+    return value.isoformat() if isinstance(value, datetime) else str(value)
+
+
 def print_rows(rows: list[dict[str, Any]], columns: Sequence[str], as_json: bool) -> None:
     if as_json:
-        print(json.dumps(rows, default=str, indent=2))
+        print(json.dumps(rows, default=json_value, indent=2))
         return
     if not rows:
         print("no dead letters")

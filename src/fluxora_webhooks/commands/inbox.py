@@ -61,10 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
 
     from ..errors import ConfigError
     from ..inbox import install_report, prune
+    from ..pgtypes import open_session
     from ..settings import parse_duration_ms
 
     older_than_ms = 0
@@ -83,9 +83,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        async with await psycopg.AsyncConnection.connect(
-            database_url, autocommit=True, connect_timeout=10
-        ) as conn:
+        async with await open_session(database_url, autocommit=True, connect_timeout=10) as conn:
             if args.inbox_action == "install":
                 done = await install_report(conn)
                 _report(

@@ -6,6 +6,7 @@ existing one in place."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 
 from .common import engines, run_async
@@ -37,11 +38,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    import psycopg
 
     from .. import partitions
     from ..errors import ConfigError
-    from ..migrations import MIGRATION_LOCK_KEY, latest_version, migrate, take_lock
+    from ..migrations import (
+        MIGRATION_LOCK_KEY,
+        applied_versions,
+        check_session_pooling,
+        installed_elsewhere,
+        latest_version,
+        migrate,
+        take_lock,
+    )
+    from ..pgtypes import open_session
     from ..settings import format_ms, parse_duration_ms
 
     if args.partition_interval is not None and not args.partitioned:
@@ -53,7 +62,17 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        async with await open_session(database_url, autocommit=True) as conn:
+            # A role's or a database's statement timeout, set for an application's queries,
+            # would cancel an index build or a conversion's copy part-way (the locks'
+            # waits are bounded by the migrations themselves).
+            # Its locks are session locks: through a pooler in transaction mode two
+            # migrates both took "the" lock, and a failed one left it held by the pool.
+            # Checked first: nothing of this session's may reach such a pool's others.
+            await check_session_pooling(conn, database_url)
+            await conn.execute("SET statement_timeout = 0")
+            if not await applied_versions(conn) and (other := await installed_elsewhere(conn)):
+                print(f"note: a second installation is made here: {other}", file=sys.stderr)
             applied = await migrate(conn)
             converted = False
             current: int | None = None

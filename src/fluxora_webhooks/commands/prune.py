@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..retention import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, PruneResult
-from .common import connect, engines, int_option, run_async
+from .common import check_database, connect, engines, int_option, run_async
 
 if TYPE_CHECKING:
     from ..partitions import Dropped
@@ -72,6 +72,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
+        # Its lock is a session lock (see check_session_pooling).
+        await check_database(database_url, session=True, connect_timeout=10)
         # The service's retention lock for the whole run (see exclusive_run). A partitioned
         # outbox: its expired partitions are dropped whole first, and rows are deleted only
         # outside the partitions that will be dropped whole.

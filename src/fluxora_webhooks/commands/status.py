@@ -6,7 +6,8 @@ by outcome (from ``processed_at`` and ``outcome``), and the worst endpoints (dis
 the dispatcher, failing longest, largest backlog: pending and parked deliveries, failure
 streak, state and last error). From Redis, when ``WEBHOOK_URL`` names
 the consumer: its shared circuit breaker and how many attempts its rate-limit window
-holds. Redis being unreachable is reported, not an error. Read-only throughout.
+holds. Redis being unreachable is reported, not an error; a ``REDIS_URL`` Redis refuses (its
+password, the user's ACL, TLS not verified) is one (exit 2). Read-only throughout.
 
 A table on a terminal, ``--json`` for scripts.
 """
@@ -64,6 +65,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     threshold = _breaker_threshold(env)
 
     async def main() -> int:
+        if webhook_url and redis_url:  # a REDIS_URL that can never work: exit 2
+            await _check_redis(redis_url, webhook_url, env.get("FLUXORA_REDIS_PREFIX", ""))
         snapshot = await read_status(
             database_url,
             minutes=opts.minutes,
@@ -80,6 +83,36 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 0
 
     return run_async(main())
+
+
+async def _check_redis(redis_url: str, webhook_url: str, prefix: str) -> None:
+    """The reads ``status`` makes of Redis, once: credentials refused, an ACL without one of
+    them, TLS not verified stop it (ConfigError); Redis down is shown in the report."""
+    from ..redis_connect import check_usable
+    from ..redis_gate import breaker_key, rate_limit_key
+
+    await check_usable(
+        redis_url,
+        [
+            ("TIME",),
+            ("HGETALL", breaker_key(webhook_url, prefix)),
+            ("ZCOUNT", rate_limit_key(webhook_url, prefix), 0, 0),
+        ],
+    )
+
+
+def _redis_problem(error: str | None) -> str:
+    """Why Redis was not read: "unreachable" for an outage, "refused" for an answer that
+    refused (credentials, an ACL, out of memory)."""
+    from redis import exceptions
+
+    if not error:
+        return "unreachable: no answer"
+    kind = getattr(exceptions, error.partition(":")[0], None)
+    refused = isinstance(kind, type) and issubclass(
+        kind, (exceptions.AuthenticationError, exceptions.ResponseError)
+    )
+    return f"{'refused' if refused else 'unreachable'}: {error}"
 
 
 def _breaker_threshold(env: Mapping[str, str]) -> int | None:
@@ -178,7 +211,7 @@ def render(snapshot: dict[str, Any]) -> None:
     table.add_column("value")
     redis = consumer["redis"]
     if not redis["reachable"]:
-        table.add_row("redis", cell(f"unreachable: {redis.get('error') or 'no answer'}", 200))
+        table.add_row("redis", cell(_redis_problem(redis.get("error")), 200))
         console.print(table)
         return
     table.add_row("redis", cell(f"ok ({redis['url']})", 200))

@@ -229,13 +229,15 @@ RETURNING id;
 -- Due one after another at the endpoint's retry rate (%(start)s: how many of this recovery
 -- the batches before queued), as the gate will admit them: all due at once, tens of
 -- thousands were each refused and claimed again every second, at the head of everyone's
--- claim order, until the last went.
+-- claim order, until the last went. The endpoint's own tenant's only (an id is never
+-- reused, and a scope checked twice costs nothing).
 WITH picked AS (
     UPDATE webhook_dead_letter
     SET state = 'replayed', state_changed_at = now()
     WHERE id IN (
         SELECT id FROM webhook_dead_letter
         WHERE endpoint_id = %(endpoint_id)s AND state = 'dead'
+          AND tenant = (SELECT tenant FROM webhook_endpoints WHERE id = %(endpoint_id)s)
           AND dead_at >= %(since)s AND dead_at < %(until)s
         ORDER BY dead_at, id
         LIMIT %(batch)s

@@ -68,11 +68,12 @@ ALTER TABLE webhook_inbox
 -- name: inbox_receive
 -- In the caller's transaction. A concurrent transaction that inserted the same id and has
 -- not finished makes this one wait: its commit turns this into a conflict (no row
--- returned), its rollback lets this insert go through.
+-- returned), its rollback lets this insert go through. It returns a constant: no column
+-- is read back (no SELECT on one needed, no time read in the session's DateStyle).
 INSERT INTO webhook_inbox (delivery_id, event_type, attempt)
 VALUES (%(delivery_id)s, %(event_type)s, %(attempt)s)
 ON CONFLICT (delivery_id) DO NOTHING
-RETURNING received_at;
+RETURNING true;
 
 -- name: inbox_prune
 -- One bounded batch, oldest first. SKIP LOCKED: never waits on a row someone else holds.

@@ -723,4 +723,16 @@ SELECT current_setting('max_connections')::int AS max_connections,
          + COALESCE(current_setting('reserved_connections', true)::int, 0) AS reserved,
        (SELECT count(*) FROM pg_stat_activity
         WHERE datid IS NOT NULL
-          AND (backend_type IS NULL OR backend_type = 'client backend'))::int AS in_use;
+          AND (backend_type IS NULL OR backend_type = 'client backend'))::int AS in_use,
+       -- A role's and a database's own CONNECTION LIMIT (-1: none; a superuser has none),
+       -- and their connections now.
+       (SELECT CASE WHEN rolsuper THEN -1 ELSE rolconnlimit END FROM pg_roles
+        WHERE rolname = session_user) AS role_limit,
+       (SELECT count(*) FROM pg_stat_activity WHERE usename = session_user
+          AND (backend_type IS NULL OR backend_type = 'client backend'))::int AS role_in_use,
+       (SELECT CASE WHEN r.rolsuper THEN -1 ELSE d.datconnlimit END
+        FROM pg_database d, pg_roles r
+        WHERE d.datname = current_database() AND r.rolname = session_user) AS database_limit,
+       (SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+          AND (backend_type IS NULL OR backend_type = 'client backend'))::int
+         AS database_in_use;
