@@ -125,26 +125,20 @@ class ConnectionBudget:
                 "raise max_connections on the server",
             )
         ]
-        if self.role_limit >= 0:
-            free = self.role_limit - self.role_in_use
-            found.append(
-                (
-                    free,
-                    f"the role's CONNECTION LIMIT leaves {free} (limit {self.role_limit}"
-                    f" - {self.role_in_use} in use)",
-                    "raise it (ALTER ROLE ... CONNECTION LIMIT)",
+        for whose, limit, in_use, statement in (
+            ("role", self.role_limit, self.role_in_use, "ROLE"),
+            ("database", self.database_limit, self.database_in_use, "DATABASE"),
+        ):
+            if limit >= 0:
+                free = limit - in_use
+                found.append(
+                    (
+                        free,
+                        f"the {whose}'s CONNECTION LIMIT leaves {free} (limit {limit}"
+                        f" - {in_use} in use)",
+                        f"raise it (ALTER {statement} ... CONNECTION LIMIT)",
+                    )
                 )
-            )
-        if self.database_limit >= 0:
-            free = self.database_limit - self.database_in_use
-            found.append(
-                (
-                    free,
-                    f"the database's CONNECTION LIMIT leaves {free} (limit"
-                    f" {self.database_limit} - {self.database_in_use} in use)",
-                    "raise it (ALTER DATABASE ... CONNECTION LIMIT)",
-                )
-            )
         return min(found, key=lambda one: one[0])
 
 

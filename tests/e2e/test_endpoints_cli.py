@@ -5,13 +5,12 @@ naming the option."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from tests.support.dispatch import scalar
-from tests.support.procs import command_env, run_command
+from tests.support.procs import command_env, run_command, run_json
 
 pytestmark = pytest.mark.e2e
 
@@ -22,11 +21,7 @@ FIELDS = {
 
 
 async def cli(env: dict[str, str], *args: str) -> tuple[int, Any]:
-    code, out = await run_command(*args, env=env)
-    try:
-        return code, json.loads(out)
-    except json.JSONDecodeError:
-        return code, out
+    return await run_json(*args, env=env)
 
 
 async def test_the_endpoint_commands_end_to_end(database_url: str) -> None:

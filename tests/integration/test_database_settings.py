@@ -5,7 +5,6 @@ batches are not sent twice under SERIALIZABLE by default, and floats are not rou
 from __future__ import annotations
 
 import collections
-import json
 import re
 from typing import Any
 
@@ -19,7 +18,7 @@ from fluxora_webhooks.outbox import enqueue
 from fluxora_webhooks.pgtypes import open_session
 from tests.support.dispatch import SECRET, make_settings, running_dispatcher, scalar, wait_until
 from tests.support.inbox import delivery
-from tests.support.procs import command_env, run_command
+from tests.support.procs import command_env, run_command, run_json
 from tests.support.receiver import Received, Receiver
 
 pytestmark = pytest.mark.integration
@@ -38,11 +37,7 @@ def alter_database(database_url: str, **settings: str) -> None:
 
 
 async def cli(env: dict[str, str], *args: str) -> tuple[int, Any]:
-    code, out = await run_command(*args, env=env)
-    try:
-        return code, json.loads(out)
-    except json.JSONDecodeError:
-        return code, out
+    return await run_json(*args, env=env)
 
 
 async def test_commands_read_times_in_any_datestyle_and_floats_whole(database_url: str) -> None:

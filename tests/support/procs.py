@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.support.dispatch import SECRET
 
@@ -94,6 +96,16 @@ async def run_command(*args: str, env: dict[str, str], timeout: float = 60) -> t
     out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
     return proc.returncode, out.decode(errors="replace")
+
+
+async def run_json(*args: str, env: dict[str, str]) -> tuple[int, Any]:
+    """:func:`run_command`, its output read as JSON when it is (a ``--json`` command's),
+    else as text (an error)."""
+    code, out = await run_command(*args, env=env)
+    try:
+        return code, json.loads(out)
+    except json.JSONDecodeError:
+        return code, out
 
 
 @contextlib.asynccontextmanager
