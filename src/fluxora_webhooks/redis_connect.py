@@ -231,6 +231,12 @@ def misconfiguration(exc: BaseException, options: Mapping[str, Any]) -> str | No
     if isinstance(exc, ResponseError) and "DB index is out of range" in str(exc):
         return MISSING_DATABASE
     if isinstance(exc, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+        if not secret:
+            return (
+                "Redis asks for a password and REDIS_URL gives none: write it in the URL"
+                " (redis://:PASSWORD@host:6379/0, or redis://USER:PASSWORD@... for an ACL"
+                f" user; {REDIS_DOCS})"
+            )
         why = _first_line(exc, secret) or "its credentials were refused"
         return (
             f"Redis refused the user name or password ({type(exc).__name__}: {why}); check"
