@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from . import endpoints, metrics, partitions
+from . import endpoints, logs, metrics, partitions
 from .batch import (
     DB_ERRORS,
     LOCK_TIMEOUT_MS,
@@ -294,7 +294,7 @@ class Dispatcher:
         ordered streams and deliveries parked on an enabled endpoint swept every SWEEP_S."""
         synced = False
         last_sweep = time.monotonic()
-        said_at = -60.0
+        refused = logs.Notice(60.0)  # a missing privilege: said once a minute
         while True:
             try:
                 try:
@@ -322,8 +322,7 @@ class Dispatcher:
                 raise
             except psycopg.errors.InsufficientPrivilege as exc:
                 # Not passing: the operator's to grant. Said at most once a minute.
-                if time.monotonic() - said_at >= 60:
-                    said_at = time.monotonic()
+                if refused.due() is not None:
                     log.error(
                         "registry not read (%s): the dispatcher's role needs the privileges"
                         ' of docs/operations.md, "Roles and privileges"; next try soon',

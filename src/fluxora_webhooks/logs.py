@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -161,6 +161,25 @@ def mask(text: str, values: Iterable[str]) -> str:
         if value and value in text:
             text = text.replace(value, MASK)
     return text
+
+
+class Notice:
+    """A line said at most once per ``interval_s``: :meth:`due` is None while it is not
+    due, else how many went unsaid since the last time (0 the first time)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._said_at: float | None = None
+        self._unsaid = 0
+
+    def due(self) -> int | None:
+        now = self._clock()
+        if self._said_at is not None and now - self._said_at < self._interval_s:
+            self._unsaid += 1
+            return None
+        unsaid, self._said_at, self._unsaid = self._unsaid, now, 0
+        return unsaid
 
 
 def clear_sensitive() -> None:

@@ -92,6 +92,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import metrics
 from .errors import ConfigError
 from .gate import ALLOW, ALLOW_CLEAN, Admission, AdmitCode, AdmitRequest
+from .logs import Notice
 from .redis_connect import (
     REDIS_DOCS,
     ClusterAwareRedis,
@@ -275,8 +276,8 @@ class RedisGate:
             connections = min(connections, max(1, pool_cap // 2))
         self.connections = connections
         self._lanes: dict[str, _Lanes] = {}
-        self._refused = _Notice(clock)
-        self._busy = _Notice(clock)
+        self._refused = Notice(NOTICE_INTERVAL_S, clock)
+        self._busy = Notice(NOTICE_INTERVAL_S, clock)
         # The ids of the endpoints a URL serves, for the breaker's transition lines (set by
         # the service to read its dispatcher's endpoints; None: the scheme and host only).
         self.endpoints_of: EndpointsOf | None = None
@@ -750,24 +751,6 @@ class _Lanes:
     def __init__(self, connections: int) -> None:
         self.calls = asyncio.Semaphore(connections)
         self.reports = asyncio.Semaphore(max(1, connections - ADMIT_RESERVE))
-
-
-class _Notice:
-    """A line said at most once per :data:`NOTICE_INTERVAL_S`: :meth:`due` is None while
-    it is not due, else how many went unsaid since the last time."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._said_at: float | None = None
-        self._unsaid = 0
-
-    def due(self) -> int | None:
-        now = self._clock()
-        if self._said_at is not None and now - self._said_at < NOTICE_INTERVAL_S:
-            self._unsaid += 1
-            return None
-        unsaid, self._said_at, self._unsaid = self._unsaid, now, 0
-        return unsaid
 
 
 def _unsaid(count: int) -> str:

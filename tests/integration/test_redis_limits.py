@@ -34,7 +34,7 @@ from fluxora_webhooks.redis_gate import (
 )
 from fluxora_webhooks.settings import EngineSettings, Settings
 from tests.support.procs import command_env, dispatcher_env
-from tests.support.redis_server import RedisServer, answers_as, redis_binary
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -89,23 +89,11 @@ class OwnRedis(RedisServer):
         self.args = list(args)
         self.tls_port = port_in_range()  # where "{tls_port}" in args says
 
-    def start(self) -> None:
-        for _ in range(5):
-            if self._spawn():
-                return
-            self.stop()
-            self.port, self.tls_port = port_in_range(), port_in_range()
-        raise AssertionError("redis-server could not start")
+    def new_ports(self) -> None:
+        self.port, self.tls_port = port_in_range(), port_in_range()
 
-    def _spawn(self) -> bool:
-        self.proc = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory),
-             *[arg.replace("{tls_port}", str(self.tls_port)) for arg in self.args]],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        return answers_as(self.port, self.proc)
+    def options(self) -> list[str]:
+        return [arg.replace("{tls_port}", str(self.tls_port)) for arg in self.args]
 
     def url(self, auth: str = "") -> str:
         return f"redis://{auth}127.0.0.1:{self.port}/0"

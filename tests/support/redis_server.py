@@ -58,14 +58,22 @@ class RedisServer:
             if self._spawn():
                 return
             self.stop()
-            self.port = free_port()
+            self.new_ports()
         raise AssertionError("redis-server could not start on a free port")
+
+    def new_ports(self) -> None:
+        """Other ports to try, after one was taken."""
+        self.port = free_port()
+
+    def options(self) -> list[str]:
+        """The server's options beyond its port, folder and persistence."""
+        return ["--unixsocket", str(self.socket)] if self.socket else []
 
     def _spawn(self) -> bool:
         self.proc = subprocess.Popen(
             [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--daemonize", "no", "--dir", str(self.directory),
-             *(["--unixsocket", str(self.socket)] if self.socket else [])],
+             *self.options()],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
