@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser pgbouncer
+.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser pgbouncer locales node
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,31 @@ pgbouncer:
 	  apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null; }
 
-test: lint typecheck browser pgbouncer
+# The test of a server that speaks German (tests/integration/test_translated_server.py,
+# lc_messages) needs the de_DE.UTF-8 locale: generated when missing, as root.
+locales:
+	@locale -a 2>/dev/null | grep -qix 'de_DE.utf-\?8' || { \
+	  command -v locale-gen >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq locales >/dev/null; }; \
+	  grep -q '^de_DE.UTF-8 UTF-8' /etc/locale.gen 2>/dev/null || \
+	  echo 'de_DE.UTF-8 UTF-8' >> /etc/locale.gen; \
+	  locale-gen >/dev/null; }
+
+# The Node.js consumer's test (tests/e2e/test_node_consumer.py) runs examples/node with the
+# npm packages pinned in its package-lock.json: Debian's nodejs and npm, installed when
+# missing (as root); the packages once per lock change (npm's cache serves a re-install).
+NODE_MODULES := examples/node/node_modules/.installed
+
+node: $(NODE_MODULES)
+
+$(NODE_MODULES): examples/node/package.json examples/node/package-lock.json
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
+	  apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; }
+	cd examples/node && npm ci --prefer-offline --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: lint typecheck browser pgbouncer locales node
 	$(BIN)/pytest -n 2 --dist loadfile
 
 unit: $(STAMP)
@@ -59,4 +83,4 @@ soak: $(STAMP)
 	$(BIN)/python scripts/soak.py --minutes 10
 
 clean:
-	rm -rf $(VENV) .fluxora .fluxora-test .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .fluxora .fluxora-test .pytest_cache .mypy_cache .ruff_cache examples/node/node_modules

@@ -52,6 +52,7 @@ from .outbox import (
     try_lock_streams,
     try_promote_heads,
 )
+from .pgtypes import as_utc
 from .retry import Decision, Kind, RetryPolicy
 from .targets import Target
 
@@ -170,9 +171,9 @@ class Send:
 
 def full_batch_end(rows: Sequence[Claimed], batch_size: int) -> tuple[datetime, int] | None:
     """The claim index position (created_at, id) of a full batch's last row; None for a
-    batch that was not full."""
+    batch that was not full. In UTC (pgtypes.as_utc): positions are compared."""
     last = rows[-1] if len(rows) >= batch_size else None
-    return None if last is None or last.created_at is None else (last.created_at, last.id)
+    return None if last is None or last.created_at is None else (as_utc(last.created_at), last.id)
 
 
 @dataclass

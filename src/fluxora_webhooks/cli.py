@@ -182,6 +182,14 @@ def _describe_failure(exc: BaseException, env: Mapping[str, str]) -> str | None:
         # Reached, and out of something (shared memory for locks, disk): not unreachable
         # (53300 is too many connections: it is, for now).
         return f"the database{named('DATABASE_URL')} ran out of resources: {first_line}"
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        # Reached, and a statement stopped: not unreachable (both are OperationalErrors).
+        return (
+            f"the database{named('DATABASE_URL')} cancelled a statement of this command:"
+            f" {first_line} (a statement_timeout or lock_timeout set for the role or the"
+            " database, ALTER ROLE|DATABASE ... SET or PGOPTIONS, shorter than the command"
+            " needs; or an operator's pg_cancel_backend)"
+        )
     if isinstance(exc, psycopg.OperationalError) and not isinstance(
         exc,
         psycopg.errors.ProgramLimitExceeded,  # a statement refused for what it holds

@@ -568,3 +568,41 @@ async def check_schema(conn: psycopg.AsyncConnection[Any]) -> None:
             f"the database schema is at version {max(done)}, this fluxora-webhooks needs"
             f" {latest_version()}; run `fluxora-webhooks migrate`"
         )
+    shadowed = await shadowed_tables(conn)
+    if shadowed:
+        raise SchemaError(shadowed)
+
+
+# Our tables (beside the migrations' record) that the session's search_path finds in
+# another schema than the installation's.
+_SHADOWED = """
+SELECT n.nspname, c.relname, rn.nspname, current_setting('search_path')
+FROM pg_class m
+JOIN pg_namespace n ON n.oid = m.relnamespace
+JOIN pg_class c ON c.relnamespace = m.relnamespace AND c.relkind IN ('r', 'p')
+    AND NOT c.relispartition AND left(c.relname, 8) = 'webhook_'
+JOIN pg_class r ON r.oid = to_regclass(quote_ident(c.relname))
+JOIN pg_namespace rn ON rn.oid = r.relnamespace
+WHERE m.oid = to_regclass('fluxora_schema_migrations') AND r.oid <> c.oid
+ORDER BY c.relname
+"""
+
+
+async def shadowed_tables(conn: psycopg.AsyncConnection[Any]) -> str | None:
+    """When a schema ahead of the installation's on this session's search_path has tables
+    of the same names (a DBA's ``ALTER ROLE|DATABASE ... SET search_path``): what is
+    wrong. Otherwise every statement read and wrote those tables, failing on a column
+    they lack (`run` logged a traceback per claim, for ever) or, worse, not failing."""
+    cur = await conn.execute(_SHADOWED)
+    rows = await cur.fetchall()
+    if not rows:
+        return None
+    home, path = str(rows[0][0]), str(rows[0][3])
+    names = ", ".join(f"{other}.{name}" for _, name, other, _ in rows[:3])
+    more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+    return (
+        f"this session's search_path ({path}) finds {names}{more} ahead of the"
+        f" fluxora-webhooks tables of schema {home}: put {home} first on the search_path"
+        f" (options=-c%20search_path%3D{home} in DATABASE_URL, or ALTER ROLE ... SET"
+        " search_path), or rename those tables"
+    )

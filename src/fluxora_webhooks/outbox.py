@@ -188,7 +188,7 @@ def enqueue(
     A database whose schema is older than the code raises :class:`SchemaError`.
     """
     target = _connection(conn)
-    params = _enqueue_params(tenant, stream_id, event_type, payload, _trace_context())
+    params = _enqueue_params(target, tenant, stream_id, event_type, payload, _trace_context())
     if isinstance(target, psycopg.AsyncConnection):
         return _enqueue_async(target, params)
     # A cursor of its own: the caller's row factory (dict_row, a class) may not index by
@@ -228,7 +228,7 @@ async def enqueue_with_context(
         else _trace_context()
     )
     return await _enqueue_async(
-        target, _enqueue_params(tenant, stream_id, event_type, payload, context)
+        target, _enqueue_params(target, tenant, stream_id, event_type, payload, context)
     )
 
 
@@ -279,6 +279,7 @@ def _schema_error(exc: psycopg.Error) -> SchemaError:
 
 
 def _enqueue_params(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
     tenant: str,
     stream_id: str,
     event_type: str,
@@ -288,6 +289,9 @@ def _enqueue_params(
     """The enqueue statement's parameters, every value checked first."""
     _check_names(tenant, stream_id, event_type)
     data = _payload_json(payload)
+    encoding = conn.info.encoding
+    if encoding != "utf-8":
+        data = _in_client_encoding(payload, stream_id, encoding, conn)
     return {
         "tenant": tenant,
         "stream_id": stream_id,
@@ -295,6 +299,29 @@ def _enqueue_params(
         "payload": Jsonb(payload, dumps=lambda _: data),  # serialized once, above
         **context,
     }
+
+
+def _in_client_encoding(
+    payload: Any,
+    stream_id: str,
+    encoding: str,
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> bytes:
+    """The payload's JSON for a connection whose client_encoding is not UTF8 (a DBA's
+    ``ALTER DATABASE|ROLE ... SET client_encoding``, ``PGCLIENTENCODING``): every character
+    past ASCII written as a JSON escape, which any client encoding carries and the database
+    stores as the character itself (sent as UTF-8, the server read its bytes in that
+    encoding and stored mojibake, without an error). A stream id the encoding cannot carry
+    is refused, naming it (psycopg's UnicodeEncodeError did not)."""
+    try:
+        stream_id.encode(encoding)
+    except UnicodeEncodeError:
+        name = conn.info.parameter_status("client_encoding") or encoding
+        raise ValueError(
+            f"stream_id holds characters the connection's client_encoding ({name}) cannot"
+            " carry: connect with client_encoding=UTF8 (a connection parameter)"
+        ) from None
+    return json.dumps(payload, ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
 def _trace_context() -> dict[str, str | None]:

@@ -37,7 +37,7 @@ import psycopg
 from psycopg import sql
 
 from .errors import FluxoraError
-from .pgtypes import described
+from .pgtypes import as_utc, described
 from .queries import query, session_lock
 
 log = logging.getLogger(__name__)
@@ -185,8 +185,7 @@ async def _db_now(conn: psycopg.AsyncConnection[Any]) -> dt.datetime:
     cur = await conn.execute("SELECT clock_timestamp()")
     row = await cur.fetchone()
     assert row is not None
-    now: dt.datetime = row[0]
-    return now
+    return as_utc(row[0])
 
 
 async def convert(
@@ -339,9 +338,11 @@ async def ensure_ahead(
     cur = await conn.execute(f"SELECT legacy_until FROM {CONFIG} LIMIT 1")
     row = await cur.fetchone()
     # The legacy partition ends on an interval boundary; partitions follow from there.
+    # Bounds in UTC (pgtypes.as_utc): a day added on the session's wall clock is 23 or 25
+    # hours across a DST change.
     start = _bounds(now, current.interval_ms)[0]
     if row and row[0] and row[0] > start:
-        start = row[0]
+        start = as_utc(row[0])
     created = []
     lower = start
     while lower < now + interval * ahead:
@@ -370,6 +371,7 @@ async def create_partition(
 ) -> str | None:
     """The partition of ``[lower, lower + interval)``, unless it exists. Returns its name
     when created."""
+    lower = as_utc(lower)
     name = partition_name(lower)
     if await _exists(conn, name):
         return None

@@ -43,6 +43,19 @@ class _LenientTimestamptzLoader(Loader):
         return value
 
 
+def as_utc(moment: datetime) -> datetime:
+    """``moment`` in UTC, for arithmetic and comparisons. A time read from the database
+    carries the session's TimeZone, and Python adds to, subtracts and compares two times of
+    one time zone on the wall clock: across a DST change of that zone a day is 23 or 25
+    hours and the repeated hour compares out of order. A time UTC cannot hold (a producer's
+    due time at the edge of year 1 or 9999) is left as psycopg gave it, with a fixed offset
+    that Python compares exactly."""
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        return moment
+
+
 def read_far_timestamps(conn: psycopg.AsyncConnection[Any]) -> None:
     """Make ``conn`` read out-of-range ``timestamptz`` values as above (text format, which
     the dispatcher's statements use)."""
@@ -77,11 +90,14 @@ def session_name(conninfo: str, name: str) -> dict[str, Any]:
 # after writing: a token or an endpoint made and its secret never shown); READ COMMITTED,
 # which the claim's SKIP LOCKED, the completion and every read-modify-write are written
 # for (under SERIALIZABLE a third of the batches failed and were sent again); floats read
-# whole (extra_float_digits below 1 rounds them in text).
+# whole (extra_float_digits below 1 rounds them in text); text in UTF-8 (a client_encoding
+# of LATIN1 made every claim of a payload holding an emoji fail, the batch claimed again for
+# ever, and the CLI's `send` and the API's events store such text as mojibake or refuse it).
 SESSION_SETTINGS = (
     ("DateStyle", "ISO"),
     ("default_transaction_isolation", "read committed"),
     ("extra_float_digits", "1"),
+    ("client_encoding", "UTF8"),
 )
 # Each set only where the session's differs (a DateStyle of ISO with any order, 1 or more
 # float digits, are as good): a default session sets nothing, so nothing of ours reaches
@@ -93,6 +109,7 @@ _DIFFERS = {
         "current_setting('default_transaction_isolation') <> 'read committed'"
     ),
     "extra_float_digits": "current_setting('extra_float_digits')::int < 1",
+    "client_encoding": "current_setting('client_encoding') <> 'UTF8'",
 }
 SESSION_SETTINGS_SQL = ", ".join(
     f"CASE WHEN {_DIFFERS[name]} THEN set_config('{name}', '{value}', false) END"

@@ -191,6 +191,20 @@ async def read_breaker_state(redis: Any, url: str, prefix: str = "") -> BreakerS
     )
 
 
+# Keys the start-up check reads in random slots: a node that owns a third of the slots
+# (three masters) serves all of them once in 43 million checks; half, once in 65,536.
+_SLOT_PROBES = 16
+
+
+def _cluster_info_refused() -> ConfigError:
+    return ConfigError(
+        "REDIS_URL",
+        "names a node of a Redis Cluster (it answered MOVED) whose user may not "
+        "run CLUSTER INFO: give it +cluster|info +cluster|slots +command as well "
+        f"({REDIS_DOCS})",
+    )
+
+
 @cache
 def lua_script(name: str) -> str:
     """The source of ``lua/<name>.lua`` with what it uses: the admit codes as constants,
@@ -426,12 +440,7 @@ class RedisGate:
         except Exception as exc:
             refuse_misconfigured(exc, options)
             if isinstance(exc, MovedError) and self._single_node():
-                raise ConfigError(
-                    "REDIS_URL",
-                    "names a node of a Redis Cluster (it answered MOVED) whose user may not "
-                    "run CLUSTER INFO: give it +cluster|info +cluster|slots +command as well "
-                    f"({REDIS_DOCS})",
-                ) from None
+                raise _cluster_info_refused() from None
             if not _outage(exc):  # an answer that refused (an outage is said by ping below)
                 log.warning(
                     "Redis refused the delivery gate's start-up check (%s)%s",
@@ -439,6 +448,8 @@ class RedisGate:
                     _OOM_HINT if isinstance(exc, OutOfMemoryError) else "",
                 )
             return
+        if self._single_node():
+            await self._refuse_a_cluster_taken_for_one_redis()
         refused = _decode_transitions(reply)  # (command, error) pairs
         denied = [name for name, error in refused if acl_denied(ResponseError(error))]
         if denied:
@@ -459,6 +470,22 @@ class RedisGate:
                 self._outages.describe(ResponseError(refused[0][1])),
                 _OOM_HINT if any(e.startswith("OOM") for _, e in refused) else "",
             )
+
+    async def _refuse_a_cluster_taken_for_one_redis(self) -> None:
+        """A cluster node whose user may not run ``CLUSTER INFO`` is taken for a single
+        Redis, and answers ``MOVED`` for the keys of other nodes' slots: the check's own
+        keys may all be on this node, so read keys in slots spread over the whole range
+        (``ZCARD``, a command the gate needs, on keys of its own); any ``MOVED`` stops
+        start-up. A node serving every one of them serves every slot there is, in practice."""
+        for _ in range(_SLOT_PROBES):
+            key = f"{self.prefix}{RATE_LIMIT_KEY}{{fluxora-check-{secrets.token_hex(8)}}}"
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await self._redis.zcard(key)
+            except MovedError:
+                raise _cluster_info_refused() from None
+            except Exception:  # not ours to judge here: the script's check said it
+                return
 
     async def warn_if_evicting(self) -> None:
         """Log one warning when this Redis may evict the gate's keys (``maxmemory`` set and

@@ -87,24 +87,36 @@ async def serve_health(settings: Settings, **handlers: Any) -> tuple[web.AppRunn
 
 def _curable_by_waiting(exc: psycopg.OperationalError) -> bool:
     """The server was not reached (refused, timed out, no route, no such host yet) or is
-    starting, recovering or shutting down, as during a restart or a failover; not a
-    refusal that waiting does not change (authentication, no such database or role).
-    A failed connection carries no SQLSTATE: the server's refusals are its FATAL lines."""
-    text = str(exc)
+    starting, recovering or shutting down, as during a restart or a failover, or out of
+    connection slots; not a refusal that waiting does not change (authentication, no such
+    database or role). A failed connection carries no SQLSTATE, only the server's words,
+    which are in its language (``lc_messages``, set for the server: a session cannot
+    change it before it is let in): only the refusals that waiting does not change are
+    recognised, in English, and any other is waited for, within WEBHOOK_STARTUP_WAIT_MS,
+    its words logged at each attempt. (Recognising the passing refusals instead stopped a
+    ``run`` at once beside a German server that was starting up or full.)"""
     if exc.sqlstate is not None:
         return exc.sqlstate.startswith("08") or exc.sqlstate in _CURABLE_STATES
-    return "FATAL:" not in text or any(words in text for words in _CURABLE_REFUSALS)
+    text = str(exc)
+    return not any(words in text for words in _LASTING_REFUSALS)
 
 
 # Starting, shutting down, crash recovery; out of connection slots (a reconnect storm
 # after a failover): a refusal that passes.
 _CURABLE_STATES = ("57P01", "57P02", "57P03", "53300")
-_CURABLE_REFUSALS = (
-    "the database system is",
-    "too many clients already",
-    "too many connections for",  # a role's or a database's CONNECTION LIMIT
-    "remaining connection slots are reserved",
-    "try again later",
+# PostgreSQL's refusals of a connection that waiting does not change: authentication (any
+# method: "password authentication failed for user", "Ident authentication failed for
+# user", ...), pg_hba.conf, no such database or role, no CONNECT or LOGIN, a setting of the
+# URL's options refused.
+_LASTING_REFUSALS = (
+    "authentication failed for user",
+    "pg_hba.conf",
+    "does not exist",
+    "is not permitted to log in",
+    "permission denied",
+    "configuration parameter",
+    "invalid value for parameter",
+    "unsupported frontend protocol",
 )
 
 
@@ -135,24 +147,33 @@ async def warn_if_wake_up_off(conn: psycopg.AsyncConnection[Any], poll_interval_
     if not (row and row[0]):
         return False
     log.warning(
-        "fluxora.notify is off for this database or one of its roles: idle claim loops find"
+        "%s for this database or one of its roles: idle claim loops find"
         " the events those producers write only at their poll, every %d ms"
         " (WEBHOOK_POLL_INTERVAL_MS); set it to 100-1000",
+        row[0],
         poll_interval_ms,
     )
     return True
 
 
 # The session's own setting, or one that ALTER DATABASE or ALTER ROLE (any role: the
-# producers') gave this database or every database.
+# producers') gave this database or every database. session_replication_role = replica
+# (set for a role that replicates or bulk-loads into the outbox) fires no trigger, the
+# wake-up's either.
 _WAKE_UP_OFF = """
-SELECT lower(coalesce(current_setting('fluxora.notify', true), '')) IN ('off', 'false', '0')
-    OR EXISTS (
-        SELECT 1 FROM pg_db_role_setting s, unnest(s.setconfig) c
-        WHERE s.setdatabase IN (
-                0, (SELECT oid FROM pg_database WHERE datname = current_database()))
-          AND lower(replace(c, ' ', ''))
-              IN ('fluxora.notify=off', 'fluxora.notify=false', 'fluxora.notify=0'))
+WITH given AS (
+    SELECT lower(replace(c, ' ', '')) AS c FROM pg_db_role_setting s, unnest(s.setconfig) c
+    WHERE s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+)
+SELECT CASE
+    WHEN lower(coalesce(current_setting('fluxora.notify', true), '')) IN ('off', 'false', '0')
+        OR EXISTS (SELECT 1 FROM given
+                   WHERE c IN ('fluxora.notify=off', 'fluxora.notify=false', 'fluxora.notify=0'))
+    THEN 'fluxora.notify is off'
+    WHEN current_setting('session_replication_role') = 'replica'
+        OR EXISTS (SELECT 1 FROM given WHERE c = 'session_replication_role=replica')
+    THEN 'session_replication_role is replica (no trigger fires, the wake-up''s neither)'
+END
 """
 
 

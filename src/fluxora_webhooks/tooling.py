@@ -31,6 +31,7 @@ from psycopg.rows import dict_row
 
 from .endpoints import DEFAULT_ID, OPERATOR_TENANT
 from .outbox import enqueue
+from .pgtypes import as_utc
 from .queries import query
 
 LOOKBACK_S = 2.0
@@ -169,7 +170,7 @@ class AttemptCursor:
             for row in rows:
                 if row["id"] in self._seen:
                     continue
-                self._seen[row["id"]] = row["processed_at"]
+                self._seen[row["id"]] = as_utc(row["processed_at"])  # compared, subtracted
                 out.append(_attempt(row))
             if len(rows) < TAIL_PAGE:
                 break

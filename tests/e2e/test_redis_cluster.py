@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from fluxora_webhooks.errors import ConfigError
@@ -187,6 +188,45 @@ async def test_a_cluster_url_with_another_database_is_a_configuration_error(
         await _gate(cluster.url().replace("/0", "/3"), "p:")
     assert caught.value.variable == "REDIS_URL"
     assert "only database 0" in str(caught.value)
+
+
+async def test_a_cluster_user_that_may_not_run_cluster_info_stops_start_up(
+    cluster: RedisCluster,
+) -> None:
+    """docs/operations.md's ACL for a single Redis, on every node of a cluster: the node
+    is taken for a single Redis, which answers MOVED for other nodes' slots, so start-up
+    stops naming REDIS_URL and the commands to add, whichever slots its check's own keys
+    fall in (each start a new try); with those commands added the gate starts."""
+    user, password = f"fx{secrets.token_hex(3)}", secrets.token_hex(8)
+    single = (
+        "-@all", "+evalsha", "+script|load", "+ping", "+time", "+zremrangebyscore", "+zcard",
+        "+zadd", "+pexpire", "+hmget", "+hset", "+del", "+get", "+set", "+pttl", "+hgetall",
+    )  # fmt: skip
+    keys = ("~webhook_rl:*", "~webhook_cb:*", "~webhook_cb_probe:*")
+
+    async def set_user(*extra: str) -> None:
+        for port in cluster.ports:
+            node = Redis(host="127.0.0.1", port=port)  # this node only
+            try:
+                await node.execute_command(
+                    "ACL", "SETUSER", user, "reset", "on", f">{password}", *keys, *single, *extra
+                )
+            finally:
+                await node.aclose()
+
+    url = cluster.url().replace("redis://", f"redis://{user}:{password}@")
+    await set_user()
+    for _ in range(10):
+        with pytest.raises(ConfigError) as caught:
+            await _gate(url, "")
+        assert caught.value.variable == "REDIS_URL"
+        assert "+cluster|info" in str(caught.value) and password not in str(caught.value)
+    await set_user("+cluster|info", "+cluster|slots", "+command")
+    gate = await _gate(url, "")
+    try:
+        assert (await gate.admit(consumer_urls(1)[0], [2]))[0].allowed
+    finally:
+        await gate.close()
 
 
 async def test_run_with_workers_stops_on_a_cluster_url_with_another_database(

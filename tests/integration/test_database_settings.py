@@ -5,6 +5,8 @@ batches are not sent twice under SERIALIZABLE by default, and floats are not rou
 from __future__ import annotations
 
 import collections
+import json
+import logging
 import re
 from typing import Any
 
@@ -16,6 +18,7 @@ from psycopg import sql
 from fluxora_webhooks import inbox
 from fluxora_webhooks.outbox import enqueue
 from fluxora_webhooks.pgtypes import open_session
+from fluxora_webhooks.service import warn_if_wake_up_off
 from tests.support.dispatch import SECRET, make_settings, running_dispatcher, scalar, wait_until
 from tests.support.inbox import delivery
 from tests.support.procs import command_env, run_command, run_json
@@ -212,4 +215,108 @@ async def test_run_names_each_privilege_its_role_lacks_before_sending_anything(
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(name))
+            conn.execute(sql.SQL("DROP ROLE {}").format(name))
+
+
+TEXT = "Zoë 😀 日本"  # Latin-1, then past it
+
+
+async def test_a_latin1_client_encoding_loses_no_character(
+    database_url: str, receiver: Receiver
+) -> None:
+    """client_encoding LATIN1 for the database: enqueue's UTF-8 JSON was read by the server
+    as LATIN1 and stored as mojibake, without an error; the dispatcher's claim of a payload
+    holding an emoji failed for ever (untranslatable character), and the CLI wrote such
+    text with a traceback."""
+    alter_database(database_url, client_encoding="LATIN1")
+    async with await psycopg.AsyncConnection.connect(database_url) as producer:
+        assert producer.info.encoding != "utf-8"
+        await enqueue(producer, stream_id="s-Zoë", event_type="thing.done", payload={"t": TEXT})
+        await producer.commit()
+
+    async with running_dispatcher(make_settings(receiver.url), database_url):
+        await wait_until(lambda: _delivered(database_url, 1), timeout=30, what="the delivery")
+    assert [json.loads(r.body) for r in receiver.received] == [{"t": TEXT}]
+
+    async with await psycopg.AsyncConnection.connect(database_url) as producer:
+        with pytest.raises(ValueError, match=r"client_encoding \(LATIN1\) cannot carry"):
+            await enqueue(producer, stream_id="s-😀", event_type="thing.done", payload={})
+
+    env = command_env(DATABASE_URL=database_url)
+    code, made = await cli(
+        env, "endpoints", "add", "--url", "https://a.example.com/in", "--description", TEXT,
+        "--json",
+    )  # fmt: skip
+    assert code == 0 and made["description"] == TEXT, made
+    async with await open_session(database_url) as ours:
+        cur = await ours.execute("SELECT description FROM webhook_endpoints WHERE id = %s",
+                                 (made["id"],))  # fmt: skip
+        assert await cur.fetchone() == (TEXT,)
+
+
+async def test_tables_of_the_same_names_ahead_on_the_search_path_are_named(
+    database_url: str,
+) -> None:
+    """A schema ahead of the installation's on the search_path with tables of the same
+    names: `run` claimed from those (a traceback per claim, for ever) and the commands
+    failed on a column they lack; each now stops at start naming them (exit 3)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA legacy")
+        conn.execute("CREATE TABLE legacy.webhook_outbox (id bigserial, payload jsonb)")
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET search_path = legacy, public").format(
+                sql.Identifier(str(conn.info.dbname))
+            )
+        )
+    code, out = await cli(command_env(DATABASE_URL=database_url), "endpoints", "list")
+    assert code == 3, out
+    assert (
+        "finds legacy.webhook_outbox ahead of the fluxora-webhooks tables of schema"
+        " public: put public first on the search_path" in " ".join(out.split())
+    ), out
+
+
+@pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
+async def test_a_statement_the_databases_timeout_cancels_is_not_called_unreachable(
+    database_url: str, setting: str
+) -> None:
+    """A command's statement stopped by a lock_timeout or statement_timeout the DBA set
+    said `cannot reach the database`: the database was reached."""
+    alter_database(database_url, **{setting: "200ms"})
+    async with await psycopg.AsyncConnection.connect(database_url) as holder:
+        await holder.execute("LOCK TABLE webhook_endpoints IN ACCESS EXCLUSIVE MODE")
+        code, out = await run_command(
+            "endpoints", "list", env=command_env(DATABASE_URL=database_url)
+        )
+        await holder.rollback()
+    assert code == 1, out
+    assert "cannot reach" not in out, out
+    assert "cancelled a statement of this command" in out and setting in out, out
+
+
+async def test_run_warns_when_a_role_has_session_replication_role_replica(
+    database_url: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """session_replication_role = replica for a producers' role fires no trigger, the
+    wake-up's neither (like fluxora.notify = off, which was said): idle dispatchers find
+    those events only at their poll."""
+    role = f"fluxora_repl_{prefix.strip(':').replace('-', '_')[-12:]}".lower()
+    name = sql.Identifier(role)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        database = sql.Identifier(str(conn.info.dbname))
+        conn.execute(sql.SQL("CREATE ROLE {}").format(name))
+        conn.execute(
+            sql.SQL("ALTER ROLE {} IN DATABASE {} SET session_replication_role = replica").format(
+                name, database
+            )
+        )
+    caplog.set_level(logging.WARNING, logger="fluxora_webhooks.service")
+    try:
+        async with await open_session(database_url, autocommit=True) as conn:
+            assert await warn_if_wake_up_off(conn, 10_000) is True
+        assert "session_replication_role is replica" in caplog.text
+        assert "WEBHOOK_POLL_INTERVAL_MS" in caplog.text
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER ROLE {} IN DATABASE {} RESET ALL").format(name, database))
             conn.execute(sql.SQL("DROP ROLE {}").format(name))

@@ -1,6 +1,8 @@
 """Which failures to reach the database at start-up `run` waits out (a server not reached,
 starting, shutting down or out of slots) and which stop it at once (refusals that waiting
-does not change). A failed connection carries no SQLSTATE: the server's FATAL line tells."""
+does not change). A failed connection carries no SQLSTATE: the server's FATAL line tells,
+in the server's language; only the lasting refusals are recognised (in English), any other
+is waited for."""
 
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ REACH = 'connection failed: connection to server at "10.0.0.5", port 5432 failed
         REACH + "FATAL:  the database system is in recovery mode",
         REACH + "FATAL:  sorry, too many clients already",
         REACH + "FATAL:  remaining connection slots are reserved for roles with SUPERUSER",
+        # A server whose lc_messages is not English says so in its language.
+        REACH + "FATAL:  tut mir leid, schon zu viele Verbindungen",
+        REACH + "FATAL:  das Datenbanksystem startet",
+        REACH + "FATAL:  le système de bases de données est en cours de restauration",
+        REACH + "致命的エラー:  データベースシステムは起動処理中です",
     ],
 )
 def test_a_failure_that_passes_is_waited_out(message: str) -> None:
@@ -36,6 +43,10 @@ def test_a_failure_that_passes_is_waited_out(message: str) -> None:
         REACH + 'FATAL:  database "shop" does not exist',
         REACH + 'FATAL:  role "app" does not exist',
         REACH + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "app"',
+        REACH + 'FATAL:  Ident authentication failed for user "app"',
+        REACH + 'FATAL:  role "app" is not permitted to log in',
+        REACH + 'FATAL:  permission denied for database "shop"',
+        REACH + 'FATAL:  unrecognized configuration parameter "serch_path"',
     ],
 )
 def test_a_refusal_stops_start_up_at_once(message: str) -> None:

@@ -257,26 +257,61 @@ def create_app(config: ApiConfig) -> FastAPI:
         # build its Location from the request's Host header.
         redirect_slashes=False,
         responses={
-            400: {"model": errors_model(), "description": "the body is not JSON, or a bad cursor"},
-            401: {"model": errors_model(), "description": "no token, or not a valid one"},
+            400: {
+                "model": errors_model(),
+                "description": "`bad_request`: the body is not JSON; `invalid_cursor`: a cursor"
+                " this list did not return",
+            },
+            401: {
+                "model": errors_model(),
+                "description": "`unauthorized`: no token, or not a valid one",
+                "headers": {
+                    "WWW-Authenticate": {
+                        "description": "the scheme to authenticate with: Bearer",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    }
+                },
+            },
             405: {
                 "model": errors_model(),
-                "description": "a method the route does not take (its `Allow` header lists them)",
+                "description": "`method_not_allowed`: a method the route does not take",
+                "headers": {
+                    "Allow": {
+                        "description": "the methods the path takes",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    }
+                },
             },
-            413: {"model": errors_model(), "description": "a request body over 1 MiB"},
+            413: {"model": errors_model(), "description": "`too_large`: a body over 1 MiB"},
             415: {
                 "model": errors_model(),
-                "description": "a body sent without `Content-Type: application/json`",
+                "description": "`unsupported_media_type`: a body sent without"
+                " `Content-Type: application/json`",
             },
             422: {
                 "model": errors_model(),
-                "description": "the request is not valid; or a read that ran longer than the"
-                " API allows (`query_timeout`): narrow it with a filter",
+                "description": "`validation_error`: the request is not valid (the message names"
+                " the field); `query_timeout`: a read that ran longer than the API allows,"
+                " narrow it with a filter",
             },
-            500: {"model": errors_model(), "description": "an unexpected error (in the log)"},
+            500: {
+                "model": errors_model(),
+                "description": "`internal_error`: an unexpected error (in the log);"
+                " `database_privilege`: the API's database role lacks a privilege",
+            },
             503: {
                 "model": errors_model(),
-                "description": "the database is not reachable or read-only: try again later",
+                "description": "`unavailable`: the database is not reachable or read-only: try"
+                " again later",
+                "headers": {
+                    "Retry-After": {
+                        "description": "seconds to wait before trying again",
+                        "required": True,
+                        "schema": {"type": "integer"},
+                    }
+                },
             },
         },
     )

@@ -251,10 +251,13 @@ def install(app: FastAPI, html_error: Any) -> None:
     async def _too_long(request: Request, exc: psycopg.errors.QueryCanceled) -> Response:
         # A read stopped by its statement timeout (api/app.py): the same request would be
         # stopped again, so it is not answered 503 (which clients retry, each retry holding
-        # a connection for as long again) but 422, saying how to ask for less. Anything
-        # else cancelled (an operator's pg_cancel_backend) is the database's business: 503.
+        # a connection for as long again) but 422, saying how to ask for less. An
+        # operator's pg_cancel_backend is the database's business: 503. The two share a
+        # SQLSTATE, and the server's words are in its language (lc_messages): the rare one
+        # is told by its English words, and a read cancelled in other words is the
+        # timeout (it was a 503 beside a server that speaks German).
         reason = str(getattr(exc.diag, "message_primary", "") or "")
-        if "statement timeout" not in reason or request.method not in ("GET", "HEAD"):
+        if "user request" in reason or request.method not in ("GET", "HEAD"):
             return await _database_unavailable(request, exc)
         log.warning(
             "%s %s: answered 422, the query ran past the statement timeout",

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    WithJsonSchema,
+    model_validator,
+)
 
 T = TypeVar("T")
 Status = Literal["pending", "retrying", "parked", "delivered", "dead_letter"]
@@ -20,6 +28,10 @@ def _blank_is_absent(value: Any) -> Any:
 # unfilled field) is no filter. Not ``tenant``, whose empty value is the default tenant.
 Filter = Annotated[str | None, BeforeValidator(_blank_is_absent)]
 StatusFilter = Annotated[Status | None, BeforeValidator(_blank_is_absent)]
+# A time in an answer: ISO 8601 with its offset, as the admin layer writes it (the text is
+# sent as it is); typed `date-time` in the document, so that a client generated from it
+# reads a datetime rather than a string.
+Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
 
 
 class _In(BaseModel):
@@ -30,8 +42,16 @@ class _In(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    code: str = Field(examples=["not_found"])
-    message: str
+    code: str = Field(
+        examples=["not_found"],
+        description="what went wrong, for a program: bad_request, invalid_cursor (400);"
+        " unauthorized (401); read_only, tenant_forbidden (403); not_found (404);"
+        " method_not_allowed (405); conflict, endpoint_limit (409); too_large (413);"
+        " unsupported_media_type (415); validation_error, idempotency_key_reused,"
+        " query_timeout (422); internal_error, database_privilege (500); unavailable (503)."
+        " A string, not an enumeration: a later version may add codes",
+    )
+    message: str = Field(description="what went wrong, for a person")
 
 
 class ErrorBody(BaseModel):
@@ -92,10 +112,10 @@ class Endpoint(BaseModel):
     ordered: bool
     state: Literal["enabled", "disabled"]
     disabled_reason: Literal["manual", "gone", "failing"] | None
-    disabled_at: str | None
-    failing_since: str | None
-    created_at: str | None
-    updated_at: str | None
+    disabled_at: Timestamp | None
+    failing_since: Timestamp | None
+    created_at: Timestamp | None
+    updated_at: Timestamp | None
     builtin: bool
 
 
@@ -114,7 +134,9 @@ class Secret(BaseModel):
 
 
 class RecoverIn(_In):
-    since: str = Field(description="ISO 8601, or a duration ago such as 2h")
+    since: str = Field(
+        description="ISO 8601 (UTC unless it has an offset), or a duration ago such as 2h"
+    )
     until: str | None = Field(None, description="default: now")
 
 
@@ -138,7 +160,7 @@ class Event(BaseModel):
     stream_id: str
     event_type: str
     payload: Any
-    created_at: str | None
+    created_at: Timestamp | None
 
 
 class EventAccepted(Event):
@@ -158,14 +180,14 @@ class Delivery(BaseModel):
     event_type: str
     status: Status
     attempt_count: int
-    created_at: str | None
-    last_attempt_at: str | None
-    next_attempt_at: str | None
+    created_at: Timestamp | None
+    last_attempt_at: Timestamp | None
+    next_attempt_at: Timestamp | None
 
 
 class Attempt(BaseModel):
     attempt: int
-    at: str | None
+    at: Timestamp | None
     status_code: int | None
     duration_ms: float | None
     error: str | None
@@ -249,7 +271,7 @@ class EndpointHealth(BaseModel):
 
 
 class Bucket(BaseModel):
-    at: str | None
+    at: Timestamp | None
     delivered: int
     retry: int
     dead_letter: int

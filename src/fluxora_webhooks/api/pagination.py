@@ -6,13 +6,24 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Query
 
 from .errors import ApiError
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 MAX_KEY = 2**63 - 1  # the keys are bigint ids
+
+# A list's paging parameters, as the document describes them.
+Limit = Annotated[
+    int, Query(ge=1, le=MAX_LIMIT, description=f"items per page (default {DEFAULT_LIMIT})")
+]
+Cursor = Annotated[
+    str | None,
+    Query(description="`next_cursor` of the previous page (absent or empty: the first page)"),
+]
 
 
 def encode(kind: str, key: str | int) -> str:

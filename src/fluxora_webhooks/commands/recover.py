@@ -14,8 +14,8 @@ NAME = "recover"
 HELP = "re-queue an endpoint's dead letters from a time window"
 DESCRIPTION = (
     "Re-queue every delivery of an endpoint that was dead-lettered in the window (same "
-    "delivery id, attempts counted afresh). TIME is ISO 8601 (2026-12-01T10:00:00Z) or a "
-    "duration ago (90m, 2h, 3d)."
+    "delivery id, attempts counted afresh). TIME is ISO 8601 (2026-12-01T10:00:00Z; a time "
+    "without an offset is UTC) or a duration ago (90m, 2h, 3d)."
 )
 
 

@@ -190,7 +190,7 @@ def auto_disabled(
     disabled_at: datetime | None = endpoint.disabled_at
     since: datetime | None = endpoint.failing_since
     streak_s = (
-        (disabled_at - since).total_seconds()
+        disabled_at.timestamp() - since.timestamp()  # not on the wall clock (DST)
         if disabled_at is not None and since is not None
         else None
     )

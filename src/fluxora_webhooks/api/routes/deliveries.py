@@ -9,14 +9,18 @@ from fastapi import APIRouter, Query
 from ... import deliveries
 from ..deps import Conn, Reader, Writer, scoped
 from ..models import Delivery, DeliveryDetail, ErrorBody, Filter, Page, StatusFilter
-from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, page
+from ..pagination import DEFAULT_LIMIT, Cursor, Limit, decode_int, page
 
 router = APIRouter(
     prefix="/deliveries",
     tags=["deliveries"],
     responses={
-        403: {"model": ErrorBody, "description": "read-only token, or another tenant"},
-        404: {"model": ErrorBody, "description": "no such delivery (for this token)"},
+        403: {
+            "model": ErrorBody,
+            "description": "`read_only`: a read-only token; `tenant_forbidden`: a tenant token"
+            " naming another tenant",
+        },
+        404: {"model": ErrorBody, "description": "`not_found`: no such delivery (for this token)"},
     },
 )
 
@@ -30,8 +34,8 @@ async def list_deliveries(
     stream_id: Filter = None,
     tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
     event_type: Filter = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
-    cursor: str | None = None,
+    limit: Limit = DEFAULT_LIMIT,
+    cursor: Cursor = None,
 ) -> dict[str, Any]:
     found, after = await deliveries.list_deliveries(
         conn,
@@ -59,7 +63,13 @@ async def get_delivery(delivery_id: str, who: Reader, conn: Conn) -> dict[str, A
     status_code=202,
     response_model=DeliveryDetail,
     summary="Send a delivery again",
-    responses={409: {"model": ErrorBody, "description": "its endpoint was removed"}},
+    responses={
+        409: {
+            "model": ErrorBody,
+            "description": "`conflict`: its endpoint was removed, or a batch was still sending"
+            " it after 5 s",
+        }
+    },
 )
 async def replay(delivery_id: str, who: Writer, conn: Conn) -> dict[str, Any]:
     """Whatever its status, under the same delivery id: a pending one is due now (a

@@ -7,6 +7,7 @@ import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request, Response
+from pydantic import WithJsonSchema
 
 from ... import endpoints
 from ..deps import Conn, Reader, Writer, api_state, scoped
@@ -22,23 +23,30 @@ from ..models import (
     RotateIn,
     Secret,
 )
-from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode, page
+from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, Cursor, Limit, decode, page
 
 log = logging.getLogger("fluxora_webhooks.api")
 # A built-in endpoint (default, operator) is the service's configuration, not the API's.
 BUILT_IN: dict[int | str, dict[str, Any]] = {
-    409: {"model": ErrorBody, "description": "a built-in endpoint"}
+    409: {"model": ErrorBody, "description": "`conflict`: a built-in endpoint"}
 }
 
 router = APIRouter(
     prefix="/endpoints",
     tags=["endpoints"],
     responses={
-        403: {"model": ErrorBody, "description": "read-only token, or another tenant"},
-        404: {"model": ErrorBody, "description": "no such endpoint (for this token)"},
+        403: {
+            "model": ErrorBody,
+            "description": "`read_only`: a read-only token; `tenant_forbidden`: a tenant token"
+            " naming another tenant",
+        },
+        404: {"model": ErrorBody, "description": "`not_found`: no such endpoint (for this token)"},
     },
 )
-Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+# The rotation's body is optional (no body, or JSON null, is every default): documented as
+# the object alone, not "RotateIn or null", which generated clients cannot leave out
+# (openapi-python-client sends its "unset" marker as the body, and fails).
+OPTIONAL_ROTATE_IN = WithJsonSchema({"$ref": "#/components/schemas/RotateIn"})
 
 
 @router.get("", response_model=Page[Endpoint], summary="List endpoints")
@@ -47,7 +55,7 @@ async def list_endpoints(
     conn: Conn,
     tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
     limit: Limit = DEFAULT_LIMIT,
-    cursor: str | None = None,
+    cursor: Cursor = None,
 ) -> dict[str, Any]:
     scope = scoped(who, tenant)
     wanted = limit + 1 if limit < MAX_LIMIT else limit
@@ -67,7 +75,8 @@ async def list_endpoints(
     responses={
         409: {
             "model": ErrorBody,
-            "description": "the tenant token's tenant has as many endpoints as it may",
+            "description": "`endpoint_limit`: the tenant token's tenant has as many endpoints"
+            " as it may",
         }
     },
 )
@@ -167,7 +176,7 @@ async def rotate_secret(
     endpoint_id: str,
     who: Writer,
     conn: Conn,
-    body: Annotated[RotateIn | None, Body()] = None,
+    body: Annotated[RotateIn | None, Body(), OPTIONAL_ROTATE_IN] = None,
 ) -> dict[str, Any]:
     """A new secret, shown this once; the old one keeps signing for `keep_previous` as a
     second signature in `webhook-signature` (`x-fluxora-signature` is the new secret's at

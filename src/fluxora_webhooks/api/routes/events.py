@@ -11,20 +11,38 @@ from ...endpoints import check_tenant
 from ...errors import NotFoundError
 from ..deps import Conn, Reader, Writer, scoped
 from ..models import ErrorBody, Event, EventAccepted, EventDetail, EventIn, Filter, Page
-from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, decode_int, page
+from ..pagination import DEFAULT_LIMIT, Cursor, Limit, decode_int, page
 
 router = APIRouter(
     prefix="/events",
     tags=["events"],
     responses={
-        403: {"model": ErrorBody, "description": "read-only token, or another tenant"},
-        404: {"model": ErrorBody, "description": "no such event (for this token)"},
+        403: {
+            "model": ErrorBody,
+            "description": "`read_only`: a read-only token; `tenant_forbidden`: a tenant token"
+            " naming another tenant",
+        },
+        404: {"model": ErrorBody, "description": "`not_found`: no such event (for this token)"},
     },
 )
 
 
 # A key: 1 to 255 visible ASCII characters (a UUID, a hash, the producer's own id).
 IDEMPOTENCY_KEY = r"^[!-~]{1,255}$"
+TRACESTATE_HELP = (
+    "W3C tracestate, passed on with a valid traceparent (repeated headers are one list,"
+    " combined in their order, as W3C says)"
+)
+# How the document gives `tracestate`: one header value, a string (the route reads every
+# header of the name, which a list parameter would document as an array: a header no
+# client generator can send, openapi-python-client leaving the whole operation out).
+TRACESTATE_PARAMETER = {
+    "name": "tracestate",
+    "in": "header",
+    "required": False,
+    "description": TRACESTATE_HELP,
+    "schema": {"type": "string"},
+}
 
 
 @router.post(
@@ -33,12 +51,23 @@ IDEMPOTENCY_KEY = r"^[!-~]{1,255}$"
     response_model=EventAccepted,
     summary="Enqueue an event",
     responses={
+        202: {
+            "headers": {
+                "Idempotent-Replayed": {
+                    "description": "`true` when the answer is the first one again (an"
+                    " Idempotency-Key seen before); absent otherwise",
+                    "required": False,
+                    "schema": {"type": "string", "enum": ["true"]},
+                }
+            }
+        },
         422: {
             "model": ErrorBody,
             "description": "invalid body or header (`validation_error`), or the"
             " Idempotency-Key was used with another request (`idempotency_key_reused`)",
-        }
+        },
     },
+    openapi_extra={"parameters": [TRACESTATE_PARAMETER]},
 )
 async def enqueue_event(
     who: Writer,
@@ -63,11 +92,7 @@ async def enqueue_event(
         ),
     ] = None,
     tracestate: Annotated[
-        list[str] | None,
-        Header(
-            description="W3C tracestate, passed on with a valid traceparent (repeated"
-            " headers are one list, combined in their order, as W3C says)"
-        ),
+        list[str] | None, Header(description=TRACESTATE_HELP, include_in_schema=False)
     ] = None,
 ) -> dict[str, Any]:
     """For producers outside the database: the event is committed to the outbox and
@@ -95,8 +120,8 @@ async def list_events(
     tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
     stream_id: Filter = None,
     event_type: Filter = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
-    cursor: str | None = None,
+    limit: Limit = DEFAULT_LIMIT,
+    cursor: Cursor = None,
 ) -> dict[str, Any]:
     found, after = await deliveries.list_events(
         conn,

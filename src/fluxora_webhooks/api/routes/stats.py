@@ -21,7 +21,12 @@ HEALTH_LIST = "endpoint_health"
 router = APIRouter(
     prefix="/stats",
     tags=["stats"],
-    responses={403: {"model": ErrorBody, "description": "another tenant's statistics"}},
+    responses={
+        403: {
+            "model": ErrorBody,
+            "description": "`tenant_forbidden`: a tenant token asking for another tenant's",
+        }
+    },
 )
 
 
