@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import EndpointError
-from .httpclient import ConnectFailed, HttpClient, ProtocolError, Response
+from .httpclient import ConnectFailed, HttpClient, ProtocolError, Response, tls_failure
 from .logs import mask, url_secrets
 from .retry import Kind, parse_http_date, parse_retry_after
 from .urlpolicy import redacted
@@ -171,6 +172,13 @@ async def _post(
             error=f"connection failed to {redacted(url)}: {exc.strerror or 'unreachable'}",
             duration_ms=elapsed(),
             reason="connection_error",
+        )
+    except ssl.SSLError as exc:  # after the handshake (TLS 1.3 asks for a client cert then)
+        return AttemptResult(
+            Kind.RETRYABLE,
+            error=f"{redacted(url)}: {tls_failure(exc)}",
+            duration_ms=elapsed(),
+            reason="network_error",
         )
     except (ProtocolError, OSError) as exc:
         return AttemptResult(

@@ -47,7 +47,7 @@ from .connector import SafeResolver
 from .delivery import AttemptResult, attempt, secret_texts
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
-from .httpclient import HttpClient, warm_ssl_context
+from .httpclient import HttpClient, client_ssl_context, warm_ssl_context
 from .migrations import READ_ONLY_HINT, discard, read_only_reason
 from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome, bring_forward
 from .pgtypes import SESSION_SETTINGS_SQL, described, read_far_timestamps, session_name
@@ -226,7 +226,7 @@ class Dispatcher:
         await self._pool.open(wait=False)
         # The trust store for https consumers, loaded in a thread now rather than on the
         # event loop at the first https request (where it stalled every request in flight).
-        await warm_ssl_context()
+        await warm_ssl_context(self.settings.tls_client_cert, self.settings.tls_client_key)
         background = [
             asyncio.create_task(self._listen(), name="fluxora-listen"),
             asyncio.create_task(self.completer.run(), name="fluxora-completer"),
@@ -471,10 +471,7 @@ class Dispatcher:
                 if self.stopping:
                     return
                 log.warning(
-                    "claim loop %d: database unavailable (%s); retrying in %.2fs",
-                    index,
-                    type(exc).__name__,
-                    backoff,
+                    "claim loop %d: %s; retrying in %.2fs", index, _claim_failure(exc), backoff
                 )
             except Exception:
                 metrics.CLAIM_ERRORS.inc()
@@ -1017,6 +1014,26 @@ class Dispatcher:
 APPLICATION_NAME = "fluxora-webhooks dispatcher"
 
 
+def _claim_failure(exc: BaseException) -> str:
+    """What stopped a claim, for its log line. A lock not granted in time or a cancelled
+    statement is a database that answers: an operator's VACUUM FULL, CLUSTER, ALTER TABLE,
+    TRUNCATE or LOCK TABLE of the outbox (each takes an ACCESS EXCLUSIVE lock), not an
+    outage."""
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        return (
+            f"a lock the claim needs was not granted within {LOCK_TIMEOUT_MS / 1000:g} s"
+            " (LockNotAvailable): another session holds the outbox, such as an operator's"
+            " VACUUM FULL, CLUSTER, REINDEX (not CONCURRENTLY), ALTER TABLE, TRUNCATE or"
+            " LOCK TABLE; deliveries wait until it commits (pg_locks names it)"
+        )
+    if isinstance(exc, psycopg.errors.QueryCanceled):
+        return (
+            "a statement was cancelled (QueryCanceled: its statement_timeout of"
+            f" {STATEMENT_TIMEOUT_MS / 1000:g} s, or an operator's pg_cancel_backend)"
+        )
+    return f"database unavailable ({type(exc).__name__})"
+
+
 def _builtin_variable(endpoint_id: str) -> str:
     """The variable that configures a built-in endpoint's URL."""
     return "WEBHOOK_URL" if endpoint_id == endpoints.DEFAULT_ID else "WEBHOOK_OPERATOR_URL"
@@ -1096,4 +1113,6 @@ def make_client(
         settings.allowed_networks,
         require_loopback=require_loopback,
     )
-    return HttpClient(resolver)
+    cert = settings.tls_client_cert
+    context = None if cert is None else client_ssl_context(cert, settings.tls_client_key)
+    return HttpClient(resolver, ssl_context=context)

@@ -64,6 +64,55 @@ class ConnectFailed(OSError):
     """No connection could be made to any allowed address of the endpoint."""
 
 
+# What OpenSSL's reason codes mean to an operator, for the TLS failures a consumer's
+# server causes most (the code alone, TLSV1_ALERT_PROTOCOL_VERSION, says it to few).
+_TLS_REASONS = {
+    "TLSV1_ALERT_PROTOCOL_VERSION": "no TLS version in common (TLS 1.2 or later is required)",
+    "UNSUPPORTED_PROTOCOL": "no TLS version in common (TLS 1.2 or later is required)",
+    "WRONG_SSL_VERSION": "no TLS version in common (TLS 1.2 or later is required)",
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the consumer requires a client certificate",
+    "WRONG_VERSION_NUMBER": "the consumer does not speak TLS on this port (plain http?)",
+    "UNSAFE_LEGACY_RENEGOTIATION_DISABLED": (
+        "the consumer does not support secure renegotiation (RFC 5746)"
+    ),
+}
+_SSL_NOISE = re.compile(r"^\[SSL(?:: [A-Z0-9_]+)?\] |\s*\(_ssl\.c:\d+\)$")
+_SSL_CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+# OpenSSL's verify codes of a chain that leads to no trusted CA: unable to get the issuer
+# (2, 20), self-signed (18, 19), unable to verify the leaf's signature (21).
+_UNKNOWN_ISSUER = frozenset({2, 18, 19, 20, 21})
+
+
+def _during_handshake(exc: OSError) -> bool:
+    """Whether a failed https connection failed in its TLS handshake: a TLS error, or the
+    connection reset or aborted once made (a refused one is ``ConnectionRefusedError``)."""
+    return isinstance(exc, (ssl.SSLError, ConnectionResetError, ConnectionAbortedError))
+
+
+def tls_failure(exc: OSError, address: str | None = None) -> str:
+    """What a TLS failure with a consumer was, in words: the certificate check that
+    failed, or the handshake's problem. ``exc`` is an ``ssl.SSLError``, or the connection
+    lost during the handshake; ``address`` the address connected to, when the host is a
+    name."""
+    at = f" at {address}" if address else ""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or exc.reason or "refused"
+        text = f"TLS certificate not accepted{at}: {why}"
+        if exc.verify_code in _UNKNOWN_ISSUER:
+            text += (
+                " (not signed by a CA this dispatcher trusts; a private CA is trusted with"
+                " SSL_CERT_FILE or SSL_CERT_DIR)"
+            )
+        return text
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, _SSL_CLOSED):
+        known = _TLS_REASONS.get(exc.reason or "")
+        said = _SSL_NOISE.sub("", exc.strerror or str(exc)).strip() or exc.reason
+        if known is not None:
+            return f"TLS handshake failed{at}: {known} ({said})"
+        return f"TLS handshake failed{at}: {said or type(exc).__name__}"
+    return f"TLS handshake failed{at}: the consumer closed the connection"
+
+
 @dataclass
 class Response:
     """One answer: its status, its headers (lowercase names, first occurrence), its body up
@@ -341,8 +390,21 @@ def default_ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-async def warm_ssl_context() -> None:
-    await asyncio.to_thread(default_ssl_context)
+@lru_cache(maxsize=4)
+def client_ssl_context(cert: str, key: str | None) -> ssl.SSLContext:
+    """The system's trust store and a client certificate (``cert``, its key in ``key`` or
+    in ``cert``'s file) presented to consumers that ask for one: loaded once per process
+    (a renewed certificate is read at the next start)."""
+    context = ssl.create_default_context()
+    context.load_cert_chain(cert, key)
+    return context
+
+
+async def warm_ssl_context(cert: str | None = None, key: str | None = None) -> None:
+    if cert is None:
+        await asyncio.to_thread(default_ssl_context)
+    else:
+        await asyncio.to_thread(client_ssl_context, cert, key)
 
 
 class HttpClient:
@@ -465,7 +527,9 @@ class HttpClient:
 
     async def _connect(self, origin: _Origin) -> _Connection:
         loop = asyncio.get_running_loop()
+        tls = origin.scheme == "https"
         last: OSError | None = None
+        tls_failed: str | None = None  # a TLS failure says more than a later refusal
         for address in await self._addresses(origin):
             reason = self.resolver.check(address)  # the last word: this very address
             if reason is not None:
@@ -475,13 +539,18 @@ class HttpClient:
                     lambda: _Connection(origin),
                     host=address,
                     port=origin.port,
-                    ssl=(self._ssl or default_ssl_context()) if origin.scheme == "https" else None,
-                    server_hostname=origin.host if origin.scheme == "https" else None,
+                    ssl=(self._ssl or default_ssl_context()) if tls else None,
+                    server_hostname=origin.host if tls else None,
                 )
             except OSError as exc:
                 last = exc
+                if tls and _during_handshake(exc):
+                    tls_failed = tls_failure(exc, None if origin.literal else address)
                 continue
             self.opened += 1
             return conn
-        strerror = (last.strerror if last is not None else None) or "no address to connect to"
-        raise ConnectFailed(last.errno if last is not None else errno.EHOSTUNREACH, strerror)
+        if tls_failed is not None:
+            raise ConnectFailed(errno.ECONNABORTED, tls_failed)
+        if last is None:
+            raise ConnectFailed(errno.EHOSTUNREACH, "no address to connect to")
+        raise ConnectFailed(last.errno or errno.ECONNABORTED, last.strerror or type(last).__name__)

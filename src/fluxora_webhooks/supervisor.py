@@ -249,8 +249,7 @@ class Supervisor:
                 await self._check_database(conn)
             if self._stopping.is_set():
                 return
-            _remove_orphaned_metrics_dirs(tempfile.gettempdir())
-            self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+            self.metrics_dir = _make_metrics_dir(self.settings.workers)
             _merge_worker_files(self._registry, self.metrics_dir)
             metrics.WORKERS.labels(state="wanted").set(self.settings.workers)
             metrics.WORKERS.labels(state="dispatching").set(0)
@@ -593,12 +592,39 @@ class Supervisor:
 
 
 METRICS_DIR_PREFIX = "fluxora-metrics-"
+# The metrics folders this process made (a test may run several supervisors in one).
+_MADE_HERE: set[str] = set()
+
+
+def _make_metrics_dir(workers: int) -> str:
+    """The run's own folder for the workers' metric files, in the temporary folder
+    (``TMPDIR``, else /tmp, ...), after removing those of supervisors that are gone. A
+    container whose file system is read-only has none: said as the configuration it is."""
+    try:
+        parent = tempfile.gettempdir()
+        _remove_orphaned_metrics_dirs(parent)
+        made = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-", dir=parent)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        where = f"{why}: {exc.filename}" if exc.filename else why
+        raise ConfigError(
+            "WEBHOOK_WORKERS",
+            f"{workers} workers need a writable temporary folder for their metrics ({where});"
+            " give the container one (an emptyDir or a tmpfs at /tmp, or TMPDIR naming a"
+            " writable folder), or set WEBHOOK_WORKERS=1 (one process writes no file)",
+        ) from None
+    _MADE_HERE.add(os.path.realpath(made))
+    return made
 
 
 def _remove_orphaned_metrics_dirs(parent: str) -> list[str]:
     """Remove the metrics directories of supervisors that are gone (killed, so their own
     clean-up never ran): a directory is named after its supervisor's pid, and one is removed
-    only when it is ours (same user) and no process has that pid. Returns what it removed."""
+    only when it is ours (same user) and no other process has that pid. One named after
+    this process's pid that this process did not make is an earlier process's: a
+    container's supervisor is pid 1 at every restart, and a /tmp that outlives the
+    container's process (a pod's emptyDir) keeps what the one killed left. Returns what it
+    removed."""
     removed: list[str] = []
     try:
         names = os.listdir(parent)
@@ -610,7 +636,12 @@ def _remove_orphaned_metrics_dirs(parent: str) -> list[str]:
             continue
         path = os.path.join(parent, name)
         try:
-            if os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+            pid = int(pid_text)
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            if pid == os.getpid() and os.path.realpath(path) in _MADE_HERE:
+                continue
+            if pid != os.getpid() and _alive(pid):
                 continue
         except OSError:
             continue

@@ -116,6 +116,21 @@ def test_stored_text_masks_the_urls_secret_parts_and_the_signing_secret() -> Non
     assert scrub_stored(None, url) is None and scrub_stored("", url) == ""
 
 
+def test_a_path_that_is_also_in_the_host_masks_the_path_not_the_host() -> None:
+    """A URL's path is masked as a possible token; ``/hook`` is also in ``//hooks.``: the
+    host (what is shown of a URL) is kept, in stored text and in the logs alike."""
+    url = "https://hooks.tls.test:8443/hook"
+    error = "connection failed to https://hooks.tls.test:8443: TLS certificate not accepted"
+    assert scrub_stored(error, url) == error
+    said = scrub_stored(f"POST /hook refused by {url}; see https://hooks.tls.test/hook", url)
+    assert said == "POST *** refused by https://hooks.tls.test:8443; see https://hooks.tls.test***"
+    logs.add_sensitive_url(url)
+    try:
+        assert logs.scrub(f"{error}; path /hook") == f"{error}; path ***"
+    finally:
+        logs.clear_sensitive()
+
+
 # --- 11. Breaker transitions in the logs ---------------------------------------------------
 
 

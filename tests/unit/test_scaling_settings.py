@@ -129,15 +129,17 @@ def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_start(
     dead_pid = int(gone.stdout)
     parent = str(tmp_path)
     orphan = os.path.join(parent, f"{METRICS_DIR_PREFIX}{dead_pid}-abc123")
-    running = os.path.join(parent, f"{METRICS_DIR_PREFIX}{os.getpid()}-def456")
+    running = os.path.join(parent, f"{METRICS_DIR_PREFIX}{os.getppid()}-def456")
+    # Named after this process's pid but not made by it: an earlier pid 1's in a container.
+    earlier = os.path.join(parent, f"{METRICS_DIR_PREFIX}{os.getpid()}-ghi012")
     unnamed = os.path.join(parent, f"{METRICS_DIR_PREFIX}xyz789")
     other = os.path.join(parent, "something-else-1")
-    for path in (orphan, running, unnamed, other):
+    for path in (orphan, running, earlier, unnamed, other):
         os.mkdir(path)
     with open(os.path.join(orphan, "counter_1.db"), "wb") as f:
         f.write(b"x")
 
-    assert _remove_orphaned_metrics_dirs(parent) == [orphan]
+    assert sorted(_remove_orphaned_metrics_dirs(parent)) == sorted([orphan, earlier])
     assert sorted(os.listdir(parent)) == sorted(
         os.path.basename(p) for p in (running, unnamed, other)
     )

@@ -321,7 +321,41 @@ def create_app(config: ApiConfig) -> FastAPI:
     errors.install(app, render.error_page)
     app.add_middleware(Guard, html_error=render.error_page)
     _require_token_for_openapi(app)
+    _install_probes(app)
     return app
+
+
+# How long readiness waits for a pool connection and its answer.
+READY_TIMEOUT_S = 2.0
+
+
+def _install_probes(app: FastAPI) -> None:
+    """``/healthz`` and ``/readyz`` for a platform's probes, without a token and saying
+    nothing about the deployment: the process answers (liveness), and the database answers
+    through the pool within READY_TIMEOUT_S (readiness: 503 otherwise, so the platform sends
+    the API's traffic elsewhere until it does, without restarting a process that would
+    recover by itself)."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz(request: Request) -> JSONResponse:
+        state: ApiState = request.app.state.fluxora
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                async with state.pool.connection(timeout=READY_TIMEOUT_S) as conn:
+                    await conn.execute("SELECT 1")
+        except Exception as exc:
+            log.warning("readiness: the database did not answer (%s)", type(exc).__name__)
+            return JSONResponse(
+                {"status": "unavailable"}, status_code=503, headers={"Retry-After": "1"}
+            )
+        return JSONResponse({"status": "ok"})
 
 
 def errors_model() -> type[Any]:

@@ -73,7 +73,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await server.start()
-        print(f"fluxora-webhooks api: serving on {server.url} (API under /api/v1)", flush=True)
+        if settings.log_format == "text":
+            # With LOG_FORMAT=json every line is a JSON record (a container's log collector
+            # reads standard output and error as one stream): the record above says it.
+            print(f"fluxora-webhooks api: serving on {server.url} (API under /api/v1)", flush=True)
         try:
             await stop.wait()
         finally:

@@ -34,7 +34,9 @@ uses too), and the folders above the data folder are given world *search* permis
 
 from __future__ import annotations
 
+import errno
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,12 +81,12 @@ def resolve(database_url: str | None, redis_url: str | None, home: Path) -> Engi
     if database_url is None:
         from .lifecycle import embedded_database_url
 
-        database_url = embedded_database_url(home)
+        database_url = _in_home(embedded_database_url, home, "PostgreSQL", "DATABASE_URL")
         embedded.append("PostgreSQL")
     if redis_url is None:
         from .lifecycle import embedded_redis_url
 
-        redis_url = embedded_redis_url(home)
+        redis_url = _in_home(embedded_redis_url, home, "Redis", "REDIS_URL")
         embedded.append("Redis")
     if embedded:
         log.warning(
@@ -98,6 +100,23 @@ def resolve(database_url: str | None, redis_url: str | None, home: Path) -> Engi
             ),
         )
     return Engines(database_url, redis_url, tuple(embedded))
+
+
+def _in_home(start: Callable[[Path], str], home: Path, engine: str, variable: str) -> str:
+    """Start an embedded engine; a folder it cannot write (a container's read-only file
+    system, a user without a home) is said with the variable that chose the engine."""
+    try:
+        return start(home)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        why = exc.strerror or type(exc).__name__
+        where = exc.filename or home
+        raise EmbeddedEngineError(
+            f"the embedded {engine} ({variable} is unset) keeps its files in FLUXORA_HOME"
+            f" ({home}), and {where} cannot be written ({why}): set {variable} to your own"
+            f" {engine}, or FLUXORA_HOME to a writable folder"
+        ) from None
 
 
 # The engines' code needs the [embedded] extra (psutil, the server binaries): it is

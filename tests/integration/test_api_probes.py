@@ -1,0 +1,55 @@
+"""The API's probes for a container platform (docs/api.md): ``/healthz`` answers while the
+process does, ``/readyz`` says whether the database answers through the pool, both without
+a token and without a word about the deployment; a database that comes back makes the API
+ready again by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import psycopg
+import pytest
+
+from fluxora_webhooks.migrations import migrate
+from tests.support.api import serving
+from tests.support.chaos import own_postgres_running
+
+pytestmark = pytest.mark.integration
+
+
+async def _probe(session: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, str], str]:
+    started = time.monotonic()
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        text = await resp.text()
+    # Bounded: a platform's probe has a timeout of its own (1 s by default).
+    assert time.monotonic() - started < 5, url
+    return resp.status, dict(resp.headers), text
+
+
+async def test_the_api_is_live_and_says_when_its_database_is_not_there() -> None:
+    with own_postgres_running() as pg:
+        url = pg.url()
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await migrate(conn)
+        async with serving(url) as api, aiohttp.ClientSession() as session:
+            for path in ("/healthz", "/readyz"):
+                status, _, text = await _probe(session, api.url + path)
+                assert (status, json.loads(text)) == (200, {"status": "ok"}), (path, text)
+
+            pg.stop("immediate")
+            status, headers, text = await _probe(session, api.url + "/readyz")
+            assert (status, json.loads(text)) == (503, {"status": "unavailable"}), text
+            assert headers.get("Retry-After") == "1"
+            status, _, text = await _probe(session, api.url + "/healthz")
+            assert status == 200, text  # alive: a platform must not restart it for this
+
+            pg.start()
+            deadline = time.monotonic() + 30
+            while (await _probe(session, api.url + "/readyz"))[0] != 200:
+                assert time.monotonic() < deadline, "the API never became ready again"
+                await asyncio.sleep(0.2)
+            # The API itself serves again, with the same pool.
+            assert (await api.get("/api/v1/endpoints")).status == 200
