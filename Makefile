@@ -44,10 +44,11 @@ pgbouncer:
 # lc_messages) needs the de_DE.UTF-8 locale: generated when missing, as root.
 locales:
 	@locale -a 2>/dev/null | grep -qix 'de_DE.utf-\?8' || { \
-	  command -v locale-gen >/dev/null 2>&1 || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq locales >/dev/null; }; \
-	  grep -q '^de_DE.UTF-8 UTF-8' /etc/locale.gen 2>/dev/null || \
-	  echo 'de_DE.UTF-8 UTF-8' >> /etc/locale.gen; \
+	  test "$$(id -u)" = 0 || { echo "make locales: run it as root once (apt-get, locale-gen)" >&2; exit 1; }; \
+	  { command -v locale-gen >/dev/null 2>&1 || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq locales >/dev/null; }; } && \
+	  { grep -q '^de_DE.UTF-8 UTF-8' /etc/locale.gen 2>/dev/null || \
+	    echo 'de_DE.UTF-8 UTF-8' >> /etc/locale.gen; } && \
 	  locale-gen >/dev/null; }
 
 # The Node.js consumer's test (tests/e2e/test_node_consumer.py) runs examples/node with the

@@ -176,7 +176,7 @@ async def _post(
     except ssl.SSLError as exc:  # after the handshake (TLS 1.3 asks for a client cert then)
         return AttemptResult(
             Kind.RETRYABLE,
-            error=f"{redacted(url)}: {tls_failure(exc)}",
+            error=f"{redacted(url)}: {tls_failure(exc, handshake=False)}",
             duration_ms=elapsed(),
             reason="network_error",
         )

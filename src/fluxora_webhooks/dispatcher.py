@@ -49,7 +49,14 @@ from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, client_ssl_context, warm_ssl_context
 from .migrations import READ_ONLY_HINT, discard, read_only_reason
-from .outbox import ENDPOINTS_CHANNEL, NOTIFY_CHANNEL, Claimed, Outcome, bring_forward
+from .outbox import (
+    ENDPOINTS_CHANNEL,
+    MAX_EVENT_TYPE,
+    NOTIFY_CHANNEL,
+    Claimed,
+    Outcome,
+    bring_forward,
+)
 from .pgtypes import SESSION_SETTINGS_SQL, described, read_far_timestamps, session_name
 from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
@@ -1089,7 +1096,7 @@ def _log_fields(
     decision's (a dead letter's, ``gone``), None (absent) for the others."""
     return {
         "delivery_id": row.delivery_id,
-        "event_type": row.event_type,
+        "event_type": _short_type(row.event_type),
         "attempt": row.attempt,
         "status": result.status,
         "duration_ms": round(result.duration_ms, 2),
@@ -1097,6 +1104,14 @@ def _log_fields(
         "tenant": row.tenant or target.tenant or None,
         "reason": decision.reason or None,
     }
+
+
+def _short_type(event_type: str) -> str:
+    """An event type as a log record holds it: whole up to MAX_EVENT_TYPE characters (what
+    ``enqueue`` takes), cut past that (plain SQL takes any length: a record of 20,000)."""
+    if len(event_type) <= MAX_EVENT_TYPE:
+        return event_type
+    return f"{event_type[:MAX_EVENT_TYPE]}... ({len(event_type)} characters)"
 
 
 def make_client(

@@ -89,11 +89,14 @@ def _during_handshake(exc: OSError) -> bool:
     return isinstance(exc, (ssl.SSLError, ConnectionResetError, ConnectionAbortedError))
 
 
-def tls_failure(exc: OSError, address: str | None = None) -> str:
+def tls_failure(exc: OSError, address: str | None = None, *, handshake: bool = True) -> str:
     """What a TLS failure with a consumer was, in words: the certificate check that
     failed, or the handshake's problem. ``exc`` is an ``ssl.SSLError``, or the connection
     lost during the handshake; ``address`` the address connected to, when the host is a
-    name."""
+    name. ``handshake`` False: ``exc`` came after the handshake (an alert TLS 1.3 sends at
+    the first read, such as a client certificate required, or a connection closed)."""
+    if not handshake and isinstance(exc, _SSL_CLOSED):
+        return "TLS connection closed by the consumer"
     at = f" at {address}" if address else ""
     if isinstance(exc, ssl.SSLCertVerificationError):
         why = exc.verify_message or exc.reason or "refused"

@@ -106,17 +106,28 @@ def _curable_by_waiting(exc: psycopg.OperationalError) -> bool:
 _CURABLE_STATES = ("57P01", "57P02", "57P03", "53300")
 # PostgreSQL's refusals of a connection that waiting does not change: authentication (any
 # method: "password authentication failed for user", "Ident authentication failed for
-# user", ...), pg_hba.conf, no such database or role, no CONNECT or LOGIN, a setting of the
-# URL's options refused.
+# user", ...), pg_hba.conf, no such database or role, no CONNECT or LOGIN, a database that
+# takes no connections (datallowconn), a setting of the URL's options refused; a pooler's
+# no such database or user; and libpq's own (always English): TLS the server or the URL
+# cannot do, a certificate, an option's value, a password or channel binding the URL lacks.
 _LASTING_REFUSALS = (
     "authentication failed for user",
     "pg_hba.conf",
     "does not exist",
     "is not permitted to log in",
     "permission denied",
+    "not currently accepting connections",
     "configuration parameter",
     "invalid value for parameter",
     "unsupported frontend protocol",
+    "no such database",
+    "no such user",
+    "does not support SSL",
+    "invalid sslmode",
+    "invalid integer value",
+    "certificate",
+    "no password supplied",
+    "channel binding",
 )
 
 

@@ -525,15 +525,24 @@ class Settings:
 
 
 def _client_certificate(env: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """``WEBHOOK_TLS_CLIENT_CERT`` and ``WEBHOOK_TLS_CLIENT_KEY``, loaded once here so that a
-    file that cannot be read, a key that is not the certificate's, or an encrypted key
-    (which OpenSSL would ask a terminal for) stops start-up naming the variable."""
+    """``WEBHOOK_TLS_CLIENT_CERT`` and ``WEBHOOK_TLS_CLIENT_KEY`` as given; their files are
+    read by `run` only (:func:`check_client_certificate`): another command sharing the
+    environment (``api``, ``endpoints``) need not see a key readable by the dispatcher
+    alone."""
     cert = env.get("WEBHOOK_TLS_CLIENT_CERT", "").strip() or None
     key = env.get("WEBHOOK_TLS_CLIENT_KEY", "").strip() or None
+    if cert is None and key is not None:
+        raise ConfigError("WEBHOOK_TLS_CLIENT_KEY", "is set without WEBHOOK_TLS_CLIENT_CERT")
+    return cert, key
+
+
+def check_client_certificate(settings: Settings) -> None:
+    """Load the client certificate once, at `run`'s start, so that a file that cannot be
+    read, a key that is not the certificate's, or an encrypted key (which OpenSSL would ask
+    a terminal for) stops start-up naming its variable."""
+    cert, key = settings.tls_client_cert, settings.tls_client_key
     if cert is None:
-        if key is not None:
-            raise ConfigError("WEBHOOK_TLS_CLIENT_KEY", "is set without WEBHOOK_TLS_CLIENT_CERT")
-        return None, None
+        return
     for variable, path in (("WEBHOOK_TLS_CLIENT_CERT", cert), ("WEBHOOK_TLS_CLIENT_KEY", key)):
         if path is None:
             continue
@@ -564,7 +573,6 @@ def _client_certificate(env: Mapping[str, str]) -> tuple[str | None, str | None]
         else:
             why = f"{cert} and {key} are not a PEM certificate and its private key"
         raise ConfigError("WEBHOOK_TLS_CLIENT_CERT", why) from None
-    return cert, key
 
 
 # Every whole-number setting: field -> (variable, lowest, highest). Defaults are the

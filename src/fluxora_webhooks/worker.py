@@ -25,7 +25,7 @@ from . import logs
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, FluxoraError, SchemaError
 from .host import run_async
 from .service import Service, commits_stuck
-from .settings import Settings
+from .settings import Settings, check_client_certificate
 
 PARENT_CHECK_S = 1.0
 # How often a worker looks whether its commits complete (for the supervisor's /readyz),
@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     try:
         settings = Settings.from_env(env)
+        check_client_certificate(settings)
         logs.configure(settings.log_format)
         service = Service(
             # The supervisor serves the one HTTP endpoint, and the API.

@@ -373,6 +373,90 @@ def test_the_producer_grants_are_enough_and_no_more(
     assert [r[1] for r in rows(admin)] == ["s-1", "s-2", "s-3"]
 
 
+# What only the dispatcher writes: a producer that could write it would make a delivery to
+# any endpoint (whatever its subscriptions), an operator event signed with the operator's
+# secret, or an event marked processed and never sent.
+DISPATCHERS_COLUMNS = [
+    ("endpoint_id", "operator"),
+    ("processed", True),
+    ("outcome", "delivered"),
+    ("attempt", 8),
+    ("delivery_id", str(uuid.uuid4())),
+    ("event_id", 1),
+    ("hold", "parked"),
+]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_producer_grants_write_the_producers_columns_and_no_others(
+    producer_roles: tuple[psycopg.Connection[Any], list[str]], database_url: str, index: int
+) -> None:
+    admin, made = producer_roles
+    role = _role(admin, made, snippet("The grants of a producer role", "sql", index))
+    url = make_conninfo(database_url, user=role)
+    with psycopg.connect(url, autocommit=True) as pconn:
+        for column, value in DISPATCHERS_COLUMNS:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                pconn.execute(
+                    sql.SQL(
+                        "INSERT INTO webhook_outbox (stream_id, event_type, payload, {})"
+                        " VALUES ('s-forged', 't', '{{}}', %s)"
+                    ).format(sql.Identifier(column)),
+                    (value,),
+                )
+        # Every column a producer writes (examples/README.md, "Plain SQL from another
+        # language"), by INSERT and by COPY.
+        pconn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, created_at,"
+            " traceparent, tracestate) VALUES ('acme', 's-1', 't', '{}', now(), NULL, NULL)"
+        )
+        with (
+            pconn.cursor() as cur,
+            cur.copy(
+                "COPY webhook_outbox (tenant, stream_id, event_type, payload) FROM STDIN"
+            ) as copy,
+        ):
+            copy.write_row(("acme", "s-2", "t", "{}"))
+    assert [r[1] for r in rows(admin)] == ["s-1", "s-2"]
+
+
+def test_the_plain_sql_recipes_enqueue_as_a_producer_role(
+    producer_roles: tuple[psycopg.Connection[Any], list[str]], database_url: str
+) -> None:
+    admin, made = producer_roles
+    admin.execute(STREAMS)
+    admin.execute("INSERT INTO streams (id) VALUES ('s-1'), ('s-2')")
+    heading = "Plain SQL from another language"
+    role = _role(admin, made, snippet("The grants of a producer role", "sql", 1))
+    admin.execute(sql.SQL("GRANT SELECT, UPDATE ON streams TO {}").format(sql.Identifier(role)))
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    one = [s.strip() for s in snippet(heading, "sql", 0).split(";") if s.strip()]
+    assert one[0] == "BEGIN" and one[-1] == "COMMIT"
+    with psycopg.connect(make_conninfo(database_url, user=role), autocommit=True) as pconn:
+        cur = psycopg.RawCursor(pconn)  # $1 ... as the recipe writes them
+        for params in (("s-1", "acme", json.dumps({"n": 1}), traceparent), None):
+            with pconn.transaction(force_rollback=params is None):  # a rollback sends nothing
+                cur.execute(one[1], ("s-1",))
+                cur.execute(one[2], params or ("s-1", "acme", json.dumps({"n": 0}), None))
+        admin.execute(snippet(heading, "sql", 2).encode())  # the trigger, made by the owner
+        cur.execute("UPDATE streams SET status = 'paused' WHERE id = 's-2'")
+        cur.execute(snippet(heading, "sql", 1))  # many in one statement
+    found = admin.execute(
+        "SELECT tenant, stream_id, event_type, payload, traceparent,"
+        " created_at - enqueued_at > interval '9 minutes' FROM webhook_outbox ORDER BY id"
+    ).fetchall()
+
+    def paused(stream_id: str) -> tuple[Any, ...]:
+        body = {"id": stream_id, "status": "paused"}
+        return ("", stream_id, "stream.paused", body, None, False)
+
+    assert found[:2] == [  # the delayed event with its trace context; the trigger's
+        ("acme", "s-1", "stream.paused", {"n": 1}, traceparent, True),
+        paused("s-2"),
+    ]
+    assert sorted(found[2:], key=str) == [paused("s-1"), paused("s-2")]  # the statement's
+
+
 def test_many_events_copied_or_enqueued_in_one_transaction_are_each_one_delivery(
     conn: psycopg.Connection[Any],
 ) -> None:

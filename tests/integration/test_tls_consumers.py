@@ -24,7 +24,7 @@ from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.httpclient import HttpClient
 from fluxora_webhooks.retry import Kind, RetryPolicy
-from fluxora_webhooks.settings import Settings
+from fluxora_webhooks.settings import Settings, check_client_certificate
 from fluxora_webhooks.signing import verify
 from tests.support.dispatch import (
     SECRET,
@@ -34,7 +34,7 @@ from tests.support.dispatch import (
     rows,
     wait_until,
 )
-from tests.support.procs import dispatcher_env, start_dispatcher
+from tests.support.procs import dispatcher_env, run_command, start_dispatcher
 from tests.support.tls_consumer import TlsConsumer
 
 pytestmark = pytest.mark.integration
@@ -403,10 +403,27 @@ def test_a_client_certificate_that_cannot_be_used_stops_start_up(
     ]  # fmt: skip
     for given, variable, words in cases:
         with pytest.raises(ConfigError) as caught:
-            Settings.from_env({**base, **given})
+            check_client_certificate(Settings.from_env({**base, **given}))
         assert caught.value.variable == variable, (given, caught.value)
         assert words in str(caught.value), (given, caught.value)
     settings = Settings.from_env(
         {**base, "WEBHOOK_TLS_CLIENT_CERT": str(cert), "WEBHOOK_TLS_CLIENT_KEY": str(key)}
     )
+    check_client_certificate(settings)
     assert (settings.tls_client_cert, settings.tls_client_key) == (str(cert), str(key))
+    # Only `run` reads the files: another command sharing the environment does not.
+    assert Settings.from_env({**base, "WEBHOOK_TLS_CLIENT_CERT": str(tmp_path / "none.pem")})
+
+
+async def test_run_stops_on_a_client_certificate_it_cannot_read(
+    database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    missing = tmp_path / "client.pem"
+    for workers in ("1", "2"):
+        env = dispatcher_env(
+            database_url, redis_url, "http://127.0.0.1:9/hook", redis_prefix,
+            WEBHOOK_TLS_CLIENT_CERT=str(missing), WEBHOOK_WORKERS=workers,
+        )  # fmt: skip
+        code, out = await run_command("run", env=env, timeout=60)
+        assert code == 2, out
+        assert "WEBHOOK_TLS_CLIENT_CERT" in out and str(missing) in out, out

@@ -45,6 +45,7 @@ class Api:
     database_url: str
     tokens: dict[str, str] = field(default_factory=dict)
     seen: list[str] = field(default_factory=list)  # every body received, for secret scans
+    server: ApiServer | None = None
 
     async def call(
         self,
@@ -129,7 +130,7 @@ async def serving(
     await server.start()
     try:
         async with aiohttp.ClientSession() as session:
-            api = Api(server.url.rstrip("/"), session, database_url)
+            api = Api(server.url.rstrip("/"), session, database_url, server=server)
             api.tokens = await make_tokens(database_url)
             yield api
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import ssl
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from fluxora_webhooks import logs
 from fluxora_webhooks.delivery import AttemptResult, scrub_stored, secret_texts
 from fluxora_webhooks.dispatcher import Dispatcher, _log_fields
 from fluxora_webhooks.errors import ConfigError
+from fluxora_webhooks.httpclient import tls_failure
 from fluxora_webhooks.outbox import Claimed, Outcome
 from fluxora_webhooks.redis_gate import _count_transition
 from fluxora_webhooks.retry import Decision, Kind
@@ -186,8 +188,22 @@ def test_a_delivery_record_carries_its_endpoint_tenant_and_reason() -> None:
         "attempt": 3,
     }
     assert "t0ken" not in json.dumps(out) and "hooks.example.com" not in json.dumps(out)
+
     text = logs.TextFormatter().format(record)
     assert "endpoint_id=ep_1 tenant=acme reason=http_4xx" in text
+
+
+def test_a_delivery_record_cuts_an_event_type_longer_than_enqueue_takes() -> None:
+    """Plain SQL takes an event type of any length (enqueue() takes 200 characters): a
+    record of a 20,000-character one holds its first 200 and its length."""
+    long_type = "stream." + "x" * 19_993
+    row = Claimed(1, "d-1", long_type, b"{}", 8, tenant="acme", endpoint_id="ep_1")
+    target = Target("ep_1", "acme", "https://hooks.example.com/in", Signer(SECRET))
+    result = AttemptResult(Kind.PERMANENT, status=413, duration_ms=1.0, reason="http_4xx")
+    said = _log_fields(row, target, result, Decision(Outcome.DEAD_LETTER, reason="http_4xx"))
+    assert said["event_type"] == f"{long_type[:200]}... (20000 characters)"
+    fits = Claimed(1, "d-1", "s" * 200, b"{}", 1, tenant="acme", endpoint_id="ep_1")
+    assert _log_fields(fits, target, result, Decision(Outcome.DELIVERED))["event_type"] == "s" * 200
 
 
 # --- Same class as 4: what the logs carry to a terminal ------------------------------------
@@ -216,3 +232,16 @@ def test_json_logs_escape_c1_controls_and_bidi_overrides_too() -> None:
     line = logs.JsonFormatter().format(_record("x \x9b \u202e \x1b"))
     assert "\x9b" not in line and "\u202e" not in line and "\x1b" not in line
     assert json.loads(line)["message"] == "x \x9b \u202e \x1b"  # still the same text
+
+
+def test_a_tls_connection_closed_after_its_handshake_is_not_called_a_failed_handshake() -> None:
+    """An SSLEOFError while a response is read (a keep-alive connection dropped mid-answer)
+    is a closed connection; an alert read after the handshake (TLS 1.3's client
+    certificate required) is still said as the handshake's refusal."""
+    closed = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+    assert tls_failure(closed, handshake=False) == "TLS connection closed by the consumer"
+    assert "TLS handshake failed" in tls_failure(closed)
+    required = ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] alert (_ssl.c:2580)")
+    required.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"
+    said = tls_failure(required, handshake=False)
+    assert "the consumer requires a client certificate" in said, said

@@ -47,6 +47,14 @@ def test_a_failure_that_passes_is_waited_out(message: str) -> None:
         REACH + 'FATAL:  role "app" is not permitted to log in',
         REACH + 'FATAL:  permission denied for database "shop"',
         REACH + 'FATAL:  unrecognized configuration parameter "serch_path"',
+        REACH + 'FATAL:  database "shop" is not currently accepting connections',
+        # libpq's own, as psycopg raises them (no SQLSTATE):
+        REACH + "server does not support SSL, but SSL was required",
+        'connection is bad: invalid sslmode value: "bogus"',
+        'connection is bad: invalid integer value "5432x" for connection option "port"',
+        REACH + "channel binding required, but server authenticated client without channel binding",
+        REACH + 'could not open certificate file "/etc/app/client.crt": No such file',
+        REACH + "fe_sendauth: no password supplied",
     ],
 )
 def test_a_refusal_stops_start_up_at_once(message: str) -> None:

@@ -3,8 +3,10 @@ connection pool, one error shape, and the security headers on every response."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -14,15 +16,17 @@ from typing import Any
 
 import psycopg
 from fastapi import FastAPI
-from psycopg_pool import AsyncConnectionPool
+from fastapi.responses import JSONResponse
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 
 from .._version import __version__
+from ..logs import Notice
 from ..pgtypes import SESSION_SETTINGS_SQL, read_far_timestamps, session_name
 from ..settings import Settings
 from . import errors
-from .deps import ApiState
+from .deps import FAILED_AUTH_PER_S, ApiState, FailureThrottle
 
 log = logging.getLogger("fluxora_webhooks.api")
 
@@ -42,6 +46,10 @@ CONTENT_SECURITY_POLICY = (
 # requests wait for one. Writes (POST, PUT, PATCH, DELETE) run with the session's own
 # setting: disabling an endpoint parks each of its pending deliveries in one statement.
 READ_STATEMENT_TIMEOUT_MS = 10_000
+# How long a request's body may take to arrive whole (from the request's start): a client
+# that trickles it is answered 408 and its connection closed. A body is read before the
+# request takes a database connection, so a slow one holds no connection of the pool.
+BODY_TIMEOUT_S = 30.0
 # Whether the request being served reads (set by Guard, read when a connection is taken).
 _READING: ContextVar[bool] = ContextVar("fluxora_api_reading", default=False)
 # Each pool connection's statement_timeout: as it was set last (not set again while the
@@ -70,6 +78,8 @@ class ApiConfig:
     breaker_threshold: int = 0
     pool_max: int = 4
     max_endpoints_per_tenant: int = 0
+    body_timeout_s: float = BODY_TIMEOUT_S
+    failed_auth_per_s: float = FAILED_AUTH_PER_S
 
     @classmethod
     def from_settings(
@@ -139,9 +149,12 @@ class Guard:
     handler answered logged and answered 500 in the error shape (JSON, or the dashboard's
     page), rather than as the server's plain-text page."""
 
-    def __init__(self, app: ASGIApp, html_error: Callable[..., Any]) -> None:
+    def __init__(
+        self, app: ASGIApp, html_error: Callable[..., Any], body_timeout_s: float = BODY_TIMEOUT_S
+    ) -> None:
         self.app = app
         self.html_error = html_error
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(
         self,
@@ -160,16 +173,30 @@ class Guard:
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         received = 0
         started = False
+        body_done = False
+        body_deadline = time.monotonic() + self.body_timeout_s
 
         async def limited() -> Any:
-            nonlocal received
+            nonlocal received, body_done
             if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
                 raise _too_large()
-            message = await receive()
+            if body_done:  # after the body: a disconnect, whenever it comes
+                return await receive()
+            try:
+                async with asyncio.timeout(body_deadline - time.monotonic()):
+                    message = await receive()
+            except TimeoutError:
+                # The connection is closed after the 408: the rest of its body is not read.
+                raise HTTPException(
+                    408, "the request body was not sent in time", {"Connection": "close"}
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
                     raise _too_large()
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         async def watched(message: Any) -> None:
@@ -238,7 +265,9 @@ def create_app(config: ApiConfig) -> FastAPI:
             check=AsyncConnectionPool.check_connection,
         )
         await pool.open(wait=True, timeout=30)
-        app.state.fluxora = ApiState(pool=pool, config=config)
+        app.state.fluxora = ApiState(
+            pool=pool, config=config, failures=FailureThrottle(config.failed_auth_per_s)
+        )
         try:
             yield
         finally:
@@ -319,7 +348,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         app.include_router(module.router, prefix=API_PREFIX)
     pages.install(app)
     errors.install(app, render.error_page)
-    app.add_middleware(Guard, html_error=render.error_page)
+    app.add_middleware(Guard, html_error=render.error_page, body_timeout_s=config.body_timeout_s)
     _require_token_for_openapi(app)
     _install_probes(app)
     return app
@@ -337,25 +366,42 @@ def _install_probes(app: FastAPI) -> None:
     recover by itself)."""
     import asyncio
 
-    from fastapi.responses import JSONResponse
-
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    unready = Notice(60.0)
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> JSONResponse:
         state: ApiState = request.app.state.fluxora
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                async with state.pool.connection(timeout=READY_TIMEOUT_S) as conn:
-                    await conn.execute("SELECT 1")
+                try:
+                    async with state.pool.connection(timeout=READY_TIMEOUT_S / 2) as conn:
+                        await conn.execute("SELECT 1")
+                except PoolTimeout:
+                    # Every connection serving a request, or none made: a connection of
+                    # the probe's own tells a busy API (ready: a platform would otherwise
+                    # move its load to the others) from a database that does not answer.
+                    async with await psycopg.AsyncConnection.connect(
+                        state.config.database_url,
+                        autocommit=True,
+                        prepare_threshold=None,
+                        **session_name(state.config.database_url, "fluxora-webhooks api"),
+                    ) as own:
+                        await own.execute("SELECT 1")
         except Exception as exc:
-            log.warning("readiness: the database did not answer (%s)", type(exc).__name__)
-            return JSONResponse(
-                {"status": "unavailable"}, status_code=503, headers={"Retry-After": "1"}
-            )
+            return _unready(unready, type(exc).__name__)
         return JSONResponse({"status": "ok"})
+
+
+def _unready(notice: Notice, why: str) -> JSONResponse:
+    unsaid = notice.due()
+    if unsaid is not None:
+        more = f"; {unsaid} more since the last such line" if unsaid else ""
+        log.warning("readiness: the database did not answer (%s)%s", why, more)
+    return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": "1"})
 
 
 def errors_model() -> type[Any]:
@@ -367,7 +413,6 @@ def errors_model() -> type[Any]:
 def _require_token_for_openapi(app: FastAPI) -> None:
     """The document is served to a caller with a token, like every other API request."""
     from fastapi import Depends
-    from fastapi.responses import JSONResponse
 
     from .deps import principal
 

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import psycopg
@@ -18,6 +20,28 @@ from ..migrations import discard
 from ..tokens import Principal
 from .errors import ApiError, unauthorized
 
+# Failed authentications (an API request without a token or with one that is not valid, a
+# dashboard sign-in with a wrong token) are answered no faster than this many a second in
+# all, each waiting its turn: a client that retries them in a loop, or guesses tokens,
+# costs the process (the dispatcher's loop too, in `run`) and the database a bounded rate,
+# while requests with a valid token are not slowed. Nothing locks a token or an address out.
+FAILED_AUTH_PER_S = 20.0
+
+
+class FailureThrottle:
+    """Spaces failed authentications :attr:`interval_s` apart (a sleep each, no CPU)."""
+
+    def __init__(self, per_s: float) -> None:
+        self.interval_s = 1.0 / per_s if per_s > 0 else 0.0
+        self._next = 0.0
+
+    async def wait(self) -> None:
+        now = time.monotonic()
+        turn = max(now, self._next)
+        self._next = turn + self.interval_s
+        if turn > now:
+            await asyncio.sleep(turn - now)
+
 
 @dataclass
 class ApiState:
@@ -25,6 +49,7 @@ class ApiState:
 
     pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
     config: Any  # ApiConfig (app.py), kept untyped here to keep the import one-way
+    failures: FailureThrottle = field(default_factory=lambda: FailureThrottle(FAILED_AUTH_PER_S))
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -52,13 +77,25 @@ Conn = Annotated[psycopg.AsyncConnection[Any], Depends(connection)]
 _bearer = HTTPBearer(auto_error=False, description="a token from `fluxora-webhooks tokens create`")
 
 
-async def principal(
-    conn: Conn,
+async def bearer_token(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Principal:
+) -> str:
+    """The request's bearer token, or 401 before the request takes a database connection:
+    a flood of requests without a token, or with one that cannot be a token, costs the
+    pool nothing (its 401 waits its turn, :data:`FAILED_AUTH_PER_S`, in errors.py, once
+    the request's connection, if it took one, is back in the pool)."""
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise unauthorized()
     text = credentials.credentials.strip()
+    if not text or len(text) > tokens.MAX_TOKEN_LENGTH:
+        raise unauthorized("the token is not valid (unknown or revoked)")
+    return text
+
+
+async def principal(
+    text: Annotated[str, Depends(bearer_token)],
+    conn: Conn,
+) -> Principal:
     found = await tokens.authenticate(conn, text)
     if found is None:
         raise unauthorized("the token is not valid (unknown or revoked)")

@@ -39,6 +39,7 @@ _CODES = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     409: "conflict",
     413: "too_large",
     415: "unsupported_media_type",
@@ -221,6 +222,12 @@ def install(app: FastAPI, html_error: Any) -> None:
 
     @app.exception_handler(ApiError)
     async def _ours(request: Request, exc: ApiError) -> Response:
+        if exc.status == 401:
+            # A failed authentication waits its turn (deps.FAILED_AUTH_PER_S), holding no
+            # database connection: the route's was given back before this handler ran.
+            state = getattr(request.app.state, "fluxora", None)
+            if state is not None:
+                await state.failures.wait()
         return answer(request, exc.status, exc.code, exc.message)
 
     @app.exception_handler(NotFoundError)

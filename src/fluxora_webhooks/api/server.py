@@ -16,6 +16,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..settings import cannot_listen
 from .app import ApiConfig, create_app
@@ -23,6 +24,117 @@ from .app import ApiConfig, create_app
 log = logging.getLogger("fluxora_webhooks.api")
 
 STOP_TIMEOUT_S = 3.0
+# A client has this long, from its connection or the first byte of a request, to send the
+# request's whole head (line and headers); one that trickles it, or connects and sends
+# nothing, is disconnected (408 when it had started), rather than hold a connection and
+# its memory for as long as it likes. A body has its own bound (app.BODY_TIMEOUT_S).
+HEAD_TIMEOUT_S = 10.0
+# The longest request head taken (its line and every header): past it, 431 and the
+# connection is closed (the HTTP parser itself sets no bound).
+MAX_HEAD_BYTES = 64 * 1024
+# Connections open at once: a new one past it is closed at once, so that idle or slow
+# clients cannot take every file descriptor of the process (the dispatcher's too, in `run`).
+MAX_CONNECTIONS = 1000
+# How long a refused client's remaining bytes are read and dropped before the close.
+LINGER_S = 2.0
+# Seconds an idle keep-alive connection is kept between requests (uvicorn's default).
+KEEP_ALIVE_S = 5
+
+
+def _plain(status: str, text: str) -> bytes:
+    body = f"{text}\n".encode()
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_REQUEST_TIMEOUT = _plain("408 Request Timeout", "the request head was not sent in time")
+_HEAD_TOO_LARGE = _plain("431 Request Header Fields Too Large", "the request head is too large")
+
+
+class _Protocol(HttpToolsProtocol):
+    """Uvicorn's HTTP/1.1 protocol with the bounds it lacks: :data:`HEAD_TIMEOUT_S`,
+    :data:`MAX_HEAD_BYTES` and :data:`MAX_CONNECTIONS` (class attributes, for tests)."""
+
+    head_timeout_s = HEAD_TIMEOUT_S
+    max_head_bytes = MAX_HEAD_BYTES
+    max_connections = MAX_CONNECTIONS
+
+    _head_timer: asyncio.TimerHandle | None = None
+    _in_head = False
+    _head_started = False
+    _head_bytes = 0
+    _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        over = len(self.connections) >= self.max_connections
+        super().connection_made(transport)
+        if over:
+            transport.abort()
+            return
+        self._in_head = True
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if not self._in_head and (self.cycle is None or self.cycle.response_complete):
+            # The first bytes of the next request on a kept-alive connection.
+            self._in_head = True
+            self._head_bytes = 0
+            self._arm_head_timer()
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse(_HEAD_TOO_LARGE)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_started = True
+        if not self._in_head:  # a pipelined request's head, behind the one before it
+            self._in_head = True
+            self._head_bytes = 0
+            self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_started = False
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self._refuse(_REQUEST_TIMEOUT if self._head_started else b"")
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer (if anything) and close. What the client still sends meanwhile is read
+        and dropped for :data:`LINGER_S`, so that the answer is not lost to a reset."""
+        self._disarm_head_timer()
+        self._in_head = False
+        self._refused = True
+        if not answer or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write(answer)
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 class _Server(uvicorn.Server):
@@ -67,6 +179,8 @@ class ApiServer:
             log_config=None,  # our handler (and its scrubbing) writes uvicorn's lines too
             access_log=False,
             lifespan="on",
+            http=_Protocol,
+            timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=int(STOP_TIMEOUT_S),
             server_header=False,
         )

@@ -26,10 +26,11 @@ def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> 
     clock (tests run a dispatcher whose clock is hours off)."""
     from .. import logs
     from ..service import Service
-    from ..settings import Settings, check_builtin_pairs
+    from ..settings import Settings, check_builtin_pairs, check_client_certificate
 
     check_builtin_pairs(env)  # first: a secret it refuses is not warned about as short
     settings = Settings.from_env(env)
+    check_client_certificate(settings)
     logs.configure(settings.log_format)
     database_url, redis_url = engines(env, redis=True)
     if settings.workers > 1:

@@ -114,11 +114,15 @@ async def sign_in(request: Request) -> Response:
     expected = request.cookies.get(LOGIN_COOKIE, "")
     if not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
         return _login_page(request, failed=True, next_page=next_page)
-    async with api_state(request).connection() as conn:
+    state = api_state(request)
+    async with state.connection() as conn:
         principal = await tokens.authenticate(conn, token)
-        if principal is None:
-            return _login_page(request, failed=True, next_page=next_page)
-        session_id, _ = await tokens.open_session(conn, principal)
+        if principal is not None:
+            session_id, _ = await tokens.open_session(conn, principal)
+    if principal is None:
+        # A wrong token waits its turn, as the API's 401s do (deps.FAILED_AUTH_PER_S).
+        await state.failures.wait()
+        return _login_page(request, failed=True, next_page=next_page)
     response = RedirectResponse(_after_sign_in(next_page), status_code=303)
     cookie_s = tokens.SESSION_TTL_S + ENDED_SESSION_NOTICE_S
     set_cookie(request, response, SESSION_COOKIE, session_id, cookie_s)
