@@ -125,7 +125,10 @@ _LASTING_REFUSALS = (
     "does not support SSL",
     "invalid sslmode",
     "invalid integer value",
-    "certificate",
+    "certificate file",
+    "certificate verify failed",
+    "server certificate for",
+    "root certificate file",
     "no password supplied",
     "channel binding",
 )

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from typing import Any
 
 import aiohttp
@@ -181,3 +182,17 @@ async def test_a_wrong_token_at_the_sign_in_form_waits_its_turn(database_url: st
             ok = await asyncio.wait_for(api.get("/api/v1/endpoints"), WAIT_S)
             assert ok.status == 200, ok.text
             assert await _still_waiting(guessing)
+
+
+async def test_a_flood_of_failed_authentications_never_books_turns_minutes_away() -> None:
+    """Clients that do not wait for their 401 book turns too: past a queue of two seconds
+    (or two turns) a failure is answered at once, so a later one's turn is never far."""
+    from fluxora_webhooks.api.deps import FailureThrottle
+
+    throttle = FailureThrottle(20.0)
+    waiting = [asyncio.create_task(throttle.wait()) for _ in range(2_000)]
+    await asyncio.sleep(0)
+    booked = throttle._next - time.monotonic()
+    for task in waiting:
+        task.cancel()
+    assert booked <= 2.0 + 2 / 20.0, booked

@@ -68,3 +68,28 @@ async def test_an_api_whose_connections_are_all_busy_is_still_ready(database_url
         async with app.state.fluxora.pool.connection():  # the pool's one connection, held
             status, _, text = await _probe(session, api.url + "/readyz")
         assert (status, json.loads(text)) == (200, {"status": "ok"}), text
+
+
+async def test_probes_at_once_on_a_busy_api_open_one_connection_of_their_own(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes need no token: fifty at once while every pooled connection is busy make one
+    connection of the probe's own between them (its answer reused for a second), not fifty."""
+    from fluxora_webhooks.api import app as api_module
+
+    made = []
+    real = api_module._own_connection
+
+    async def counted(state: Any) -> bool:
+        made.append(1)
+        return await real(state)
+
+    monkeypatch.setattr(api_module, "_own_connection", counted)
+    async with serving(database_url, pool_max=1) as api, aiohttp.ClientSession() as session:
+        held = api_app(api).state.fluxora.pool.connection()  # the pool's one connection
+        async with held:
+            answers = await asyncio.gather(
+                *(_probe(session, api.url + "/readyz") for _ in range(50))
+            )
+    assert [status for status, _, _ in answers] == [200] * 50
+    assert len(made) == 1

@@ -59,3 +59,12 @@ def test_a_failure_that_passes_is_waited_out(message: str) -> None:
 )
 def test_a_refusal_stops_start_up_at_once(message: str) -> None:
     assert not _curable_by_waiting(psycopg.OperationalError(message))
+
+
+def test_a_host_named_after_a_word_of_a_refusal_is_still_waited_for() -> None:
+    assert _curable_by_waiting(
+        psycopg.OperationalError(
+            'connection failed: connection to server at "pg-certificate-store.internal"'
+            " (10.0.0.5), port 5432 failed: Connection refused"
+        )
+    )

@@ -26,6 +26,9 @@ from .errors import ApiError, unauthorized
 # costs the process (the dispatcher's loop too, in `run`) and the database a bounded rate,
 # while requests with a valid token are not slowed. Nothing locks a token or an address out.
 FAILED_AUTH_PER_S = 20.0
+# The longest a failed authentication waits for its turn (or two turns, if longer); past
+# it, it is answered at once.
+MAX_FAILED_AUTH_WAIT_S = 2.0
 
 
 class FailureThrottle:
@@ -38,6 +41,10 @@ class FailureThrottle:
     async def wait(self) -> None:
         now = time.monotonic()
         turn = max(now, self._next)
+        if turn - now > max(MAX_FAILED_AUTH_WAIT_S, 2 * self.interval_s):
+            # A queue that long is a flood (clients that do not wait for their answer
+            # book turns too): answered at once, so that a turn is never minutes away.
+            return
         self._next = turn + self.interval_s
         if turn > now:
             await asyncio.sleep(turn - now)

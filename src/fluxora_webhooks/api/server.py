@@ -54,18 +54,27 @@ _REQUEST_TIMEOUT = _plain("408 Request Timeout", "the request head was not sent 
 _HEAD_TOO_LARGE = _plain("431 Request Header Fields Too Large", "the request head is too large")
 
 
+class _HeadTooLarge(Exception):
+    """Raised in the parser's callbacks: it stops the parser, and uvicorn answers through
+    :meth:`_Protocol.send_400_response`."""
+
+
 class _Protocol(HttpToolsProtocol):
     """Uvicorn's HTTP/1.1 protocol with the bounds it lacks: :data:`HEAD_TIMEOUT_S`,
-    :data:`MAX_HEAD_BYTES` and :data:`MAX_CONNECTIONS` (class attributes, for tests)."""
+    :data:`MAX_HEAD_BYTES` and :data:`MAX_CONNECTIONS` (class attributes, for tests).
+
+    A request's head is what the parser reports between a message's begin and its headers'
+    end (its URL and headers, counted as parsed), so a body, also one the app did not read
+    before answering, is never taken for the next request's head."""
 
     head_timeout_s = HEAD_TIMEOUT_S
     max_head_bytes = MAX_HEAD_BYTES
     max_connections = MAX_CONNECTIONS
 
     _head_timer: asyncio.TimerHandle | None = None
-    _in_head = False
     _head_started = False
     _head_bytes = 0
+    _too_large = False
     _refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -74,40 +83,51 @@ class _Protocol(HttpToolsProtocol):
         if over:
             transport.abort()
             return
-        self._in_head = True
-        self._arm_head_timer()
+        self._arm_head_timer()  # a client that connects and sends nothing
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        if not self._in_head and (self.cycle is None or self.cycle.response_complete):
-            # The first bytes of the next request on a kept-alive connection.
-            self._in_head = True
-            self._head_bytes = 0
-            self._arm_head_timer()
-        super().data_received(data)
-        if self._in_head and not self.transport.is_closing():
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes:
-                self._refuse(_HEAD_TOO_LARGE)
+        if not self._refused:
+            super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_started = True
-        if not self._in_head:  # a pipelined request's head, behind the one before it
-            self._in_head = True
-            self._head_bytes = 0
-            self._arm_head_timer()
+        self._head_bytes = 0
+        self._disarm_head_timer()
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.max_head_bytes:
+            self._too_large = True
+            raise _HeadTooLarge
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
         self._head_started = False
         self._disarm_head_timer()
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_large:
+            self._refuse(_HEAD_TOO_LARGE)
+        else:
+            super().send_400_response(msg)
+
+    def _answering(self) -> bool:
+        """Whether an earlier request's response is still being sent (pipelining)."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -120,16 +140,20 @@ class _Protocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head and not self.transport.is_closing():
-            self._refuse(_REQUEST_TIMEOUT if self._head_started else b"")
+        if self.transport.is_closing():
+            return
+        if self._answering():  # a pipelined head waits for the request before it
+            self._arm_head_timer()
+            return
+        self._refuse(_REQUEST_TIMEOUT if self._head_started else b"")
 
     def _refuse(self, answer: bytes) -> None:
         """Answer (if anything) and close. What the client still sends meanwhile is read
-        and dropped for :data:`LINGER_S`, so that the answer is not lost to a reset."""
+        and dropped for :data:`LINGER_S`, so that the answer is not lost to a reset. While
+        an earlier request's response is being sent, only close."""
         self._disarm_head_timer()
-        self._in_head = False
         self._refused = True
-        if not answer or not self.transport.can_write_eof():
+        if not answer or self._answering() or not self.transport.can_write_eof():
             self.transport.close()
             return
         self.transport.write(answer)
