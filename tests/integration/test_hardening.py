@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from typing import Any
 
@@ -13,7 +12,6 @@ import aiohttp
 import psycopg
 import pytest
 from aiohttp import web
-from aiohttp.abc import AbstractResolver, ResolveResult
 from redis.asyncio import Redis
 
 from fluxora_webhooks import deadletters
@@ -28,6 +26,7 @@ from tests.support.dispatch import SECRET, make_settings, pending, rows, running
 from tests.support.dispatch import wait_until as wait_for
 from tests.support.gates import make_gate, server_ms
 from tests.support.receiver import Received, Receiver
+from tests.support.resolvers import FixedResolver
 
 pytestmark = pytest.mark.integration
 
@@ -107,36 +106,15 @@ async def test_a_full_width_localhost_url_is_delivered(
     assert await rows(database_url, "SELECT outcome FROM webhook_outbox") == [("delivered",)]
 
 
-class _Answers(AbstractResolver):
-    def __init__(self, *addresses: str) -> None:
-        self.addresses = addresses
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        return [
-            ResolveResult(
-                hostname=host,
-                host=a,
-                port=port,
-                family=socket.AF_INET,
-                proto=socket.IPPROTO_TCP,
-                flags=socket.AI_NUMERICHOST,
-            )
-            for a in self.addresses
-        ]
-
-    async def close(self) -> None:
-        pass
-
-
 async def test_plain_http_is_never_sent_to_a_non_loopback_answer(receiver: Receiver) -> None:
     """The http exception means every address connected to is loopback: a 'localhost'
     that a resolver answers with a public address gets no request at all (the address is
     refused before any connection), while one that answers loopback is reached."""
     url = f"http://localhost:{receiver.port}/hook"
     for answer, reached in (("93.184.216.34", False), ("127.0.0.1", True)):
-        client = HttpClient(SafeResolver(True, require_loopback=True, resolver=_Answers(answer)))
+        client = HttpClient(
+            SafeResolver(True, require_loopback=True, resolver=FixedResolver(answer))
+        )
         try:
             if reached:
                 response = await client.post(url, b"{}", {}, timeout_s=2, max_body=1024)

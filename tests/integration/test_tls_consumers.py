@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 import trustme
-from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.abc import AbstractResolver
 
 from fluxora_webhooks.connector import SafeResolver
 from fluxora_webhooks.delivery import attempt
@@ -35,6 +34,7 @@ from tests.support.dispatch import (
     wait_until,
 )
 from tests.support.procs import dispatcher_env, run_command, start_dispatcher
+from tests.support.resolvers import FixedResolver
 from tests.support.tls_consumer import TlsConsumer
 
 pytestmark = pytest.mark.integration
@@ -218,31 +218,6 @@ async def test_a_tls_problem_is_retried_then_dead_lettered_with_what_failed(
 # -- which failure is said when a name has several addresses ---------------------------------
 
 
-class _Addresses(AbstractResolver):
-    """A name resolved to given addresses, in the given order (as a dual-stack name is)."""
-
-    def __init__(self, *addresses: str) -> None:
-        self.addresses = addresses
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        return [
-            {
-                "hostname": host,
-                "host": a,
-                "port": port,
-                "family": socket.AF_INET6 if ":" in a else socket.AF_INET,
-                "proto": 0,
-                "flags": 0,
-            }
-            for a in self.addresses
-        ]
-
-    async def close(self) -> None:
-        return None
-
-
 @pytest.mark.parametrize("order", [("127.0.0.1", "::1"), ("::1", "127.0.0.1")])
 async def test_a_certificate_failure_is_not_hidden_by_another_address_refusing(
     ca: trustme.CA, order: tuple[str, str]
@@ -250,7 +225,7 @@ async def test_a_certificate_failure_is_not_hidden_by_another_address_refusing(
     """The consumer listens on 127.0.0.1 with a certificate for another name; its ::1
     refuses connections. Whatever the order, the error says it was the certificate."""
     with TlsConsumer(ca.issue_cert("other.example")) as consumer:
-        client = _client(ca, _Addresses(*order))
+        client = _client(ca, FixedResolver(*order))
         result = await _post(client, consumer.url("hooks.tls.test"))
         await client.close()
     assert result.kind is Kind.RETRYABLE

@@ -6,10 +6,8 @@ in a URL.
 from __future__ import annotations
 
 import ipaddress
-import socket
 
 import pytest
-from aiohttp.abc import AbstractResolver, ResolveResult
 
 from fluxora_webhooks.connector import AddressRefused, SafeResolver
 from fluxora_webhooks.errors import EndpointError
@@ -17,6 +15,7 @@ from fluxora_webhooks.settings import (
     Settings,
 )
 from fluxora_webhooks.urlpolicy import is_loopback_host, loopback_rule, validate_url
+from tests.support.resolvers import FixedResolver
 
 GOOD = {
     "WEBHOOK_URL": "https://hooks.example.com/in",
@@ -25,29 +24,6 @@ GOOD = {
 
 
 # --- 2 and 6. http only to loopback, decided from the normalised host -------------------------
-
-
-class _Resolver(AbstractResolver):
-    def __init__(self, *addresses: str) -> None:
-        self.addresses = addresses
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        return [
-            ResolveResult(
-                hostname=host,
-                host=a,
-                port=port,
-                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
-                proto=socket.IPPROTO_TCP,
-                flags=socket.AI_NUMERICHOST,
-            )
-            for a in self.addresses
-        ]
-
-    async def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
@@ -59,17 +35,17 @@ def test_loopback_looking_names_get_no_plain_http(url: str) -> None:
 
 
 async def test_plain_http_requires_every_address_to_be_loopback() -> None:
-    public = SafeResolver(True, resolver=_Resolver("93.184.216.34"), require_loopback=True)
+    public = SafeResolver(True, resolver=FixedResolver("93.184.216.34"), require_loopback=True)
     with pytest.raises(AddressRefused, match="not a loopback address"):
         await public.resolve("localhost", 80)
     mixed = SafeResolver(
-        True, resolver=_Resolver("93.184.216.34", "127.0.0.1", "::1"), require_loopback=True
+        True, resolver=FixedResolver("93.184.216.34", "127.0.0.1", "::1"), require_loopback=True
     )
     assert [a["host"] for a in await mixed.resolve("localhost", 80)] == ["127.0.0.1", "::1"]
     # WEBHOOK_ALLOWED_NETWORKS widens the address policy, never the plain-http rule.
     everything = [ipaddress.ip_network("0.0.0.0/0")]
     widened = SafeResolver(
-        True, everything, resolver=_Resolver("93.184.216.34"), require_loopback=True
+        True, everything, resolver=FixedResolver("93.184.216.34"), require_loopback=True
     )
     with pytest.raises(AddressRefused):
         await widened.resolve("localhost", 80)
