@@ -22,6 +22,7 @@ from ._version import __version__
 from .commands import COMMANDS
 from .commands.common import EXIT_CONFIG, EXIT_FAILED, EXIT_SCHEMA
 from .errors import ConfigError, FluxoraError, SchemaError
+from .settings import secret_file_hint, with_secret_files
 
 
 def _modules() -> list[ModuleType]:
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(env.get("LOG_FORMAT", "text").strip().lower() or "text")
     modules = _modules()
     try:
+        env = with_secret_files(env)
         passthrough = {m.NAME: m for m in modules if getattr(m, "PASSTHROUGH", False)}
         if argv and argv[0] in passthrough:
             # Its arguments belong to another program (argparse would take "--help" or a
@@ -67,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         # A command-line option is no configuration: "error: --yes: ...".
         kind = "error" if exc.variable.startswith("-") else "configuration error"
-        _fatal(f"{kind}: {exc}", env)
+        _fatal(f"{kind}: {exc}{secret_file_hint(exc.variable, os.environ)}", env)
         return EXIT_CONFIG
     except SchemaError as exc:
         _fatal(str(exc), env)

@@ -167,6 +167,65 @@ def check_builtin_pairs(env: Mapping[str, str]) -> None:
                 )
 
 
+#: Variables that hold a secret. Each may name a file instead (``DATABASE_URL_FILE``, ...),
+#: as container platforms mount secrets (Docker, Kubernetes): the value is then in no
+#: environment a deployment's manifest or ``docker inspect`` shows.
+SECRET_FILE_VARIABLES = (
+    "DATABASE_URL",
+    "REDIS_URL",
+    "WEBHOOK_SECRET",
+    "WEBHOOK_SECRET_PREVIOUS",
+    "WEBHOOK_OPERATOR_SECRET",
+)
+# Far above any URL or key; a path to the wrong file (a log, a disk) is refused unread.
+MAX_SECRET_FILE_BYTES = 65_536
+
+
+def with_secret_files(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with each ``X_FILE`` of :data:`SECRET_FILE_VARIABLES` read into ``X`` (and
+    gone: what a command starts, a supervised ``run``'s workers, gets the value read once,
+    and signs as the others do whatever the file holds later). One line break at the end
+    (``echo``, editors) is no part of the value. Both set, an unreadable, empty or
+    oversized file: ConfigError naming the ``_FILE`` variable and the path, never the
+    content."""
+    resolved = dict(env)
+    for name in SECRET_FILE_VARIABLES:
+        variable = f"{name}_FILE"
+        path = env.get(variable)
+        if path is None:
+            continue
+        if name in env:
+            raise ConfigError(variable, f"and {name} are both set: keep one")
+        if not path.strip():
+            raise ConfigError(variable, "is set but empty (a path to the file that holds it)")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_SECRET_FILE_BYTES + 1)
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ConfigError(variable, f"{path}: cannot be read ({reason})") from None
+        if len(data) > MAX_SECRET_FILE_BYTES:
+            raise ConfigError(
+                variable, f"{path}: longer than {MAX_SECRET_FILE_BYTES} bytes (the wrong file?)"
+            )
+        text = data.decode("utf-8", "surrogateescape")
+        text = text.removesuffix("\n").removesuffix("\r")
+        if not text.strip():
+            raise ConfigError(variable, f"{path}: the file is empty")
+        if "\0" in text:
+            raise ConfigError(variable, f"{path}: holds a NUL byte (not a text file?)")
+        resolved[name] = text
+        del resolved[variable]
+    return resolved
+
+
+def secret_file_hint(variable: str, env: Mapping[str, str]) -> str:
+    """What to add to a refusal of ``variable`` read from its file: where it came from."""
+    if variable in SECRET_FILE_VARIABLES and env.get(f"{variable}_FILE") is not None:
+        return f" (read from {variable}_FILE)"
+    return ""
+
+
 EMPTY_ENGINE_URL = "is set but empty (unset it to use the embedded engine)"
 
 

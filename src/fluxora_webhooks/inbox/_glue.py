@@ -114,6 +114,7 @@ async def deliver(
     try:
         async with asyncio.timeout(RECEIVE_WAIT_S) as waiting:
             async with connect() as conn, conn.transaction():
+                _check_deadline(waiting)
                 event = await receive(
                     conn,
                     body=body,
@@ -123,6 +124,7 @@ async def deliver(
                     tolerance_s=verification.tolerance_s,
                     scheme=verification.scheme,
                 )
+                _check_deadline(waiting)
                 waiting.reschedule(None)  # the handler takes the time it takes
                 if event is not None:
                     try:
@@ -176,6 +178,16 @@ async def deliver(
         return Answer(500, {"error": "handler_failed"})
     status = "processed" if event is not None else "duplicate"
     return Answer(200, {"status": status, "delivery_id": delivery_id})
+
+
+def _check_deadline(waiting: asyncio.Timeout) -> None:
+    """The wait's end, even when its cancellation was lost: Python 3.11's
+    ``asyncio.wait_for`` (psycopg_pool's queue uses it) returns the connection handed over
+    at the moment the wait is cancelled, and drops the cancellation. The receive would then
+    wait without a deadline behind a copy held uncommitted, holding a pool connection and
+    the sender's request for as long."""
+    if waiting.expired():
+        raise TimeoutError
 
 
 class _HandlerFailed(Exception):
