@@ -49,6 +49,9 @@ FIELDS = (
     "endpoint_id",
     "tenant",
     "reason",
+    # The dispatcher process of a supervised `run` that wrote the record (its workers
+    # share one stream: supervisor.py logs "worker N started (pid P)").
+    "worker",
 )
 
 MASK = "***"
@@ -270,6 +273,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": scrub(record.getMessage()),
+            "pid": record.process,
         }
         for name, value in _fields(record):
             out[name] = _scrub_value(value)
@@ -328,6 +332,22 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
         return
     sys.stderr.write(f"Exception in thread {name}:\n")
     _excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+class _WorkerMark(logging.Filter):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.index
+        return True
+
+
+def mark_worker(index: int) -> None:
+    """Every record of this process says ``worker=index`` (after :func:`configure`)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_WorkerMark(index))
 
 
 def configure(log_format: str = "text", level: int | str | None = None) -> None:

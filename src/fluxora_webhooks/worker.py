@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.from_env(env)
         check_client_certificate(settings)
         logs.configure(settings.log_format)
+        logs.mark_worker(args.index)
         service = Service(
             # The supervisor serves the one HTTP endpoint, and the API.
             dataclasses.replace(settings, metrics_port=0, workers=1, api_port=None),

@@ -284,3 +284,40 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+async def test_a_supervised_runs_records_say_which_worker_wrote_them(
+    database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """Two workers write to one stream: each record of a worker carries its index and pid
+    (the supervisor's "worker N started (pid P)" names both), the supervisor's own none."""
+
+    async def slow_refusal(r: Received) -> web.Response:
+        await asyncio.sleep(0.05)  # 40 rows outlast one worker's four claims in flight
+        return web.Response(status=503)
+
+    receiver.respond = slow_refusal
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_WORKERS="2", LOG_FORMAT="json", WEBHOOK_MAX_ATTEMPTS="1",
+        WEBHOOK_POLL_INTERVAL_MS="200", WEBHOOK_BATCH_SIZE="1",
+        WEBHOOK_METRICS_PORT=str(free_port()),
+    )  # fmt: skip
+    async with running_service(env, tmp_path / "run.log") as service:
+        await _enqueue(database_url, [f"k{i}" for i in range(40)])
+        await wait_until(lambda: _idle(database_url), timeout=30, what="dead-lettered")
+    records = [json.loads(line) for line in service.proc.log().splitlines() if line.strip()]
+    started = {
+        int(r["message"].split()[1]): int(r["message"].rsplit("pid ", 1)[1].rstrip(")"))
+        for r in records
+        if r["message"].startswith("worker ") and " started (pid " in r["message"]
+    }
+    assert sorted(started) == [0, 1], records
+    dead = [r for r in records if "goes to the dead letters" in r["message"]]
+    assert len(dead) == 40
+    assert {r["worker"] for r in dead} == {0, 1}  # both took rows
+    for record in dead:
+        assert record["pid"] == started[record["worker"]], record
+    supervisor = [r for r in records if r["logger"] == "fluxora_webhooks.supervisor"]
+    assert supervisor and all("worker" not in r for r in supervisor)
+    assert {r["pid"] for r in supervisor} == {service.proc.pid}
