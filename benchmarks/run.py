@@ -131,7 +131,7 @@ def _ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fluxora-webhooks bench",
-        description="Throughput and latency against the raw HTTP limit and pgqueuer.",
+        description="Throughput and latency against the raw HTTP limit, pgqueuer and Celery.",
     )
     add_common_arguments(parser, SECTIONS)
     parser.add_argument("--events", type=int, help="events per throughput run")

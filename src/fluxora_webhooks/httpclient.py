@@ -543,7 +543,10 @@ class HttpClient:
                     host=address,
                     port=origin.port,
                     ssl=(self._ssl or default_ssl_context()) if tls else None,
-                    server_hostname=origin.host if tls else None,
+                    # A fully qualified name's trailing dot is no part of the name a
+                    # certificate holds, nor of SNI (RFC 6066): "hooks.example." is
+                    # verified as "hooks.example", as browsers and curl do.
+                    server_hostname=origin.host.rstrip(".") if tls else None,
                 )
             except OSError as exc:
                 last = exc

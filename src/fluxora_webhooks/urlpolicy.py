@@ -179,7 +179,8 @@ def validate_url(url: str) -> None:
     - Whitespace and control characters are refused anywhere in the URL (never cleaned).
     - Credentials in the URL are refused; so is every other scheme.
     - The host must be a valid host name (IDNA/punycode hosts are normalised first) or an
-      IP literal, and the HTTP client must read the same host from the URL.
+      IP literal without a zone identifier, and the HTTP client must read the same host
+      from the URL; port 0 is refused (the client would connect to the default port).
     """
     if not isinstance(url, str):
         raise EndpointError("the URL must be a string")
@@ -190,7 +191,7 @@ def validate_url(url: str) -> None:
     try:
         parts = urlsplit(url)
         host = parts.hostname
-        _ = parts.port  # raises ValueError on a bad port
+        port = parts.port  # raises ValueError on a bad port
     except ValueError:
         raise EndpointError("the URL cannot be parsed") from None
     scheme = parts.scheme.lower()
@@ -200,6 +201,15 @@ def validate_url(url: str) -> None:
         raise EndpointError("URLs with embedded credentials are not allowed")
     if not host:
         raise EndpointError("the URL has no host")
+    if port == 0:
+        raise EndpointError("port 0 is no port to connect to; write the consumer's port")
+    if "%" in host and _is_ip(host.partition("%")[0]):
+        # "[fe80::1%25eth0]": the zone names an interface of one host (RFC 6874) and an
+        # HTTP request may not carry it; the client can neither connect with it nor drop it.
+        raise EndpointError(
+            f"the host [{shown_host(host)}] has a zone identifier (%...), which names a"
+            " network interface of the sending host; write the address without it"
+        )
     normalised = normalise_host(host)
     _check_client_agrees(url, normalised)
     if scheme == "http" and not is_loopback_host(normalised):

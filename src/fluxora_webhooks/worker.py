@@ -50,11 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fluxora-webhooks worker: started by `fluxora-webhooks run` only", file=sys.stderr)
         return EXIT_CONFIG
     env = dict(os.environ)
+    # Before the settings are read: what reading them logs (a short secret) is a record
+    # in the run's format too. The supervisor has validated LOG_FORMAT.
+    logs.configure(env.get("LOG_FORMAT", "text").strip().lower() or "text")
+    logs.mark_worker(args.index)
     try:
         settings = Settings.from_env(env)
         check_client_certificate(settings)
-        logs.configure(settings.log_format)
-        logs.mark_worker(args.index)
         service = Service(
             # The supervisor serves the one HTTP endpoint, and the API.
             dataclasses.replace(settings, metrics_port=0, workers=1, api_port=None),

@@ -12,6 +12,7 @@ import psycopg
 
 from .. import tokens
 from ..api import ApiConfig, ApiServer
+from ..errors import ConfigError
 
 TOKEN_PREFIX = "demo-admin-"
 
@@ -34,7 +35,10 @@ async def start_dashboard(
     server = ApiServer(config, host, port)
     try:
         await server.start()
-    except OSError:
+    except ConfigError as exc:
+        # The port taken (or not allowed); a host that cannot be bound is refused again.
+        if exc.variable != "WEBHOOK_API_PORT":
+            raise
         server = ApiServer(config, host, 0)
         await server.start()
     return server

@@ -1,0 +1,72 @@
+"""Consumer URLs of unusual shapes under the URL policy: a port of 0 and an IPv6 zone
+identifier are refused, naming what is wrong; the shapes a consumer may write (IPv6
+literals, IDNA hosts, a trailing dot, a default port written out, non-ASCII paths) pass."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from fluxora_webhooks.endpoints import check_url
+from fluxora_webhooks.errors import ConfigError, EndpointError
+from fluxora_webhooks.urlpolicy import validate_url
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://hooks.example.com:0/in?token=s3cr3t",
+        "https://hooks.example.com:00/in",
+        "https://[2606:4700::1111]:0/in",
+        "http://127.0.0.1:0/in",
+    ],
+)
+def test_port_0_is_refused(url: str) -> None:
+    # The HTTP client takes port 0 for "no port": it would connect to 443 (or 80) instead.
+    with pytest.raises(EndpointError, match="port 0") as refused:
+        validate_url(url)
+    assert "s3cr3t" not in str(refused.value)
+    with pytest.raises(ConfigError, match="port 0"):
+        check_url(url, allowed_networks=LOOPBACK)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://[fe80::1%25eth0]/in?token=s3cr3t",  # RFC 6874: the % written as %25
+        "https://[fe80::1%eth0]/in",
+        "http://[::1%25lo]:8080/in",
+        "https://[fe80::1%252]/in",
+    ],
+)
+def test_an_ipv6_zone_identifier_is_refused(url: str) -> None:
+    # The zone names an interface of one host; the client connects without it (or not at
+    # all) and would send it in the Host header.
+    with pytest.raises(EndpointError, match="zone identifier") as refused:
+        validate_url(url)
+    assert "s3cr3t" not in str(refused.value) and "/in" not in str(refused.value)
+    with pytest.raises(ConfigError, match="zone identifier"):
+        check_url(url, allowed_networks=(*LOOPBACK, ipaddress.ip_network("fe80::/10")))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://[::1]:8080/hook",
+        "HTTP://[0:0:0:0:0:0:0:1]:8080/hook",
+        "https://[2606:4700::1111]:443/hook",
+        "https://[64:ff9b::8.8.8.8]/hook",
+        "https://Hooks.Example.COM./hook",
+        "HTTPS://hooks.example.com:443/hook",
+        "https://hooks.example.com:/hook",
+        "https://b\u00fccher.example/p\u00e4th?q=\u2713#frag",
+        "https://xn--bcher-kva.example/p%C3%A4th?q=%E2%9C%93",
+        "https://hooks.example.com/" + "a" * 7000,
+    ],
+)
+def test_the_shapes_a_consumer_may_write_pass(url: str) -> None:
+    validate_url(url)
+    check_url(url, allowed_networks=LOOPBACK)
