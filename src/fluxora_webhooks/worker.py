@@ -66,14 +66,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         service.run_background = args.index == 0
         return run_async(_serve(service, args.ready_fd, args.supervisor))
     except ConfigError as exc:
-        print(f"fluxora-webhooks worker: configuration error: {exc}", file=sys.stderr)
+        _fatal(f"configuration error: {exc}")
         return EXIT_CONFIG
     except SchemaError as exc:
-        print(f"fluxora-webhooks worker: {exc}", file=sys.stderr)
+        _fatal(str(exc))
         return EXIT_SCHEMA
     except FluxoraError as exc:
-        print(f"fluxora-webhooks worker: {exc}", file=sys.stderr)
+        _fatal(str(exc))
         return 1
+
+
+def _fatal(message: str) -> None:
+    """Why the worker stops: a record in the run's log format (one JSON line among the
+    others with LOG_FORMAT=json), with its worker index."""
+    logging.getLogger("fluxora_webhooks.worker").critical("%s", message)
 
 
 async def _serve(service: Service, ready_fd: int, supervisor: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -321,3 +322,32 @@ async def test_a_supervised_runs_records_say_which_worker_wrote_them(
     supervisor = [r for r in records if r["logger"] == "fluxora_webhooks.supervisor"]
     assert supervisor and all("worker" not in r for r in supervisor)
     assert {r["pid"] for r in supervisor} == {service.proc.pid}
+
+
+async def test_a_worker_that_cannot_start_says_why_in_the_runs_log_format(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A worker stops on what the supervisor did not check for it (a Redis Cluster URL
+    naming a database, a schema changed in between): with JSON logs its reason is one JSON
+    record with its worker index, not a plain line among the records."""
+    read_fd, write_fd = os.pipe()
+    env = dispatcher_env(
+        database_url, "redis://127.0.0.1:1/0", "https://hooks.example.com/x", "p:",
+        LOG_FORMAT="json", WEBHOOK_BATCH_SIZE="0",
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path), FLUXORA_WORKER="1",
+    )  # fmt: skip
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fluxora_webhooks.worker",
+            "--index", "1", "--ready-fd", str(write_fd), "--supervisor", str(os.getpid()),
+            env=env, pass_fds=(write_fd,),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert proc.returncode == 2, err
+    (record,) = [json.loads(line) for line in err.decode().splitlines()]
+    assert record["level"] == "critical" and record["worker"] == 1, record
+    assert record["message"].startswith("configuration error: WEBHOOK_BATCH_SIZE: "), record
