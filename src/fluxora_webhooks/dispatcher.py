@@ -1130,4 +1130,6 @@ def make_client(
     )
     cert = settings.tls_client_cert
     context = None if cert is None else client_ssl_context(cert, settings.tls_client_key)
-    return HttpClient(resolver, ssl_context=context)
+    return HttpClient(
+        resolver, ssl_context=context, proxy=settings.proxy, no_proxy=settings.no_proxy
+    )

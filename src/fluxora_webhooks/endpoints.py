@@ -31,7 +31,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from .errors import ConfigError, ConflictError, EndpointError, EndpointLimitReached, NotFoundError
-from .outbox import TENANT
+from .outbox import EVENT_TYPE, MAX_EVENT_TYPE, TENANT
 from .queries import query
 from .settings import looks_like_duration, parse_duration_ms, retry_rps
 from .urlpolicy import IPNetwork, check_url_address, validate_url
@@ -291,18 +291,16 @@ def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str
     return url
 
 
-_EVENT_TYPE = re.compile(r"[ -~]{1,200}", re.ASCII)
-
-
 def check_event_type(value: str, name: str = "event_type") -> str:
     """An event's own type, as the API and ``send`` take it: what the ``x-fluxora-event``
-    header carries as it is, 1 to 200 printable ASCII characters. (Endpoints' filters are
-    narrower, but ``*`` and a prefix such as ``order.*`` take any type.)"""
-    if not _EVENT_TYPE.fullmatch(value):
+    header carries as it is, 1 to 200 printable ASCII characters, not starting or ending
+    with a space (enqueue's ``EVENT_TYPE``). (Endpoints' filters are narrower, but ``*`` and
+    a prefix such as ``order.*`` take any type.)"""
+    if not EVENT_TYPE.fullmatch(value):
         raise ConfigError(
             name,
-            f"{value[:40]!r} is not an event type: 1 to 200 printable ASCII characters"
-            " (it is sent as a header)",
+            f"{value[:40]!r} is not an event type: 1 to 200 printable ASCII characters, not"
+            " starting or ending with a space (it is sent as a header)",
         )
     return value
 
@@ -327,6 +325,12 @@ def check_event_types(patterns: Sequence[str], name: str = "event_types") -> tup
         raise ConfigError(name, "must list at least one event type (or *)")
     found = tuple(texts)
     for pattern in found:
+        if len(pattern.removesuffix("*")) > MAX_EVENT_TYPE:
+            raise ConfigError(
+                name,
+                f"{pattern[:40]!r}... is {len(pattern)} characters: an event type (or a"
+                f" prefix before its *) has at most {MAX_EVENT_TYPE}",
+            )
         if not _EVENT_PATTERN.fullmatch(pattern):
             raise ConfigError(
                 name,

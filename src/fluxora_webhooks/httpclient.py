@@ -27,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import ipaddress
 import re
 import socket
 import ssl
@@ -41,6 +42,7 @@ import yarl
 
 from .connector import SafeResolver, refuse_address
 from .errors import EndpointError
+from .settings import Proxy
 from .urlpolicy import parse_ip
 
 # A response head line longer than this, or a head longer than MAX_HEAD, is refused as
@@ -410,15 +412,63 @@ async def warm_ssl_context(cert: str | None = None, key: str | None = None) -> N
         await asyncio.to_thread(client_ssl_context, cert, key)
 
 
+# The longest answer to CONNECT read from a proxy (a status line and a few fields).
+MAX_PROXY_HEAD = 16 * 1024
+
+
+class _TunnelAnswer(asyncio.Protocol):
+    """A proxy's answer to ``CONNECT``: its status and reason, once its head has ended."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.answer: asyncio.Future[tuple[int, str]] = loop.create_future()
+        self._head = b""
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer.done():
+            return
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > MAX_PROXY_HEAD:
+                self.answer.set_exception(OSError(errno.EPROTO, "an answer larger than 16 KiB"))
+            return
+        version, _, rest = self._head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
+        code, _, reason = rest.partition(" ")
+        if not version.startswith("HTTP/1.") or not (code.isdigit() and len(code) == 3):
+            self.answer.set_exception(OSError(errno.EPROTO, "no HTTP answer"))
+            return
+        status = int(code)
+        if 200 <= status < 300 and end + 4 != len(self._head):
+            # Nothing may come before the consumer's part of the TLS handshake.
+            self.answer.set_exception(OSError(errno.EPROTO, "bytes after its 2xx answer"))
+            return
+        shown = "".join(c if c.isprintable() else "?" for c in reason[:100]).strip()
+        self.answer.set_result((status, shown))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.answer.done():
+            self.answer.set_exception(OSError(errno.ECONNRESET, "the connection was closed"))
+
+
 class HttpClient:
     """POSTs webhooks. ``resolver`` is the address policy (a :class:`SafeResolver`);
-    ``ssl_context`` verifies https consumers (the system's trust store by default)."""
+    ``ssl_context`` verifies https consumers (the system's trust store by default).
+    ``proxy``: https consumers are reached through its ``CONNECT`` tunnels, to the address
+    the policy checked, except addresses in ``no_proxy`` (connected to directly); plain
+    http goes to loopback only, directly."""
 
     def __init__(
-        self, resolver: SafeResolver, *, ssl_context: ssl.SSLContext | None = None
+        self,
+        resolver: SafeResolver,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        proxy: Proxy | None = None,
+        no_proxy: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
     ) -> None:
         self.resolver = resolver
         self._ssl = ssl_context
+        self._proxy = proxy
+        self._no_proxy = no_proxy
         self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = {}
         self._dns: dict[tuple[str, int], _DnsEntry] = {}
         self._closed = False
@@ -538,16 +588,19 @@ class HttpClient:
             if reason is not None:
                 raise refuse_address(origin.host, address, reason)
             try:
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(origin),
-                    host=address,
-                    port=origin.port,
-                    ssl=(self._ssl or default_ssl_context()) if tls else None,
-                    # A fully qualified name's trailing dot is no part of the name a
-                    # certificate holds, nor of SNI (RFC 6066): "hooks.example." is
-                    # verified as "hooks.example", as browsers and curl do.
-                    server_hostname=origin.host.rstrip(".") if tls else None,
-                )
+                if tls and self._proxy is not None and not self._direct(address):
+                    conn = await self._tunnel(self._proxy, origin, address)
+                else:
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(origin),
+                        host=address,
+                        port=origin.port,
+                        ssl=(self._ssl or default_ssl_context()) if tls else None,
+                        # A fully qualified name's trailing dot is no part of the name a
+                        # certificate holds, nor of SNI (RFC 6066): "hooks.example." is
+                        # verified as "hooks.example", as browsers and curl do.
+                        server_hostname=origin.host.rstrip(".") if tls else None,
+                    )
             except OSError as exc:
                 last = exc
                 if tls and _during_handshake(exc):
@@ -560,3 +613,55 @@ class HttpClient:
         if last is None:
             raise ConnectFailed(errno.EHOSTUNREACH, "no address to connect to")
         raise ConnectFailed(last.errno or errno.ECONNABORTED, last.strerror or type(last).__name__)
+
+    def _direct(self, address: str) -> bool:
+        ip = ipaddress.ip_address(address)
+        return any(ip in net for net in self._no_proxy if net.version == ip.version)
+
+    async def _tunnel(self, proxy: Proxy, origin: _Origin, address: str) -> _Connection:
+        """A TLS connection to ``address`` through the proxy's ``CONNECT`` tunnel. The
+        tunnel names the address the policy checked, never the host name: the proxy must
+        not resolve it again (to an address the policy would refuse)."""
+        loop = asyncio.get_running_loop()
+        target = f"[{address}]:{origin.port}" if ":" in address else f"{address}:{origin.port}"
+        try:
+            transport, waiting = await loop.create_connection(
+                lambda: _TunnelAnswer(loop), proxy.host, proxy.port
+            )
+        except OSError as exc:
+            raise ConnectFailed(
+                exc.errno or errno.ECONNREFUSED,
+                f"the proxy {proxy.shown} cannot be reached ({exc.strerror or type(exc).__name__})",
+            ) from None
+        try:
+            head = f"CONNECT {target} HTTP/1.1\r\nhost: {target}\r\n"
+            if proxy.authorization is not None:
+                head += f"proxy-authorization: {proxy.authorization}\r\n"
+            transport.write((head + "\r\n").encode("ascii"))
+            try:
+                status, reason = await waiting.answer
+            except OSError as exc:
+                raise ConnectFailed(
+                    exc.errno or errno.EPROTO,
+                    f"the proxy {proxy.shown} answered CONNECT {target} with {exc.strerror}",
+                ) from None
+            if not 200 <= status < 300:
+                hint = " (the user and password of WEBHOOK_PROXY_URL)" if status == 407 else ""
+                raise ConnectFailed(
+                    errno.ECONNREFUSED,
+                    f"the proxy {proxy.shown} refused CONNECT {target}: {status} {reason}{hint}",
+                )
+            conn = _Connection(origin)
+            tls_transport = await loop.start_tls(
+                transport,
+                conn,
+                self._ssl or default_ssl_context(),
+                server_hostname=origin.host.rstrip("."),
+            )
+        except BaseException:
+            transport.close()
+            raise
+        if tls_transport is None:  # the proxy closed the tunnel as the handshake ended
+            raise ConnectFailed(errno.ECONNRESET, f"the proxy {proxy.shown} closed the tunnel")
+        conn.connection_made(tls_transport)
+        return conn

@@ -65,8 +65,10 @@ TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", re.ASCII)
 # ordered endpoint's among them, whose entries PostgreSQL bounds at about 2,700 bytes: 500
 # characters are at most 2,000 bytes); the payload, as JSON, is the request body each
 # consumer receives, and the consumers' inbox glue refuses a body over 1 MiB.
+# Not starting or ending with a space: a header's value loses those (RFC 9110 5.5), so the
+# consumer would read another type than the one the endpoints' filters were matched with.
 MAX_EVENT_TYPE = 200
-EVENT_TYPE = re.compile(rf"[ -~]{{1,{MAX_EVENT_TYPE}}}", re.ASCII)
+EVENT_TYPE = re.compile(rf"[!-~](?:[ -~]{{0,{MAX_EVENT_TYPE - 2}}}[!-~])?", re.ASCII)
 MAX_STREAM_ID = 500
 MAX_PAYLOAD_BYTES = 1 << 20
 # A NUL escaped in JSON text (after an even number of backslashes, which are escapes of
@@ -91,8 +93,8 @@ def _check_names(tenant: str, stream_id: str, event_type: str) -> None:
         long = isinstance(event_type, str) and len(event_type) > MAX_EVENT_TYPE
         shown = f" (is {len(event_type)} characters)" if long else ""
         raise ValueError(
-            f"event_type must be 1 to {MAX_EVENT_TYPE} printable ASCII characters (it is sent"
-            f" as a header){shown}"
+            f"event_type must be 1 to {MAX_EVENT_TYPE} printable ASCII characters, not starting"
+            f" or ending with a space (it is sent as a header){shown}"
         )
 
 
@@ -183,7 +185,8 @@ def enqueue(
     Refused before anything reaches the database: a connection of another driver
     (``TypeError``), a payload that is not JSON-serializable (``TypeError``), and with a
     ``ValueError`` naming the field: an invalid tenant, a stream id not of 1 to 500
-    characters, an event type not of 1 to 200 printable ASCII characters, a payload over
+    characters, an event type not of 1 to 200 printable ASCII characters (or starting or
+    ending with a space, which the header it is sent in would drop), a payload over
     1 MiB as JSON, with NaN or Infinity, a NUL character or an unpaired surrogate in text.
     A database whose schema is older than the code raises :class:`SchemaError`.
     """

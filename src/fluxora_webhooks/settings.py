@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from . import logs
 from .errors import ConfigError, EndpointError
@@ -176,6 +176,7 @@ SECRET_FILE_VARIABLES = (
     "WEBHOOK_SECRET",
     "WEBHOOK_SECRET_PREVIOUS",
     "WEBHOOK_OPERATOR_SECRET",
+    "WEBHOOK_PROXY_URL",
 )
 # Far above any URL or key; a path to the wrong file (a log, a disk) is refused unread.
 MAX_SECRET_FILE_BYTES = 65_536
@@ -449,6 +450,63 @@ def cannot_listen(kind: str, host: str, port: int, exc: BaseException) -> Config
     return ConfigError(f"WEBHOOK_{kind}_HOST", f"cannot listen on {shown_value(host)}: {reason}")
 
 
+NO_PROXY_DEFAULT: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    """An HTTP proxy that https consumers are reached through (``CONNECT``)."""
+
+    host: str
+    port: int
+    # The Proxy-Authorization value (Basic), from the URL's user and password.
+    authorization: str | None = field(default=None, repr=False)
+
+    @property
+    def shown(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_proxy_url(raw: str | None, variable: str = "WEBHOOK_PROXY_URL") -> Proxy | None:
+    """``http://[user:password@]host[:port]``: an http proxy (the tunnel to the consumer
+    is TLS itself). Unset: no proxy. Its password is given to the log scrubber."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text:
+        raise ConfigError(variable, "is set but empty (unset it to connect directly)")
+    if has_space_or_control(text):
+        raise ConfigError(variable, "holds a space or a control character")
+    try:
+        parts = urlsplit(text)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise ConfigError(variable, "cannot be parsed as http://host:port") from None
+    if parts.scheme.lower() != "http":
+        raise ConfigError(
+            variable,
+            "must be an http:// proxy URL (the tunnel to an https consumer is TLS already)",
+        )
+    if not host or not (_is_host(host) or _is_host(host.rstrip("."))):
+        raise ConfigError(variable, "names no host (http://host:port)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(variable, "must be http://host:port, without a path or query")
+    if port == 0:
+        raise ConfigError(variable, "port 0 is no port to connect to")
+    authorization = None
+    if parts.username is not None or parts.password is not None:
+        user = unquote(parts.username or "")
+        password = unquote(parts.password or "")
+        logs.add_sensitive(password, parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        logs.add_sensitive(token)
+        authorization = f"Basic {token}"
+    return Proxy(host, port or 80, authorization)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Validated configuration of a dispatcher. Build it with :meth:`from_env`."""
@@ -508,6 +566,10 @@ class Settings:
     # file of the certificate (and its chain), and of its key when that is not in it.
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
+    # An egress proxy for https consumers (CONNECT tunnels), and the networks connected to
+    # directly (by default loopback, which a proxy elsewhere cannot reach).
+    proxy: Proxy | None = field(default=None, repr=False)
+    no_proxy: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = NO_PROXY_DEFAULT
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = False) -> Settings:
@@ -558,6 +620,15 @@ class Settings:
             for attr, (variable, low, high) in _INTEGERS.items()
         }
         tls_client_cert, tls_client_key = _client_certificate(env)
+        proxy = parse_proxy_url(env.get("WEBHOOK_PROXY_URL"))
+        no_proxy = NO_PROXY_DEFAULT
+        if env.get("WEBHOOK_NO_PROXY") is not None:
+            raw = env["WEBHOOK_NO_PROXY"].strip()
+            no_proxy = () if raw.lower() == "none" else _networks(env, "WEBHOOK_NO_PROXY")
+            if not no_proxy and raw.lower() != "none":
+                raise ConfigError(
+                    "WEBHOOK_NO_PROXY", "is set but empty (CIDRs, or none: every address)"
+                )
         return cls(
             webhook_url=url,
             secret=secret,
@@ -579,6 +650,8 @@ class Settings:
             api_port=api_port,
             tls_client_cert=tls_client_cert,
             tls_client_key=tls_client_key,
+            proxy=proxy,
+            no_proxy=no_proxy,
             **numbers,
         )
 

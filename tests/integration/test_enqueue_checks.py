@@ -187,7 +187,7 @@ def test_enqueue_takes_what_is_within_the_limits(conn: psycopg.Connection[Any]) 
     backslash = {"k": "\\u0000", "j": "\\\\u0000"}  # text, not a NUL
     ids = [
         enqueue(conn, stream_id=stream_id, event_type="x" * 200, payload=at_limit),
-        enqueue(conn, stream_id="s-2", event_type=" ~", payload=backslash),
+        enqueue(conn, stream_id="s-2", event_type="! ~", payload=backslash),
         enqueue(conn, stream_id="s-3", event_type="t", payload=json.dumps({"a": 1})),
     ]
     found = rows(conn)

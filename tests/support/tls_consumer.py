@@ -88,6 +88,8 @@ class TlsConsumer:
 
     def stop(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
         self._listener.close()
         with self._lock:
             socks = list(self._socks)

@@ -237,7 +237,8 @@ async def edit(request: Request, endpoint_id: str) -> Response:
                 # Unchanged, the URL and the headers are not checked again as new ones (a
                 # stored header or address that the rules now refuse keeps working).
                 url=None if url == current["url"] else url,
-                event_types=_event_types(form.get("event_types", "")) or ["*"],
+                # Emptied, refused (as a PATCH with none is), not widened to every type.
+                event_types=_event_types(form.get("event_types", "")),
                 description=form.get("description", "").strip(),
                 headers=None if headers == current["headers"] else headers,
                 rate_limit=rate_limit,

@@ -1,0 +1,202 @@
+"""An egress proxy (``WEBHOOK_PROXY_URL``): https consumers reached through a real
+``CONNECT`` proxy on loopback, to the address the policy checked, with the proxy's user and
+password kept out of every error and log; loopback connected to directly by default
+(``WEBHOOK_NO_PROXY``); what a proxy's refusal is recorded as."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from fluxora_webhooks.connector import SafeResolver
+from fluxora_webhooks.delivery import attempt
+from fluxora_webhooks.errors import EndpointError
+from fluxora_webhooks.httpclient import HttpClient
+from fluxora_webhooks.retry import Kind
+from fluxora_webhooks.settings import NO_PROXY_DEFAULT, parse_proxy_url
+from fluxora_webhooks.signing import verify
+from tests.support.connect_proxy import ConnectProxy
+from tests.support.dispatch import SECRET, enqueue_many, pending, rows, wait_until
+from tests.support.procs import dispatcher_env, run_command, start_dispatcher
+from tests.support.resolvers import FixedResolver
+from tests.support.tls_consumer import TlsConsumer
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "pr0xy-pass-7f3a9c"
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def consumer(ca: trustme.CA) -> Iterator[TlsConsumer]:
+    with TlsConsumer(ca.issue_cert("localhost", "127.0.0.1", "hooks.tls.test")) as running:
+        yield running
+
+
+def _client(
+    ca: trustme.CA, proxy_url: str, *, no_proxy: Any = (), resolver: Any = None
+) -> HttpClient:
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    return HttpClient(
+        SafeResolver(True, resolver=resolver or FixedResolver("127.0.0.1")),
+        ssl_context=ctx,
+        proxy=parse_proxy_url(proxy_url),
+        no_proxy=no_proxy,
+    )
+
+
+async def _post(client: HttpClient, url: str) -> Any:
+    return await attempt(
+        client, url, b'{"a": 1}', {"content-type": "application/json"},
+        timeout_s=5.0, max_response_bytes=1024,
+    )  # fmt: skip
+
+
+async def test_https_goes_through_the_tunnel_to_the_checked_address(
+    ca: trustme.CA, consumer: TlsConsumer
+) -> None:
+    """The tunnel names the address the policy checked (the proxy resolves nothing); the
+    TLS handshake and the Host field name the consumer; one tunnel serves keep-alive."""
+    async with ConnectProxy(credentials=("egress", PASSWORD)) as proxy:
+        client = _client(ca, proxy.url)
+        try:
+            url = consumer.url("hooks.tls.test", "/hook")
+            first, second = await _post(client, url), await _post(client, url)
+        finally:
+            await client.close()
+    assert (first.kind, second.kind) == (Kind.DELIVERED, Kind.DELIVERED), first.error
+    assert proxy.targets == [f"127.0.0.1:{consumer.port}"]  # one tunnel, to the address
+    assert proxy.authorizations[0] is not None and proxy.authorizations[0].startswith("Basic ")
+    assert consumer.sni == ["hooks.tls.test"]
+    assert [r.headers["host"] for r in consumer.requests] == [f"hooks.tls.test:{consumer.port}"] * 2
+
+
+@pytest.mark.parametrize(
+    ("refusal", "said"),
+    [
+        ("password", "refused CONNECT 127.0.0.1:{port}: 407 Proxy Authentication Required"
+         " (the user and password of WEBHOOK_PROXY_URL)"),
+        ("forbidden", "refused CONNECT 127.0.0.1:{port}: 403 Forbidden"),
+        ("down", "the proxy 127.0.0.1:{proxy} cannot be reached"),
+    ],
+)  # fmt: skip
+async def test_a_proxy_that_refuses_is_a_retryable_failure_that_says_so(
+    ca: trustme.CA, consumer: TlsConsumer, refusal: str, said: str
+) -> None:
+    async def post_once(proxy_url: str) -> Any:
+        client = _client(ca, proxy_url)
+        try:
+            return await _post(client, consumer.url("hooks.tls.test", "/hook"))
+        finally:
+            await client.close()
+
+    async with ConnectProxy(
+        credentials=("egress", PASSWORD), refuse=refusal == "forbidden"
+    ) as proxy:
+        url = proxy.url.replace(PASSWORD, "wrong-0c1d") if refusal == "password" else proxy.url
+        if refusal != "down":
+            result = await post_once(url)
+    if refusal == "down":
+        result = await post_once(url)  # the proxy has stopped
+    assert result.kind is Kind.RETRYABLE
+    assert said.format(port=consumer.port, proxy=proxy.port) in result.error, result.error
+    assert PASSWORD not in result.error and "wrong-0c1d" not in result.error
+    assert consumer.requests == []
+
+
+async def test_loopback_is_connected_to_directly_by_default(
+    ca: trustme.CA, consumer: TlsConsumer
+) -> None:
+    """A proxy elsewhere cannot reach this host's loopback: WEBHOOK_NO_PROXY's default."""
+    async with ConnectProxy() as proxy:
+        client = _client(ca, proxy.url, no_proxy=NO_PROXY_DEFAULT)
+        try:
+            result = await _post(client, consumer.url("hooks.tls.test", "/hook"))
+        finally:
+            await client.close()
+    assert result.kind is Kind.DELIVERED, result.error
+    assert proxy.targets == []
+
+
+async def test_the_address_policy_still_decides_before_any_tunnel(ca: trustme.CA) -> None:
+    """A name resolving to a private address is refused here; the proxy is never asked."""
+    async with ConnectProxy() as proxy:
+        client = HttpClient(
+            SafeResolver(False, resolver=FixedResolver("10.1.2.3")),
+            proxy=parse_proxy_url(proxy.url),
+        )
+        try:
+            with pytest.raises(EndpointError, match=r"10\.1\.2\.3"):
+                await client.post(
+                    "https://hooks.internal.test/hook", b"{}", {}, timeout_s=5.0, max_body=10
+                )
+        finally:
+            await client.close()
+    assert proxy.targets == []
+
+
+async def test_run_delivers_through_the_proxy_and_never_logs_its_password(
+    database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    ca: trustme.CA,
+    consumer: TlsConsumer,
+    tmp_path: Path,
+) -> None:
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    async with ConnectProxy(credentials=("egress", PASSWORD)) as proxy:
+        env = dispatcher_env(
+            database_url, redis_url, consumer.url("localhost", "/hook"), redis_prefix,
+            SSL_CERT_FILE=str(ca_file), WEBHOOK_POLL_INTERVAL_MS="200",
+            WEBHOOK_PROXY_URL=proxy.url, WEBHOOK_NO_PROXY="none", LOG_LEVEL="DEBUG",
+        )  # fmt: skip
+        run = await start_dispatcher(env, tmp_path / "run.log")
+        try:
+            await enqueue_many(database_url, 10)
+
+            async def delivered() -> bool:
+                return await pending(database_url) == 0
+
+            await wait_until(delivered, 30, "every event delivered")
+        finally:
+            run.terminate()
+            assert await run.wait(30) == 0, run.log()
+    outcomes = await rows(database_url, "SELECT outcome, count(*) FROM webhook_outbox GROUP BY 1")
+    assert outcomes == [("delivered", 10)], run.log()
+    assert proxy.targets and set(proxy.targets) == {f"127.0.0.1:{consumer.port}"}
+    for request in consumer.requests:
+        verify(request.body, request.headers, SECRET, scheme="standard")
+    assert PASSWORD not in run.log()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("WEBHOOK_PROXY_URL", "https://proxy.corp:3128", "must be an http:// proxy URL"),
+        ("WEBHOOK_PROXY_URL", f"http://u:{PASSWORD}@proxy.corp:3128/x", "without a path"),
+        ("WEBHOOK_NO_PROXY", "10.0.0.0/33", "is not a CIDR network"),
+    ],
+)
+async def test_a_bad_proxy_setting_stops_start_up_naming_it(
+    database_url: str, variable: str, value: str, said: str
+) -> None:
+    env = dispatcher_env(
+        database_url, "redis://127.0.0.1:1/0", "https://hooks.example.com/x", "p:",
+        WEBHOOK_PROXY_URL="http://proxy.corp:3128",
+    )  # fmt: skip
+    env[variable] = value
+    code, out = await run_command("run", env=env, timeout=30)
+    assert code == 2, out
+    assert f"configuration error: {variable}: " in out and said in out, out
+    assert PASSWORD not in out
