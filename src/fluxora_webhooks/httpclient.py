@@ -428,13 +428,18 @@ class _TunnelAnswer(asyncio.Protocol):
             return
         self._head += data
         end = self._head.find(b"\r\n\r\n")
+        # The head so far, or whole: the cap holds however the reads cut it (one may bring
+        # all of it).
+        if (len(self._head) if end < 0 else end + 4) > MAX_PROXY_HEAD:
+            self.answer.set_exception(OSError(errno.EPROTO, "an answer larger than 16 KiB"))
+            return
         if end < 0:
-            if len(self._head) > MAX_PROXY_HEAD:
-                self.answer.set_exception(OSError(errno.EPROTO, "an answer larger than 16 KiB"))
             return
         version, _, rest = self._head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
         code, _, reason = rest.partition(" ")
-        if not version.startswith("HTTP/1.") or not (code.isdigit() and len(code) == 3):
+        # Three ASCII digits (a superscript two is a digit to isdigit, not to int).
+        digits = code.isascii() and code.isdigit() and len(code) == 3
+        if not version.startswith("HTTP/1.") or not digits:
             self.answer.set_exception(OSError(errno.EPROTO, "no HTTP answer"))
             return
         status = int(code)

@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 from . import logs
 from .errors import ConfigError, EndpointError
@@ -498,10 +498,17 @@ def parse_proxy_url(raw: str | None, variable: str = "WEBHOOK_PROXY_URL") -> Pro
         raise ConfigError(variable, "port 0 is no port to connect to")
     authorization = None
     if parts.username is not None or parts.password is not None:
-        user = unquote(parts.username or "")
-        password = unquote(parts.password or "")
-        logs.add_sensitive(password, parts.password or "")
-        token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        # As bytes: a percent-encoded byte (%FF) is that byte, and so is a byte of the
+        # environment that is not UTF-8 (surrogateescape), as curl sends them.
+        try:
+            user, password = (
+                unquote_to_bytes((text or "").encode("utf-8", "surrogateescape"))
+                for text in (parts.username, parts.password)
+            )
+        except UnicodeEncodeError:
+            raise ConfigError(variable, "is not valid text (a lone surrogate)") from None
+        logs.add_sensitive(password, unquote(parts.password or ""), parts.password or "")
+        token = base64.b64encode(user + b":" + password).decode("ascii")
         logs.add_sensitive(token)
         authorization = f"Basic {token}"
     return Proxy(host, port or 80, authorization)

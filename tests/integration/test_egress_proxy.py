@@ -5,8 +5,9 @@ password kept out of every error and log; loopback connected to directly by defa
 
 from __future__ import annotations
 
+import asyncio
 import ssl
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,12 @@ def ca() -> trustme.CA:
 
 
 @pytest.fixture
-def consumer(ca: trustme.CA) -> Iterator[TlsConsumer]:
+async def consumer(ca: trustme.CA) -> AsyncIterator[TlsConsumer]:
     with TlsConsumer(ca.issue_cert("localhost", "127.0.0.1", "hooks.tls.test")) as running:
         yield running
+    # Its connections are closed: the client's TLS transports end once they see it, while
+    # this test's event loop still runs (not unclosed when the loop is).
+    await asyncio.sleep(0.05)
 
 
 def _client(
@@ -200,3 +204,56 @@ async def test_a_bad_proxy_setting_stops_start_up_naming_it(
     assert code == 2, out
     assert f"configuration error: {variable}: " in out and said in out, out
     assert PASSWORD not in out
+
+
+@pytest.mark.parametrize("written", ["percent-encoded", "as bytes of the environment"])
+async def test_a_password_that_is_not_utf8_is_sent_byte_for_byte(
+    ca: trustme.CA, consumer: TlsConsumer, written: str
+) -> None:
+    """``%FF`` is the byte FF (not U+FFFD's three bytes), as curl sends it; an environment
+    byte that is not UTF-8 (Python's surrogateescape) is that byte too, not a crash."""
+    password = b"pr0xy-\xff\xfe-pass"
+    async with ConnectProxy(credentials=("egress", password)) as proxy:
+        url = proxy.url
+        if written != "percent-encoded":
+            url = f"http://egress:{password.decode('utf-8', 'surrogateescape')}@{proxy.shown}"
+        client = _client(ca, url)
+        try:
+            result = await _post(client, consumer.url("hooks.tls.test", "/hook"))
+        finally:
+            await client.close()
+    assert result.kind is Kind.DELIVERED, result.error
+    assert proxy.targets == [f"127.0.0.1:{consumer.port}"]
+
+
+_PAD = b"x-pad: " + b"a" * 10_000 + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        # Split anywhere, HTTP/1.0: a tunnel.
+        ((b"HTTP/1.0 200 Conn", b"ection established\r\n", b"\r\n"), None),
+        # Over 16 KiB in all, its end in the last read.
+        ((b"HTTP/1.1 200 OK\r\n" + _PAD, _PAD + b"\r\n"), "an answer larger than 16 KiB"),
+        # A superscript two is a digit to isdigit only.
+        (("HTTP/1.1 \u00b200 OK\r\n\r\n".encode("latin-1"),), "with no HTTP answer"),
+    ],
+    ids=["split", "oversize", "not-ascii-digits"],
+)
+async def test_the_proxy_answer_is_read_whole_and_bounded_however_it_is_cut(
+    ca: trustme.CA, consumer: TlsConsumer, answer: tuple[bytes, ...], said: str | None
+) -> None:
+    async with ConnectProxy(answer=answer) as proxy:
+        client = _client(ca, proxy.url)
+        try:
+            result = await _post(client, consumer.url("hooks.tls.test", "/hook"))
+        finally:
+            await client.close()
+    if said is None:
+        assert result.kind is Kind.DELIVERED, result.error
+        return
+    assert result.kind is Kind.RETRYABLE
+    assert f"the proxy {proxy.shown} answered CONNECT" in result.error, result.error
+    assert said in result.error, result.error
+    assert consumer.requests == []

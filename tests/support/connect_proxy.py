@@ -1,6 +1,7 @@
 """A real HTTP proxy on loopback that tunnels ``CONNECT`` requests, as Squid or an egress
 proxy does: it records each request's target and Proxy-Authorization, may require a
-user and password (407 otherwise) and may refuse targets (403)."""
+user and password (407 otherwise), may refuse targets (403) and may answer a tunnel's
+``CONNECT`` with other bytes than its usual 200 (``answer``, written a part at a time)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import asyncio
 import base64
 import contextlib
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 
 @dataclass
 class ConnectProxy:
-    credentials: tuple[str, str] | None = None  # required user and password
+    credentials: tuple[str, str | bytes] | None = None  # required user and password
     refuse: bool = False  # answer every CONNECT 403
+    answer: tuple[bytes, ...] = (b"HTTP/1.1 200 Connection established\r\n\r\n",)
     targets: list[str] = field(default_factory=list)
     authorizations: list[str | None] = field(default_factory=list)
     port: int = 0
@@ -32,10 +35,16 @@ class ConnectProxy:
         await self._server.wait_closed()
 
     @property
+    def shown(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
         if self.credentials is None:
             return f"http://127.0.0.1:{self.port}"
         user, password = self.credentials
+        if isinstance(password, bytes):
+            password = quote(password, safe="")
         return f"http://{user}:{password}@127.0.0.1:{self.port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -63,7 +72,9 @@ class ConnectProxy:
             writer.write(b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\n\r\n")
             return
         if self.credentials is not None:
-            token = base64.b64encode(":".join(self.credentials).encode()).decode()
+            user, password = self.credentials
+            secret = password if isinstance(password, bytes) else password.encode()
+            token = base64.b64encode(user.encode() + b":" + secret).decode()
             if fields.get("proxy-authorization") != f"Basic {token}":
                 writer.write(
                     b"HTTP/1.1 407 Proxy Authentication Required\r\n"
@@ -77,8 +88,6 @@ class ConnectProxy:
         upstream_reader, upstream_writer = await asyncio.open_connection(
             host.strip("[]"), int(port)
         )
-        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        await writer.drain()
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
@@ -89,6 +98,9 @@ class ConnectProxy:
                 dst.write_eof()
 
         try:
+            for part in self.answer:
+                writer.write(part)
+                await writer.drain()
             await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
         finally:
             upstream_writer.close()

@@ -119,7 +119,10 @@ class TlsConsumer:
             self._threads.append(thread)
 
     def _serve(self, raw: socket.socket) -> None:
-        raw.settimeout(30)
+        try:
+            raw.settimeout(30)
+        except OSError:  # stopped before this thread ran: the socket is closed already
+            return
         if self.mode in ("hang", "reset"):
             with raw:
                 if self.mode == "hang":
@@ -128,7 +131,10 @@ class TlsConsumer:
                     raw.recv(4096)  # the ClientHello, then gone without an alert
             return
         # The handshake by hand: wrap_socket would close the socket when it fails.
-        conn = self._ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        try:
+            conn = self._ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        except OSError:  # closed by stop meanwhile
+            return
         with self._lock:
             self._socks.append(conn)
         with conn:

@@ -63,7 +63,11 @@ async def list_endpoints(
         conn, tenant=scope, limit=wanted, after=decode("endpoints", cursor)
     )
     shown = found[:limit]
-    more = len(found) > limit or (wanted == limit and len(found) == limit)
+    more = len(found) > limit
+    if wanted == limit and len(found) == limit:
+        # A full page of the most a page holds: is there one more after it? (A cursor
+        # then names a page that has something: null ends the list, as in the others.)
+        more = bool(await endpoints.list_endpoints(conn, tenant=scope, limit=1, after=shown[-1].id))
     return page("endpoints", [e.as_json() for e in shown], shown[-1].id if more and shown else None)
 
 
