@@ -91,7 +91,11 @@ def event_json(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def event_detail_json(row: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`event_json` with the producer's stored trace context (when valid)."""
-    return {**event_json(row), "traceparent": traceparent_header(row["traceparent"])}
+    return {
+        **event_json(row),
+        "traceparent": traceparent_header(row["traceparent"]),
+        "routing": row["routing"],
+    }
 
 
 # How long an Idempotency-Key of POST /api/v1/events names its request (as Stripe's and the

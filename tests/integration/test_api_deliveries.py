@@ -369,9 +369,29 @@ async def test_an_events_delivery_id_names_a_delivery_or_is_null(
         await endpoints.sync_builtin(conn, "default", receiver.url)
     builtin = await api.post("/api/v1/events", json=body)
     assert builtin.status == 202 and builtin.body["delivery_id"] is not None
+    nowhere = await api.post("/api/v1/events", token="bolt", json=body)  # bolt has none
+    # Not routed yet: said as such (an empty list alone reads as "no endpoint").
+    waiting = (await api.get(f"/api/v1/events/{tenant.body['id']}")).body
+    assert (waiting["routing"], waiting["deliveries"]) == ("pending", [])
     settings = dispatcher_settings(webhook_url=receiver.url, secret=b"s" * 32)
     async with running_dispatcher(settings, database_url):
         await receiver.wait_for(2)
+
+        async def routed() -> bool:
+            found = await api.get(f"/api/v1/events/{nowhere.body['id']}")
+            return bool(found.body["routing"] != "pending")
+
+        await wait_until(routed, what="bolt's event routed")
+    events = {
+        name: (await api.get(f"/api/v1/events/{reply.body['id']}")).body
+        for name, reply in (("tenant", tenant), ("nowhere", nowhere), ("builtin", builtin))
+    }
+    assert {name: (e["routing"], len(e["deliveries"])) for name, e in events.items()} == {
+        "tenant": ("routed", 1),
+        "nowhere": ("unrouted", 0),  # no endpoint of bolt's subscribed: nothing sent
+        "builtin": ("routed", 1),
+    }
+    async with running_dispatcher(settings, database_url):
 
         async def delivered() -> bool:
             found = await api.get(f"/api/v1/deliveries/{builtin.body['delivery_id']}")

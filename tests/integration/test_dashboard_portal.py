@@ -302,6 +302,7 @@ async def test_the_session_cookie_outlives_its_session_to_say_it_has_ended(
 class Ended:
     refused: str  # delivery ids
     exhausted: str
+    unrouted: int  # an event no endpoint subscribed to
 
 
 @pytest_asyncio.fixture
@@ -317,7 +318,7 @@ async def ended(api: Api, database_url: str) -> AsyncIterator[Ended]:
         await add_endpoint(api, refusing.url, events="refuse.*")
         await add_endpoint(api, failing.url, events="fail.*")
         made: dict[str, int] = {}
-        for kind in ("refuse.it", "fail.it"):
+        for kind in ("refuse.it", "fail.it", "other.it"):
             body: dict[str, Any] = {"tenant": "acme", "stream_id": kind, "payload": {}}
             body["event_type"] = kind
             made[kind] = (await api.post("/api/v1/events", json=body)).body["id"]
@@ -335,13 +336,26 @@ async def ended(api: Api, database_url: str) -> AsyncIterator[Ended]:
 
             await wait_until(settled, timeout=30, what="both deliveries dead-lettered")
         ids = {}
-        for kind, event_id in made.items():
-            event = (await api.get(f"/api/v1/events/{event_id}")).body
+        for kind in ("refuse.it", "fail.it"):
+            event = (await api.get(f"/api/v1/events/{made[kind]}")).body
             (ids[kind],) = [d["delivery_id"] for d in event["deliveries"]]
-        yield Ended(ids["refuse.it"], ids["fail.it"])
+        yield Ended(ids["refuse.it"], ids["fail.it"], made["other.it"])
     finally:
         await refusing.stop()
         await failing.stop()
+
+
+async def test_an_event_page_says_an_event_went_nowhere_not_that_it_waits(
+    api: Api, portal: Portal, ended: Ended
+) -> None:
+    """An event no endpoint subscribed to: unrouted, said as such (an empty deliveries
+    list read as "not routed yet, or ..."), as the API's routing field has it."""
+    assert (await api.get(f"/api/v1/events/{ended.unrouted}")).body["routing"] == "unrouted"
+    await portal.sign_in("acme")
+    status, html, _ = await portal.get(f"/events/{ended.unrouted}")
+    assert status == 200, html
+    assert "Deliveries (0)" in html
+    assert "Unrouted: no endpoint of its tenant subscribed to its type" in html
 
 
 async def test_a_dead_letters_page_says_why_it_ended_in_plain_words(

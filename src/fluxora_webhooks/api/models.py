@@ -221,6 +221,12 @@ class EventDetail(Event):
         description="the producer's W3C trace context stored with the event (SPEC 18), as"
         " the requests carry it; null when none was stored or it is not valid"
     )
+    routing: Literal["pending", "routed", "unrouted", "dead_letter"] = Field(
+        description="pending: not routed yet (a dispatcher routes it as it claims it);"
+        " routed: its deliveries are listed; unrouted: no endpoint of its tenant subscribed"
+        " to its type when it was routed (nothing is sent); dead_letter: its fan-out was"
+        " refused, a dead letter with no endpoint holds it (replay routes it again)"
+    )
     deliveries: list[Delivery]
 
 

@@ -57,7 +57,14 @@ LIMIT %(limit)s;
 -- name: event_get
 -- Also an operator event, for an admin: its delivery is in the admin's lists and links
 -- here. A tenant's token never sees one (no tenant is '!operator').
-SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at, traceparent
+-- routing: pending (not routed yet), routed (its deliveries listed; a row of the built-in
+-- endpoint is its own delivery), unrouted (no endpoint subscribed to its type), or
+-- dead_letter (its fan-out was refused: a dead letter with no endpoint holds it).
+SELECT id, tenant, stream_id, event_type, payload, enqueued_at AS created_at, traceparent,
+       CASE WHEN outcome = 'unrouted' THEN 'unrouted'
+            WHEN endpoint_id IS NOT NULL OR outcome = 'routed' THEN 'routed'
+            WHEN outcome = 'dead_letter' THEN 'dead_letter'
+            ELSE 'pending' END AS routing
 FROM webhook_outbox
 WHERE id = %(id)s AND event_id IS NULL
   AND (NOT %(scoped)s OR (tenant = %(tenant)s AND tenant <> '!operator'));
