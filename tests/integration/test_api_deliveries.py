@@ -16,29 +16,18 @@ import pytest_asyncio
 from aiohttp import web
 
 from fluxora_webhooks import deadletters, endpoints
-from tests.support.api import LOOPBACK, Api, serving
+from tests.support.api import LOOPBACK, Api
 from tests.support.dispatch import make_settings, running_dispatcher, wait_until
-from tests.support.receiver import Received, Receiver
+from tests.support.receiver import Received, Receiver, answering
 
 pytestmark = pytest.mark.integration
 
 
 @pytest_asyncio.fixture
-async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
-    async with serving(database_url, redis_url, prefix) as running:
-        yield running
-
-
-@pytest_asyncio.fixture
 async def failing() -> AsyncIterator[Receiver]:
     """A consumer that refuses for good (400) with markup in its body, until told."""
-    recv = Receiver()
-    recv.respond = lambda r: web.Response(status=400, text="<b>refused</b>")
-    await recv.start()
-    try:
+    async with answering(400, "<b>refused</b>") as recv:
         yield recv
-    finally:
-        await recv.stop()
 
 
 def dispatcher_settings(**overrides: Any) -> Any:

@@ -5,11 +5,9 @@ read-only one, the OpenAPI document validated, and one error shape everywhere.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
-import pytest_asyncio
 from openapi_spec_validator import validate
 
 from fluxora_webhooks import endpoints
@@ -17,12 +15,6 @@ from tests.support.api import Api, serving
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
-
-
-@pytest_asyncio.fixture
-async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
-    async with serving(database_url, redis_url, prefix) as running:
-        yield running
 
 
 async def test_endpoint_lifecycle_and_status_codes(api: Api, receiver: Receiver) -> None:

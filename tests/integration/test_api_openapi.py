@@ -23,13 +23,12 @@ from typing import Any
 import psycopg
 import pytest
 import pytest_asyncio
-from aiohttp import web
 from openapi_schema_validator import OAS31Validator
 
 from fluxora_webhooks import endpoints as registry
-from tests.support.api import LOOPBACK, Api, Reply, serving
+from tests.support.api import LOOPBACK, Api, Reply
 from tests.support.dispatch import make_settings, running_dispatcher, wait_until
-from tests.support.receiver import Receiver
+from tests.support.receiver import Receiver, answering
 
 pytestmark = pytest.mark.integration
 
@@ -40,21 +39,10 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 @pytest_asyncio.fixture
-async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
-    async with serving(database_url, redis_url, prefix) as running:
-        yield running
-
-
-@pytest_asyncio.fixture
 async def failing() -> AsyncIterator[Receiver]:
     """A consumer that refuses every delivery for good (422): dead letters at once."""
-    recv = Receiver()
-    recv.respond = lambda r: web.Response(status=422, text="no")
-    await recv.start()
-    try:
+    async with answering(422, "no") as recv:
         yield recv
-    finally:
-        await recv.stop()
 
 
 @dataclasses.dataclass

@@ -18,11 +18,10 @@ from typing import Any
 import psycopg
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
-from tests.support.api import LOOPBACK, Api, serving
+from tests.support.api import LOOPBACK, Api
 from tests.support.dispatch import make_settings, running_dispatcher
-from tests.support.receiver import Receiver
+from tests.support.receiver import Receiver, answering
 
 pytestmark = pytest.mark.integration
 
@@ -31,20 +30,9 @@ TENANT_OF = {"acme": "acme", "bolt": "bolt", "default": ""}
 
 
 @pytest_asyncio.fixture
-async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[Api]:
-    async with serving(database_url, redis_url, prefix) as running:
-        yield running
-
-
-@pytest_asyncio.fixture
 async def failing() -> AsyncIterator[Receiver]:
-    recv = Receiver()
-    recv.respond = lambda r: web.Response(status=500, text="down")
-    await recv.start()
-    try:
+    async with answering(500, "down") as recv:
         yield recv
-    finally:
-        await recv.stop()
 
 
 async def add_endpoint(api: Api, url: str, tenant: str) -> str:

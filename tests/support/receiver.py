@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -90,3 +90,15 @@ class Receiver:
             self._event.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), min(remaining, 0.2))
+
+
+@contextlib.asynccontextmanager
+async def answering(status: int, text: str = "") -> AsyncIterator[Receiver]:
+    """A started receiver that answers every request ``status`` with ``text``."""
+    recv = Receiver()
+    recv.respond = lambda r: web.Response(status=status, text=text)
+    await recv.start()
+    try:
+        yield recv
+    finally:
+        await recv.stop()
