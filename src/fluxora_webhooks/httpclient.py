@@ -648,7 +648,8 @@ class HttpClient:
             except OSError as exc:
                 raise ConnectFailed(
                     exc.errno or errno.EPROTO,
-                    f"the proxy {proxy.shown} answered CONNECT {target} with {exc.strerror}",
+                    f"the proxy {proxy.shown} gave no usable answer to CONNECT {target}:"
+                    f" {exc.strerror}",
                 ) from None
             if not 200 <= status < 300:
                 hint = " (the user and password of WEBHOOK_PROXY_URL)" if status == 407 else ""

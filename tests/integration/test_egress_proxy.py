@@ -237,7 +237,7 @@ _PAD = b"x-pad: " + b"a" * 10_000 + b"\r\n"
         # Over 16 KiB in all, its end in the last read.
         ((b"HTTP/1.1 200 OK\r\n" + _PAD, _PAD + b"\r\n"), "an answer larger than 16 KiB"),
         # A superscript two is a digit to isdigit only.
-        (("HTTP/1.1 \u00b200 OK\r\n\r\n".encode("latin-1"),), "with no HTTP answer"),
+        (("HTTP/1.1 \u00b200 OK\r\n\r\n".encode("latin-1"),), ": no HTTP answer"),
     ],
     ids=["split", "oversize", "not-ascii-digits"],
 )
@@ -254,6 +254,6 @@ async def test_the_proxy_answer_is_read_whole_and_bounded_however_it_is_cut(
         assert result.kind is Kind.DELIVERED, result.error
         return
     assert result.kind is Kind.RETRYABLE
-    assert f"the proxy {proxy.shown} answered CONNECT" in result.error, result.error
+    assert f"the proxy {proxy.shown} gave no usable answer to CONNECT" in result.error
     assert said in result.error, result.error
     assert consumer.requests == []
