@@ -821,6 +821,8 @@ def _state_event(row: Mapping[str, Any], reason: str | None) -> dict[str, Any]:
         "reason": reason,
         "state": row["state"],
         "at": _iso(row["updated_at"]),
+        # When the failure streak that disabled it began (null: none, as after an enable).
+        "failing_since": _iso(row["failing_since"]),
     }
 
 

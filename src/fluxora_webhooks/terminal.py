@@ -10,9 +10,12 @@ in width; ``--json`` output keeps the full data (JSON escapes these characters i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 ELLIPSIS = "…"
 
@@ -45,3 +48,16 @@ def cell(value: Any, width: int | None = None) -> Text:
     characters visible, at most ``width`` characters."""
     text = "" if value is None else str(value)
     return Text(bounded(visible(text), width))
+
+
+def console(**options: Any) -> Console:
+    """A rich console for a command's output (``options`` are rich's) whose reader going
+    away (``... | head``) raises :class:`BrokenPipeError`, which the command line ends
+    quietly with exit 0 as it does for any other output (rich's own handling exits 1)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return _Console(**options)

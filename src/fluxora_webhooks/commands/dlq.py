@@ -17,7 +17,8 @@ from typing import Any
 
 from rich.text import Text
 
-from ..terminal import cell, visible
+from ..errors import NotFoundError
+from ..terminal import cell, console, visible
 from .common import EXIT_CONFIG, check_database, confirm, connect, engines, int_option, run_async
 
 NAME = "dlq"
@@ -56,6 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = actions.add_parser("show", help="one dead letter in full (payload, last error, response)")
     p.add_argument("id", help="delivery id (or dead-letter row id)")
+    p.add_argument("--json", action="store_true", help="accepted: show prints JSON anyway")
     for action, text in (("replay", "send again, same delivery id"), ("purge", "discard")):
         p = actions.add_parser(action, help=text)
         p.add_argument("ids", nargs="*", metavar="DELIVERY_ID")
@@ -104,9 +106,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             return 0
         if args.dlq_command == "show":
             found = await deadletters.show(database_url, args.id)
-            if not found:
-                print(f"no dead letter with id {visible(args.id)}", file=sys.stderr)
-                return 1
+            if not found:  # said as every command says a missing id (LOG_FORMAT too)
+                raise NotFoundError(f"no dead letter with id {visible(args.id)}")
             print(json.dumps(found, default=json_value, indent=2))
             return 0
         done, missing = await deadletters.replay_or_purge(
@@ -163,7 +164,6 @@ def print_rows(rows: list[dict[str, Any]], columns: Sequence[str], as_json: bool
     if not rows:
         print("no dead letters")
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(show_lines=False)
@@ -173,7 +173,7 @@ def print_rows(rows: list[dict[str, Any]], columns: Sequence[str], as_json: bool
         # Text cells: stored text is never read as markup, its control characters visible.
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
     width = max(160, os.get_terminal_size(1).columns if sys.stdout.isatty() else 260)
-    Console(width=width, highlight=False).print(table)
+    console(width=width, highlight=False).print(table)
 
 
 def _cell(column: str, value: Any) -> Text:

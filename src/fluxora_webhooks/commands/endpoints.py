@@ -10,9 +10,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
-from ..terminal import visible
-from .common import EXIT_CONFIG, as_options, connect, engines, positive_int, run_async
+from ..terminal import console, visible
+from .common import EXIT_CONFIG, as_options, confirm, connect, engines, positive_int, run_async
 
 NAME = "endpoints"
 HELP = "register and manage the endpoints of your tenants"
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return EXIT_CONFIG
     if action == "remove" and not args.yes and not _confirm(args.id):
         print("not removed", file=sys.stderr)
-        return 1 if sys.stdin.isatty() else 2
+        return 1
     database_url, _ = engines(env, redis=False)
 
     async def main() -> int:
@@ -203,10 +202,9 @@ async def _all(conn: Any, tenant: str | None) -> list[dict[str, Any]]:
 
 
 def _confirm(endpoint_id: str) -> bool:
-    if not sys.stdin.isatty():
-        raise ConfigError("--yes", f"removing {endpoint_id} needs --yes when not on a terminal")
-    answer = input(f"remove {endpoint_id} and dead-letter its pending deliveries? [y/N] ")
-    return answer.strip().lower() in ("y", "yes")
+    # Asked on stderr, as dlq asks: standard output is the answer (--json), not the prompt.
+    question = f"remove {visible(endpoint_id)} and dead-letter its pending deliveries; go ahead?"
+    return confirm(question, yes=False)
 
 
 def _print_created(endpoint: dict[str, Any], secret: str, as_json: bool) -> None:
@@ -235,7 +233,6 @@ def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
     if not items:
         print("no endpoints")
         return
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -257,4 +254,4 @@ def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
                 )
             )
         )
-    Console(width=200 if not sys.stdout.isatty() else None).print(table)
+    console(width=200 if not sys.stdout.isatty() else None).print(table)

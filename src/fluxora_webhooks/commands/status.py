@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..ops import RECORDED_OUTCOMES, STATUS_COUNT_CAP, STATUS_ENDPOINTS, read_status
 from ..settings import MAX_BREAKER_THRESHOLD, parse_int
 from ..terminal import cell
+from ..terminal import console as make_console
 from .common import engines, int_option, run_async
 
 # Ten years: far beyond any history kept, well inside what a PostgreSQL interval holds.
@@ -153,11 +154,12 @@ def _count(value: int, estimated: bool) -> str:
 
 
 def render(snapshot: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     # Not on a terminal (a pipe, a log): wide enough that no row of a table wraps.
-    console = Console(soft_wrap=False, highlight=False, width=None if sys.stdout.isatty() else 200)
+    console = make_console(
+        soft_wrap=False, highlight=False, width=None if sys.stdout.isatty() else 200
+    )
     console.print(cell(f"fluxora-webhooks status at {snapshot['at']}"))
     backlog = snapshot["backlog"]
     estimated = bool(backlog["estimated"])

@@ -121,12 +121,12 @@ def _json_line(attempt: Attempt) -> None:
 
 
 def _pretty_printer() -> Callable[[Attempt], None]:
-    from rich.console import Console
     from rich.text import Text
 
     from ..terminal import bounded, visible
+    from ..terminal import console as make_console
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = make_console(highlight=False, soft_wrap=True)
 
     def show(a: Attempt) -> None:
         # Stored text (event types, errors) is data: never markup, controls made visible.

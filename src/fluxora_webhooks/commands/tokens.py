@@ -78,9 +78,10 @@ def _print_list(items: list[dict[str, object]], as_json: bool) -> None:
     if not items:
         print("no tokens")
         return
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from ..terminal import console
 
     table = Table()
     for column in (
@@ -108,4 +109,4 @@ def _print_list(items: list[dict[str, object]], as_json: bool) -> None:
                 )
             )
         )
-    Console(width=200).print(table)
+    console(width=200).print(table)

@@ -162,7 +162,7 @@ dead AS (
            'endpoint removed', enqueued_at, tenant, endpoint_id, event_id, stream_seq,
            traceparent, tracestate
     FROM pending
-    RETURNING delivery_id, tenant, endpoint_id, event_type, attempts, stream_id
+    RETURNING delivery_id, tenant, endpoint_id, event_type, attempts, stream_id, dead_at
 ),
 told AS (
     INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id)
@@ -170,7 +170,7 @@ told AS (
            jsonb_build_object('endpoint_id', d.endpoint_id, 'tenant', d.tenant,
                               'reason', 'endpoint_removed', 'delivery_id', d.delivery_id,
                               'event_type', d.event_type, 'attempts', d.attempts,
-                              'stream_id', d.stream_id),
+                              'stream_id', d.stream_id, 'dead_at', d.dead_at),
            'operator'
     FROM dead d
     WHERE EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = 'operator')

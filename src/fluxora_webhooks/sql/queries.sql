@@ -287,7 +287,7 @@ dead AS (
     FROM done d
     WHERE d.wanted = 'dead_letter'
     RETURNING delivery_id, tenant, endpoint_id, event_type, attempts, reason, stream_id,
-              last_status
+              last_status, dead_at
 ),
 -- The operator hears of every dead letter but its own endpoint's (SPEC 12).
 told AS (
@@ -296,7 +296,8 @@ told AS (
            jsonb_build_object('endpoint_id', x.endpoint_id, 'tenant', x.tenant,
                               'reason', x.reason, 'delivery_id', x.delivery_id,
                               'event_type', x.event_type, 'attempts', x.attempts,
-                              'stream_id', x.stream_id, 'last_status', x.last_status),
+                              'stream_id', x.stream_id, 'last_status', x.last_status,
+                              'dead_at', x.dead_at),
            'operator'
     FROM dead x
     WHERE x.endpoint_id IS DISTINCT FROM 'operator'
