@@ -11,6 +11,7 @@ import ipaddress
 import json
 import logging
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -722,6 +723,99 @@ async def test_tenant_scoping_hides_other_tenants_endpoints(database_url: str) -
         assert (await endpoints.get(conn, theirs.id)).enabled
 
 
+# -- what the operator's alerting reads: each notice signed, saying when it happened (a
+# dead letter's dead_at, a disabled endpoint's failing_since: retries of the notice itself
+# send it later), and carrying no tenant's URL or secret.
+
+
+def _notices(operator: Receiver, kind: str) -> list[dict[str, Any]]:
+    """The operator's notices of one kind, each verified with the operator secret and free
+    of the tenant endpoint's URL (its query carries a credential)."""
+    found = []
+    for r in operator.received:
+        verify(r.body, r.headers, OPERATOR_SECRET)
+        assert b"sekrit-query-token" not in r.body and b"127.0.0.1" not in r.body
+        if r.headers["x-fluxora-event"] == kind:
+            found.append(json.loads(r.body))
+    return found
+
+
+async def test_a_dead_letter_notice_says_when_the_delivery_died(
+    database_url: str, consumer: Receiver, operator: Receiver
+) -> None:
+    consumer.respond = lambda r: web.Response(status=400)
+    async with running_dispatcher(settings(operator), database_url):
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            ep, _ = await endpoints.create(
+                c, tenant="acme", url=consumer.url, allowed_networks=LOOPBACK
+            )
+        await send(database_url, 2, tenant="acme")
+        await operator.wait_for(2)
+    dead = await _dead_at(database_url, ep.id)
+    told = _notices(operator, "delivery.dead_lettered")
+    assert sorted(n["delivery_id"] for n in told) == sorted(dead)
+    for n in told:
+        assert n["endpoint_id"] == ep.id and n["tenant"] == "acme" and n["reason"] == "http_4xx"
+        assert datetime.fromisoformat(n["dead_at"]) == dead[n["delivery_id"]]
+
+
+async def test_a_removal_notice_says_when_each_delivery_died(
+    database_url: str, consumer: Receiver, operator: Receiver
+) -> None:
+    async with running_dispatcher(settings(operator), database_url):
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            ep, _ = await endpoints.create(
+                c, tenant="acme", url=consumer.url, allowed_networks=LOOPBACK
+            )
+            await endpoints.disable(c, ep.id)
+            await send(database_url, 3, tenant="acme")
+
+            async def parked() -> bool:
+                found = await rows(
+                    database_url,
+                    "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s"
+                    " AND hold = 'parked' AND NOT processed",
+                    (ep.id,),
+                )
+                return found == [(3,)]
+
+            await wait_until(parked, what="three parked deliveries")
+            assert await endpoints.remove(c, ep.id) == 3
+        await operator.wait_for(4, timeout=30)  # endpoint.disabled and three dead letters
+    dead = await _dead_at(database_url, ep.id)
+    told = _notices(operator, "delivery.dead_lettered")
+    assert sorted(n["delivery_id"] for n in told) == sorted(dead)
+    for n in told:
+        assert n["reason"] == "endpoint_removed"
+        assert datetime.fromisoformat(n["dead_at"]) == dead[n["delivery_id"]]
+
+
+async def test_a_disabled_notice_says_since_when_the_endpoint_failed(
+    database_url: str, consumer: Receiver, operator: Receiver
+) -> None:
+    consumer.respond = lambda r: web.Response(status=503)
+    tuned = settings(operator, disable_after_ms=1000, retry_schedule_ms=(100,), max_attempts=50)
+    async with (
+        running_dispatcher(tuned, database_url),
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c,
+    ):
+        ep, _ = await endpoints.create(
+            c, tenant="acme", url=consumer.url, allowed_networks=LOOPBACK
+        )
+        await send(database_url, 1, tenant="acme")
+        await operator.wait_for(1, timeout=20)
+        disabled = await endpoints.get(c, ep.id)
+        consumer.respond = None
+        await endpoints.enable(c, ep.id)
+        await operator.wait_for(2)
+    (off,) = _notices(operator, "endpoint.disabled")
+    (on,) = _notices(operator, "endpoint.enabled")
+    assert off["endpoint_id"] == ep.id and off["reason"] == "failing"
+    assert disabled.failing_since is not None
+    assert datetime.fromisoformat(off["failing_since"]) == disabled.failing_since
+    assert on["endpoint_id"] == ep.id and on["failing_since"] is None
+
+
 async def _eq(value: Any, wanted: int) -> bool:
     return bool(await value == wanted)
 
@@ -740,3 +834,14 @@ async def _delivered(database_url: str, endpoint_id: str, n: int) -> bool:
         (endpoint_id,),
     )
     return int(found) == n
+
+
+async def _dead_at(database_url: str, endpoint_id: str) -> dict[str, Any]:
+    """When each dead letter of the endpoint died, by delivery id."""
+    return dict(
+        await rows(
+            database_url,
+            "SELECT delivery_id::text, dead_at FROM webhook_dead_letter WHERE endpoint_id = %s",
+            (endpoint_id,),
+        )
+    )
