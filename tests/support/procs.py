@@ -93,7 +93,13 @@ async def run_command(*args: str, env: dict[str, str], timeout: float = 60) -> t
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        # A command that should have stopped (a test failing) is not left running.
+        proc.kill()
+        await proc.wait()
+        raise
     assert proc.returncode is not None
     return proc.returncode, out.decode(errors="replace")
 
