@@ -43,7 +43,7 @@ import yarl
 from .connector import SafeResolver, refuse_address
 from .errors import EndpointError
 from .settings import Proxy
-from .urlpolicy import parse_ip
+from .urlpolicy import IPNetwork, parse_ip
 
 # A response head line longer than this, or a head longer than MAX_HEAD, is refused as
 # unparseable (aiohttp's client takes lines of up to 8190 bytes; a little more room costs
@@ -468,7 +468,7 @@ class HttpClient:
         *,
         ssl_context: ssl.SSLContext | None = None,
         proxy: Proxy | None = None,
-        no_proxy: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
+        no_proxy: tuple[IPNetwork, ...] = (),
     ) -> None:
         self.resolver = resolver
         self._ssl = ssl_context

@@ -22,7 +22,7 @@ from urllib.parse import unquote, unquote_to_bytes, urlsplit
 from . import logs
 from .errors import ConfigError, EndpointError
 from .host import default_workers
-from .urlpolicy import has_space_or_control
+from .urlpolicy import IPNetwork, has_space_or_control
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +450,7 @@ def cannot_listen(kind: str, host: str, port: int, exc: BaseException) -> Config
     return ConfigError(f"WEBHOOK_{kind}_HOST", f"cannot listen on {shown_value(host)}: {reason}")
 
 
-NO_PROXY_DEFAULT: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (
+NO_PROXY_DEFAULT: tuple[IPNetwork, ...] = (
     ipaddress.ip_network("127.0.0.0/8"),
     ipaddress.ip_network("::1/128"),
 )
@@ -468,6 +468,18 @@ class Proxy:
     @property
     def shown(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _no_proxy(env: Mapping[str, str]) -> tuple[IPNetwork, ...]:
+    """``WEBHOOK_NO_PROXY``: the networks connected to directly (unset: loopback)."""
+    raw = env.get("WEBHOOK_NO_PROXY")
+    if raw is None:
+        return NO_PROXY_DEFAULT
+    if raw.strip().lower() == "none":
+        return ()
+    if not raw.strip():
+        raise ConfigError("WEBHOOK_NO_PROXY", "is set but empty (CIDRs, or none: every address)")
+    return _networks(env, "WEBHOOK_NO_PROXY")
 
 
 def parse_proxy_url(raw: str | None, variable: str = "WEBHOOK_PROXY_URL") -> Proxy | None:
@@ -502,8 +514,8 @@ def parse_proxy_url(raw: str | None, variable: str = "WEBHOOK_PROXY_URL") -> Pro
         # environment that is not UTF-8 (surrogateescape), as curl sends them.
         try:
             user, password = (
-                unquote_to_bytes((text or "").encode("utf-8", "surrogateescape"))
-                for text in (parts.username, parts.password)
+                unquote_to_bytes((part or "").encode("utf-8", "surrogateescape"))
+                for part in (parts.username, parts.password)
             )
         except UnicodeEncodeError:
             raise ConfigError(variable, "is not valid text (a lone surrogate)") from None
@@ -576,7 +588,7 @@ class Settings:
     # An egress proxy for https consumers (CONNECT tunnels), and the networks connected to
     # directly (by default loopback, which a proxy elsewhere cannot reach).
     proxy: Proxy | None = field(default=None, repr=False)
-    no_proxy: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = NO_PROXY_DEFAULT
+    no_proxy: tuple[IPNetwork, ...] = NO_PROXY_DEFAULT
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = False) -> Settings:
@@ -627,15 +639,6 @@ class Settings:
             for attr, (variable, low, high) in _INTEGERS.items()
         }
         tls_client_cert, tls_client_key = _client_certificate(env)
-        proxy = parse_proxy_url(env.get("WEBHOOK_PROXY_URL"))
-        no_proxy = NO_PROXY_DEFAULT
-        if env.get("WEBHOOK_NO_PROXY") is not None:
-            raw = env["WEBHOOK_NO_PROXY"].strip()
-            no_proxy = () if raw.lower() == "none" else _networks(env, "WEBHOOK_NO_PROXY")
-            if not no_proxy and raw.lower() != "none":
-                raise ConfigError(
-                    "WEBHOOK_NO_PROXY", "is set but empty (CIDRs, or none: every address)"
-                )
         return cls(
             webhook_url=url,
             secret=secret,
@@ -657,8 +660,8 @@ class Settings:
             api_port=api_port,
             tls_client_cert=tls_client_cert,
             tls_client_key=tls_client_key,
-            proxy=proxy,
-            no_proxy=no_proxy,
+            proxy=parse_proxy_url(env.get("WEBHOOK_PROXY_URL")),
+            no_proxy=_no_proxy(env),
             **numbers,
         )
 

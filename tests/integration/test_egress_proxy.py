@@ -25,7 +25,7 @@ from tests.support.connect_proxy import ConnectProxy
 from tests.support.dispatch import SECRET, enqueue_many, pending, rows, wait_until
 from tests.support.procs import dispatcher_env, run_command, start_dispatcher
 from tests.support.resolvers import FixedResolver
-from tests.support.tls_consumer import TlsConsumer
+from tests.support.tls_consumer import TlsConsumer, ca_file
 
 pytestmark = pytest.mark.integration
 
@@ -157,12 +157,11 @@ async def test_run_delivers_through_the_proxy_and_never_logs_its_password(
     consumer: TlsConsumer,
     tmp_path: Path,
 ) -> None:
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
+    trusted = ca_file(ca, tmp_path)
     async with ConnectProxy(credentials=("egress", PASSWORD)) as proxy:
         env = dispatcher_env(
             database_url, redis_url, consumer.url("localhost", "/hook"), redis_prefix,
-            SSL_CERT_FILE=str(ca_file), WEBHOOK_POLL_INTERVAL_MS="200",
+            SSL_CERT_FILE=str(trusted), WEBHOOK_POLL_INTERVAL_MS="200",
             WEBHOOK_PROXY_URL=proxy.url, WEBHOOK_NO_PROXY="none", LOG_LEVEL="DEBUG",
         )  # fmt: skip
         run = await start_dispatcher(env, tmp_path / "run.log")

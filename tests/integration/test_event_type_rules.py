@@ -40,16 +40,6 @@ async def portal(api: Api) -> AsyncIterator[Portal]:
         yield Portal(api, session)
 
 
-@pytest_asyncio.fixture
-async def receiver() -> AsyncIterator[Receiver]:
-    started = Receiver()
-    await started.start()
-    try:
-        yield started
-    finally:
-        await started.stop()
-
-
 # A header's value loses a space at either end (RFC 9110 5.5): the consumer would read
 # "invoice.paid" (or no type at all) for an event no "invoice.paid" filter was matched with.
 EDGE_SPACES = [" invoice.paid", "invoice.paid ", " ", "   "]

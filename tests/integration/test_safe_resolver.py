@@ -21,6 +21,7 @@ from fluxora_webhooks.connector import AddressRefused, SafeResolver
 from fluxora_webhooks.errors import EndpointError
 from fluxora_webhooks.httpclient import HttpClient
 from fluxora_webhooks.urlpolicy import check_address
+from tests.support.resolvers import answer
 
 pytestmark = pytest.mark.integration
 
@@ -37,19 +38,9 @@ class ScriptedResolver(AbstractResolver):
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
-        answer = self.answers[min(len(self.lookups), len(self.answers) - 1)]
+        addresses = self.answers[min(len(self.lookups), len(self.answers) - 1)]
         self.lookups.append(host)
-        return [
-            ResolveResult(
-                hostname=host,
-                host=a,
-                port=port,
-                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
-                proto=socket.IPPROTO_TCP,
-                flags=socket.AI_NUMERICHOST,
-            )
-            for a in answer
-        ]
+        return answer(host, port, addresses)
 
     async def close(self) -> None:
         pass

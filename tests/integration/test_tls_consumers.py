@@ -35,7 +35,7 @@ from tests.support.dispatch import (
 )
 from tests.support.procs import dispatcher_env, run_command, start_dispatcher
 from tests.support.resolvers import FixedResolver
-from tests.support.tls_consumer import TlsConsumer
+from tests.support.tls_consumer import TlsConsumer, ca_file
 
 pytestmark = pytest.mark.integration
 
@@ -93,15 +93,14 @@ async def test_run_trusts_a_private_ca_named_by_ssl_cert_file(
 ) -> None:
     """The operator's way to trust a consumer's private CA: SSL_CERT_FILE (docs/security.md).
     Delivered over keep-alive connections, signed, the configured name in SNI and Host."""
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
+    trusted = ca_file(ca, tmp_path)
     url = consumer.url("localhost", f"/hook?token={TOKEN}")
     env = dispatcher_env(
         database_url,
         redis_url,
         url,
         redis_prefix,
-        SSL_CERT_FILE=str(ca_file),
+        SSL_CERT_FILE=str(trusted),
         WEBHOOK_POLL_INTERVAL_MS="200",
     )
     proc = await start_dispatcher(env, tmp_path / "run.log")
@@ -313,10 +312,8 @@ async def test_run_presents_its_client_certificate_to_a_consumer_that_requires_o
     `run`; the key may be in the certificate's file or in a file of its own."""
     client_ca = trustme.CA()
     client = client_ca.issue_cert("fluxora-dispatcher.example")
-    ca_file, both, cert_only, key_only = (
-        tmp_path / name for name in ("ca.pem", "both.pem", "cert.pem", "key.pem")
-    )
-    ca.cert_pem.write_to_path(str(ca_file))
+    trusted = ca_file(ca, tmp_path)
+    both, cert_only, key_only = (tmp_path / name for name in ("both.pem", "cert.pem", "key.pem"))
     client.private_key_and_cert_chain_pem.write_to_path(str(both))
     client.cert_chain_pems[0].write_to_path(str(cert_only))
     client.private_key_pem.write_to_path(str(key_only))
@@ -327,7 +324,7 @@ async def test_run_presents_its_client_certificate_to_a_consumer_that_requires_o
                        "WEBHOOK_TLS_CLIENT_KEY": str(key_only)}):  # fmt: skip
             env = dispatcher_env(
                 database_url, redis_url, url, redis_prefix,
-                SSL_CERT_FILE=str(ca_file), WEBHOOK_POLL_INTERVAL_MS="200", **files,
+                SSL_CERT_FILE=str(trusted), WEBHOOK_POLL_INTERVAL_MS="200", **files,
             )  # fmt: skip
             proc = await start_dispatcher(env, tmp_path / "run.log")
             try:

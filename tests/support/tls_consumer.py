@@ -24,8 +24,16 @@ import ssl
 import threading
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trustme
+
+
+def ca_file(ca: trustme.CA, folder: Path) -> Path:
+    """The CA's certificate as a PEM file in ``folder``: what SSL_CERT_FILE names."""
+    path = folder / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return path
 
 
 @dataclass

@@ -25,6 +25,7 @@ from fluxora_webhooks.urlpolicy import (
     redacted,
     validate_url,
 )
+from tests.support.resolvers import answer
 
 net = ipaddress.ip_network
 
@@ -44,17 +45,7 @@ class FakeResolver(AbstractResolver):
         self.lookups.append(host)
         if self.delay:
             await asyncio.sleep(self.delay)
-        return [
-            ResolveResult(
-                hostname=host,
-                host=a,
-                port=port,
-                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
-                proto=socket.IPPROTO_TCP,
-                flags=socket.AI_NUMERICHOST,
-            )
-            for a in self.addresses
-        ]
+        return answer(host, port, self.addresses)
 
     async def close(self) -> None:
         self.closed = True
