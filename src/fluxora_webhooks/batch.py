@@ -37,7 +37,7 @@ import psycopg.errors
 from psycopg_pool import PoolTimeout
 
 from . import metrics
-from .delivery import AttemptResult
+from .delivery import EGRESS, AttemptResult
 from .endpoints import DEFAULT_ID
 from .errors import NotFoundError
 from .gate import Admission
@@ -416,6 +416,11 @@ class Batch:
                 target = await self._plan_one(conn, row)
                 if target is None:
                     continue
+                if self.d.egress.since is not None and target.url.startswith("https:"):
+                    held = self.d.egress.wait_ms()  # the proxy fails: one probe at a time
+                    if held is not None:
+                        self.completions.append(deferral(row, held))
+                        continue
                 wait = self.d.capacity_wait_s(target)
                 queue = wait is not None and self.d.may_wait_for_slot(target)
                 if wait is not None and not queue:
@@ -525,7 +530,9 @@ class Batch:
         exists = await conn.execute(
             "SELECT 1 FROM webhook_endpoints WHERE id = %s", (row.endpoint_id,)
         )
-        if await exists.fetchone() is not None:  # a built-in of another configuration
+        # A built-in of another configuration, or an endpoint whose encrypted secret no
+        # key of this process opens (Targets.locked): it waits for a dispatcher that can.
+        if await exists.fetchone() is not None:
             self.completions.append(
                 Completion(row.id, Outcome.DEFERRED, delay_ms=UNKNOWN_ENDPOINT_DEFER_MS)
             )
@@ -686,6 +693,18 @@ def outcome_of(
     that extra attempt is decided as any failure (a dead letter)."""
     row = send.row
     endpoint_id = recorded_endpoint(row)
+    if result.reason == EGRESS:
+        # The egress proxy failed, no consumer was asked: the row is held (egress.py)
+        # with its attempt unused, and its endpoint's failure streak neither starts nor
+        # ends (effects_of), nor does its breaker hear of it (breaker_signal). An outage
+        # of the proxy disables no endpoint, opens no breaker and dead-letters nothing.
+        decision = Decision(Outcome.DEFERRED, delay_ms=dispatcher.egress.failed(), reason=EGRESS)
+        dispatcher.log_decision(row, send.target, result, decision)
+        held = Completion(
+            row.id, Outcome.DEFERRED, delay_ms=decision.delay_ms, endpoint_id=endpoint_id,
+            lease=lease,
+        )  # fmt: skip
+        return held, decision
     if gone_retried(dispatcher.policy, row, send.target, result):
         decision = Decision(
             Outcome.RETRY, delay_ms=dispatcher.policy.delay_ms(row.attempt), reason="gone"
@@ -727,6 +746,8 @@ def gone_retried(policy: RetryPolicy, row: Claimed, target: Target, result: Atte
 def effects_of(done: Sequence[tuple[Send, AttemptResult, Decision]]) -> Effects:
     effects = Effects(set(), set(), [], set())
     for send, result, decision in done:
+        if decision.outcome is Outcome.DEFERRED:  # held at the egress: says nothing of it
+            continue
         endpoint = send.target.id
         if result.kind is Kind.DELIVERED:
             effects.succeeded.add(endpoint)
@@ -822,5 +843,6 @@ def breaker_signal(result: AttemptResult) -> bool | None:
     if result.kind is Kind.DELIVERED:
         return True
     if result.kind is Kind.RETRYABLE:
-        return False
+        # Failed at the egress proxy: no word of the consumer (the hold spares the proxy).
+        return None if result.reason == EGRESS else False
     return None

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import NoReturn
 
 from . import logs
 from ._version import __version__
@@ -29,8 +30,21 @@ def _modules() -> list[ModuleType]:
     return [importlib.import_module(f".commands.{name}", __package__) for name in COMMANDS]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is a record like any other line with ``LOG_FORMAT=json`` (a service's
+    command line is written in its deployment, where a pipeline reads JSON)."""
+
+    def error(self, message: str) -> NoReturn:
+        if logs.json_configured():
+            logging.getLogger("fluxora_webhooks.cli").critical(
+                "error: %s (see `%s --help`)", message, self.prog
+            )
+            self.exit(EXIT_CONFIG)
+        super().error(message)
+
+
 def build_parser(modules: Sequence[ModuleType] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fluxora-webhooks",
         description="Reliable webhooks from a PostgreSQL transactional outbox.",
     )

@@ -17,7 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import EndpointError
-from .httpclient import ConnectFailed, HttpClient, ProtocolError, Response, tls_failure
+from .httpclient import (
+    ConnectFailed,
+    EgressFailed,
+    HttpClient,
+    ProtocolError,
+    Response,
+    tls_failure,
+)
 from .logs import mask, url_secrets
 from .retry import Kind, parse_http_date, parse_retry_after
 from .urlpolicy import redacted
@@ -34,6 +41,12 @@ class AttemptResult:
     duration_ms: float = 0.0
     retry_after_ms: int | None = None
     reason: str = ""  # for a permanent failure: http_4xx, http_3xx, endpoint_refused, ...
+
+
+# The reason of an attempt that failed at the egress proxy, before any consumer was asked
+# (httpclient.EgressFailed): held for its retry delay without using up the attempt, and
+# counted against no endpoint (batch.outcome_of).
+EGRESS = "egress"
 
 
 def classify_status(status: int) -> Kind:
@@ -171,7 +184,7 @@ async def _post(
             Kind.RETRYABLE,
             error=f"connection failed to {redacted(url)}: {exc.strerror or 'unreachable'}",
             duration_ms=elapsed(),
-            reason="connection_error",
+            reason=EGRESS if isinstance(exc, EgressFailed) else "connection_error",
         )
     except ssl.SSLError as exc:  # after the handshake (TLS 1.3 asks for a client cert then)
         return AttemptResult(

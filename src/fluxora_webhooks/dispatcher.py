@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from . import endpoints, logs, metrics, partitions
+from . import egress, endpoints, logs, metrics, partitions
 from .batch import (
     DB_ERRORS,
     LOCK_TIMEOUT_MS,
@@ -44,7 +44,8 @@ from .batch import (
     outage,
 )
 from .connector import SafeResolver
-from .delivery import AttemptResult, attempt, secret_texts
+from .delivery import EGRESS, AttemptResult, attempt, secret_texts
+from .egress import EgressHold
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, client_ssl_context, warm_ssl_context
@@ -93,6 +94,8 @@ BUSY_DEFER_S = 0.02
 SLOW_HORIZON_TIMEOUTS = 4
 # URLs whose address policy is remembered (one entry per endpoint URL; cleared past this).
 _POLICY_KEYS_MAX = 100_000
+# How often a dispatcher says that the egress proxy fails (Dispatcher._held_at_egress).
+EGRESS_LOG_EVERY_S = 30.0
 
 T = TypeVar("T")
 
@@ -167,7 +170,7 @@ class Dispatcher:
         self.url = settings.webhook_url
         self.gate: DeliveryGate = gate or OpenGate()
         self.policy = policy or RetryPolicy(settings.max_attempts, settings.retry_schedule_ms)
-        self.targets = Targets(env, env_secrets)
+        self.targets = Targets(env, env_secrets, settings.encryption_keys)
         self.recorder = Recorder(self)
         self.completer = Completer(self)
         # When the next row deferred because the detached requests hold their share may
@@ -193,6 +196,9 @@ class Dispatcher:
         self.claim_front = ClaimFront()  # where the loops' resumed claims may start
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._warned: set[str] = set()
+        self.egress = EgressHold()  # the proxy's health, as this process sees it
+        self._egress_held = 0  # attempts held at the egress since it was last said
+        self._egress_said = -EGRESS_LOG_EVERY_S
         # On a partitioned outbox: no row written before this is pending (the claim looks
         # only at the partitions from there on). None: look everywhere.
         self.claim_since: datetime | None = None
@@ -805,6 +811,8 @@ class Dispatcher:
         for its span: ``cancelled`` when the request was abandoned."""
         if result is None:
             return "cancelled"
+        if result.reason == EGRESS:
+            return Outcome.DEFERRED.value  # batch.outcome_of
         if gone_retried(self.policy, row, target, result):
             return Outcome.RETRY.value  # its next attempt parked (batch.outcome_of)
         if result.kind is Kind.DELIVERED:
@@ -879,7 +887,8 @@ class Dispatcher:
         tally: collections.Counter[tuple[Outcome, str | None]] = collections.Counter()
         for send, result, decision in batch.done:
             reports.setdefault(send.target.url, []).append((send.admission, breaker_signal(result)))
-            tally[decision.outcome, decision.reason] += 1
+            if decision.outcome is not Outcome.DEFERRED:  # counted with the completions below
+                tally[decision.outcome, decision.reason] += 1
         # Rows handled without an attempt of this batch; LEASED: a request that outlived
         # the batch (one completion each, written with its lease by this commit; its
         # attempt's outcome counts again when the completer records it).
@@ -970,6 +979,12 @@ class Dispatcher:
     def log_decision(
         self, row: Claimed, target: Target, result: AttemptResult, decision: Decision
     ) -> None:
+        if decision.outcome is Outcome.DEFERRED:
+            self._held_at_egress(result)
+            return
+        if self.egress.since is not None and target.url.startswith("https:"):
+            self.egress.answered()  # a request through the proxy got an answer
+            log.warning("the egress proxy works again; the held deliveries go")
         if decision.outcome is not Outcome.RETRY:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         if decision.outcome is Outcome.DELIVERED:
@@ -1001,6 +1016,26 @@ class Dispatcher:
                 result.error or result.status,
                 extra=_log_fields(row, target, result, decision),
             )
+
+    def _held_at_egress(self, result: AttemptResult) -> None:
+        """An attempt the egress proxy failed (batch.outcome_of): counted, and said at most
+        every EGRESS_LOG_EVERY_S with how many failed since (an outage of the proxy fails
+        every request to every https consumer)."""
+        metrics.EGRESS_FAILURES.inc()
+        self._egress_held += 1
+        now = time.monotonic()
+        if now - self._egress_said < EGRESS_LOG_EVERY_S:
+            return
+        self._egress_said = now
+        log.warning(
+            "the egress proxy failed (%s); %d attempt(s) failed at it since the last report:"
+            " their deliveries are held with the attempt unused, counted against no endpoint,"
+            " and one request every %.0fs tries the proxy again",
+            result.error,
+            self._egress_held,
+            egress.PROBE_S,
+        )
+        self._egress_held = 0
 
     def note_disabled(self, endpoint_id: str, reason: str) -> None:
         metrics.ENDPOINTS_DISABLED.labels(reason=reason).inc()

@@ -33,7 +33,9 @@ from psycopg.types.json import Jsonb
 from .errors import ConfigError, ConflictError, EndpointError, EndpointLimitReached, NotFoundError
 from .outbox import EVENT_TYPE, MAX_EVENT_TYPE, TENANT
 from .queries import query
-from .settings import looks_like_duration, parse_duration_ms, retry_rps
+from .secretbox import PREFIX as SEALED_PREFIX
+from .secretbox import Keyring
+from .settings import environ_keyring, looks_like_duration, parse_duration_ms, retry_rps
 from .urlpolicy import IPNetwork, check_url_address, validate_url
 
 DEFAULT_ID = "default"
@@ -152,7 +154,9 @@ def resolve_hidden_headers(
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One registered endpoint. ``secret`` never appears in :meth:`as_json` or ``repr``."""
+    """One registered endpoint. ``secret`` never appears in :meth:`as_json` or ``repr``.
+    ``secret`` and ``secret_previous`` are as stored: plain text, or sealed with
+    ``WEBHOOK_ENCRYPTION_KEY`` (``fxenc:...``, opened by :meth:`secretbox.Keyring.open`)."""
 
     id: str
     tenant: str
@@ -413,6 +417,8 @@ def check_secret(value: str, name: str = "secret") -> str:
     # (a no-break space, say), which no one can tell from a space when copying a secret.
     if not value.isprintable() or " " in value:
         raise ConfigError(name, "must be printable text without spaces")
+    if value.startswith(SEALED_PREFIX):
+        raise ConfigError(name, f"must not start with {SEALED_PREFIX} (an encrypted secret's form)")
     return value
 
 
@@ -464,18 +470,22 @@ async def create(
     ordered: bool = False,
     allowed_networks: Sequence[IPNetwork] = (),
     max_for_tenant: int = 0,
+    keys: Keyring | None = None,
 ) -> tuple[Endpoint, str]:
     """Register an endpoint; returns it and its secret (generated unless given), which is
     shown this once. ``max_for_tenant`` (0: none): a tenant that has that many endpoints
     already gets :class:`EndpointLimitReached` (``WEBHOOK_MAX_ENDPOINTS_PER_TENANT``, for
-    the creates of tenant tokens)."""
+    the creates of tenant tokens). The secret is stored sealed with ``keys`` (default: the
+    process's ``WEBHOOK_ENCRYPTION_KEY``; none set: in plain text)."""
     chosen = check_secret(secret) if secret is not None else new_secret()
+    endpoint_id = new_id()
+    sealed = (keys or environ_keyring()).seal(chosen, endpoint_id)
     params = {
-        "id": new_id(),
+        "id": endpoint_id,
         "tenant": check_tenant(tenant),
         "url": check_url(url, allowed_networks=allowed_networks),
         "event_types": list(check_event_types(event_types)),
-        "secret": chosen,
+        "secret": sealed,
         "description": check_description(description),
         "headers": Jsonb(check_headers(resolve_hidden_headers(headers or {}, {}), new=True)),
         "rate_limit": check_rate_limit(rate_limit),
@@ -581,9 +591,13 @@ async def rotate_secret(
     secret: str | None = None,
     keep_previous_ms: int = DEFAULT_KEEP_PREVIOUS_MS,
     tenant: str | None = None,
+    keys: Keyring | None = None,
 ) -> tuple[Endpoint, str]:
     """A new secret; the old one keeps signing (a second ``webhook-signature``) for
-    ``keep_previous_ms``. Returns the endpoint and the new secret, shown this once."""
+    ``keep_previous_ms``. Returns the endpoint and the new secret, shown this once. The
+    new secret is stored sealed as :func:`create` stores one; the old one moves to
+    ``secret_previous`` as it was stored (a sealed value is bound to the endpoint, not to
+    its column)."""
     current = await get(conn, endpoint_id, tenant=tenant)
     if current.builtin:
         if endpoint_id == DEFAULT_ID:
@@ -599,11 +613,83 @@ async def rotate_secret(
     row = await _one(
         conn,
         "endpoint_rotate",
-        {"id": endpoint_id, "secret": chosen, "keep_ms": keep_previous_ms, **_scope(tenant)},
+        {
+            "id": endpoint_id,
+            "secret": (keys or environ_keyring()).seal(chosen, endpoint_id),
+            "keep_ms": keep_previous_ms,
+            **_scope(tenant),
+        },
     )
     if row is None:
         raise NotFoundError(f"no endpoint {endpoint_id!r}")
     return Endpoint.from_row(row), chosen
+
+
+RESEAL_BATCH = 500
+
+
+@dataclass
+class Resealed:
+    """What :func:`reseal_secrets` did, counted in stored secrets (an endpoint's current
+    and previous one each count): ``changed`` sealed with the current key (or opened, when
+    decrypting), of which ``rekeyed`` were sealed with another key before; ``unchanged``
+    already in the wanted form; ``unreadable``: sealed with a key this process does not
+    have (endpoint id, key id), left as they are."""
+
+    changed: int = 0
+    rekeyed: int = 0
+    unchanged: int = 0
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+
+
+async def reseal_secrets(
+    conn: psycopg.AsyncConnection[Any],
+    keys: Keyring,
+    *,
+    plain: bool = False,
+    batch: int = RESEAL_BATCH,
+) -> Resealed:
+    """Store every endpoint's secrets sealed with the current key of ``keys`` (plain ones
+    and those of the previous key; ``plain``: opened, as before a key was set), ``batch``
+    endpoints per transaction. Idempotent: a secret in the wanted form is left alone."""
+    from .secretbox import SecretLocked, is_sealed, sealed_key_id
+
+    if not plain and keys.current is None:
+        raise ConfigError("WEBHOOK_ENCRYPTION_KEY", "is required to encrypt the secrets")
+    done = Resealed()
+    after = ""
+    while True:
+        async with conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(query("endpoint_secrets_page"), {"after": after, "limit": batch})
+            rows = await cur.fetchall()
+            for row in rows:
+                endpoint_id = str(row["id"])
+                stored = {k: row[k] for k in ("secret", "secret_previous")}
+                wanted = dict(stored)
+                for column, value in stored.items():
+                    if value is None:
+                        continue
+                    if plain and not is_sealed(value):
+                        done.unchanged += 1
+                        continue
+                    if not plain and keys.sealed_with_current(value):
+                        done.unchanged += 1
+                        continue
+                    try:
+                        opened = keys.open(value, endpoint_id)
+                    except SecretLocked as exc:
+                        done.unreadable.append((endpoint_id, exc.key_id))
+                        continue
+                    wanted[column] = opened if plain else keys.seal(opened, endpoint_id)
+                    done.changed += 1
+                    if not plain and sealed_key_id(value) is not None:
+                        done.rekeyed += 1
+                if wanted != stored:
+                    await conn.execute(query("endpoint_secrets_set"), {"id": endpoint_id, **wanted})
+        if len(rows) < batch:
+            return done
+        after = str(rows[-1]["id"])
 
 
 async def disable(

@@ -1,10 +1,12 @@
-"""What the machine gives a process: the CPUs it may run on, and its open-files limit."""
+"""What the machine gives a process: the CPUs it may run on, its open-files limit, and the
+signals that stop it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
 from collections.abc import Coroutine
 from typing import Any
 
@@ -15,6 +17,10 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_WORKERS = 16
 # Asked for when the hard limit is "unlimited", which no kernel grants as a soft limit.
 _UNLIMITED_NOFILE = 1 << 20
+# What stops `run` and `api`: the first drains, a second stops at once. SIGQUIT is one
+# of them rather than Python's default (a core dump, the batch's rows left to their
+# lease): some platforms and images stop a container with it, and Ctrl-\ sends it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
 
 def usable_cpus() -> int:

@@ -66,6 +66,12 @@ class ConnectFailed(OSError):
     """No connection could be made to any allowed address of the endpoint."""
 
 
+class EgressFailed(ConnectFailed):
+    """The egress proxy failed, not the consumer: it cannot be reached, gave no usable
+    answer to ``CONNECT``, or refused this service's user and password (407). The consumer
+    was never asked, so the attempt says nothing of its endpoint (batch.outcome_of)."""
+
+
 # What OpenSSL's reason codes mean to an operator, for the TLS failures a consumer's
 # server causes most (the code alone, TLSV1_ALERT_PROTOCOL_VERSION, says it to few).
 _TLS_REASONS = {
@@ -588,6 +594,7 @@ class HttpClient:
         tls = origin.scheme == "https"
         last: OSError | None = None
         tls_failed: str | None = None  # a TLS failure says more than a later refusal
+        egress = True  # every address failed at the egress proxy (EgressFailed)
         for address in await self._addresses(origin):
             reason = self.resolver.check(address)  # the last word: this very address
             if reason is not None:
@@ -608,6 +615,7 @@ class HttpClient:
                     )
             except OSError as exc:
                 last = exc
+                egress = egress and isinstance(exc, EgressFailed)
                 if tls and _during_handshake(exc):
                     tls_failed = tls_failure(exc, None if origin.literal else address)
                 continue
@@ -617,6 +625,8 @@ class HttpClient:
             raise ConnectFailed(errno.ECONNABORTED, tls_failed)
         if last is None:
             raise ConnectFailed(errno.EHOSTUNREACH, "no address to connect to")
+        if egress:  # the proxy failed for every address: the consumer was never asked
+            raise EgressFailed(last.errno or errno.ECONNABORTED, last.strerror)
         raise ConnectFailed(last.errno or errno.ECONNABORTED, last.strerror or type(last).__name__)
 
     def _direct(self, address: str) -> bool:
@@ -634,7 +644,7 @@ class HttpClient:
                 lambda: _TunnelAnswer(loop), proxy.host, proxy.port
             )
         except OSError as exc:
-            raise ConnectFailed(
+            raise EgressFailed(
                 exc.errno or errno.ECONNREFUSED,
                 f"the proxy {proxy.shown} cannot be reached ({exc.strerror or type(exc).__name__})",
             ) from None
@@ -646,14 +656,18 @@ class HttpClient:
             try:
                 status, reason = await waiting.answer
             except OSError as exc:
-                raise ConnectFailed(
+                raise EgressFailed(
                     exc.errno or errno.EPROTO,
                     f"the proxy {proxy.shown} gave no usable answer to CONNECT {target}:"
                     f" {exc.strerror}",
                 ) from None
             if not 200 <= status < 300:
+                # 407: this service's credentials, no fault of the consumer's. Any other
+                # refusal is about this target (a 403 of the proxy's rules, a 502 or 504
+                # for a consumer it cannot reach): the endpoint's failure.
+                failed = EgressFailed if status == 407 else ConnectFailed
                 hint = " (the user and password of WEBHOOK_PROXY_URL)" if status == 407 else ""
-                raise ConnectFailed(
+                raise failed(
                     errno.ECONNREFUSED,
                     f"the proxy {proxy.shown} refused CONNECT {target}: {status} {reason}{hint}",
                 )

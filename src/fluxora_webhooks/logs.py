@@ -321,7 +321,26 @@ def _level(level: int | str | None) -> int:
     return logging.INFO
 
 
-def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+# The format configure() installed last: with "json", an uncaught exception is a record too.
+_configured_format = "text"
+
+
+def _excepthook(
+    kind: type[BaseException],
+    value: BaseException,
+    tb: TracebackType | None,
+    thread: str | None = None,
+) -> None:
+    if _configured_format == "json":
+        # One JSON line (the traceback in its "exception" field), as a pipeline reading
+        # JSON expects of every line.
+        where = f" in thread {thread}" if thread is not None else ""
+        logging.getLogger("fluxora_webhooks").critical(
+            "unexpected error%s: %s", where, kind.__name__, exc_info=(kind, value, tb)
+        )
+        return
+    if thread is not None:
+        sys.stderr.write(f"Exception in thread {thread}:\n")
     sys.stderr.write(escape_controls(scrub("".join(traceback.format_exception(kind, value, tb)))))
     sys.stderr.flush()
 
@@ -330,8 +349,7 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
     name = args.thread.name if args.thread is not None else "?"
     if args.exc_value is None:
         return
-    sys.stderr.write(f"Exception in thread {name}:\n")
-    _excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+    _excepthook(args.exc_type, args.exc_value, args.exc_traceback, thread=name)
 
 
 class _WorkerMark(logging.Filter):
@@ -350,6 +368,11 @@ def mark_worker(index: int) -> None:
         handler.addFilter(_WorkerMark(index))
 
 
+def json_configured() -> bool:
+    """Whether :func:`configure` last installed JSON records (``LOG_FORMAT=json``)."""
+    return _configured_format == "json"
+
+
 def configure(log_format: str = "text", level: int | str | None = None) -> None:
     """Install one scrubbing handler on the root logger (idempotent).
 
@@ -357,6 +380,8 @@ def configure(log_format: str = "text", level: int | str | None = None) -> None:
     loggers stay at WARNING whatever the level: their debug output is noise, and what they
     do write is scrubbed like the rest.
     """
+    global _configured_format
+    _configured_format = "json" if log_format == "json" else "text"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()

@@ -145,6 +145,13 @@ DETACHED = Counter(
     "Requests that outlived their batch (slow endpoints) and were recorded under a lease.",
     registry=REGISTRY,
 )
+EGRESS_FAILURES = Counter(
+    "fluxora_webhook_egress_failures",
+    "Attempts the egress proxy (WEBHOOK_PROXY_URL) failed before any consumer was asked:"
+    " it could not be reached, gave no usable answer or refused this service's credentials."
+    " Their rows were deferred with the attempt unused, counted against no endpoint.",
+    registry=REGISTRY,
+)
 SHARE_DEFERRED = Counter(
     "fluxora_webhook_share_deferred_requests",
     "Requests to slow endpoints not sent because the requests detached from their batches"

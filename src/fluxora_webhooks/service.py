@@ -3,9 +3,9 @@
 Start-up: validated settings -> engines -> schema check -> Redis gate -> dispatcher and the
 HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``), and the management API and
 dashboard when ``WEBHOOK_API_PORT`` is set (uvicorn in this loop, its own signal handling
-off). SIGTERM/SIGINT: stop claiming and stop the API (both bounded, at the same time), let
-the in-flight batch finish (bounded by the request timeout plus a grace period), close
-connections, exit 0.
+off). SIGTERM/SIGINT/SIGQUIT (:data:`STOP_SIGNALS`): stop claiming and stop the API (both
+bounded, at the same time), let the in-flight batch finish (bounded by the request timeout
+plus a grace period), close connections, exit 0.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,7 +28,7 @@ from .dispatcher import Dispatcher, unless_stopping
 from .endpoints import BUILTIN_SEEN_S, DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
-from .host import raise_open_files_limit
+from .host import STOP_SIGNALS, raise_open_files_limit
 from .migrations import (
     READ_ONLY_HINT,
     check_dispatcher_privileges,
@@ -415,9 +414,9 @@ class Service:
         return None if why is None else f"the database is read-only ({why})"
 
     async def run(self, *, install_signals: bool = True) -> None:
-        """Run until SIGTERM/SIGINT (or :meth:`stop`). The first signal drains: the in-flight
-        batch finishes, bounded by the request timeout plus a grace period; a second signal
-        (or the bound) abandons it (its rows are rolled back and delivered later)."""
+        """Run until SIGTERM/SIGINT/SIGQUIT (or :meth:`stop`). The first signal drains: the
+        in-flight batch finishes, bounded by the request timeout plus a grace period; a second
+        signal (or the bound) abandons it (its rows are rolled back and delivered later)."""
         self._register_sensitive()
         raise_open_files_limit()
         metrics.without_created_series()
@@ -425,7 +424,7 @@ class Service:
         self._forced = asyncio.Event()
         loop = asyncio.get_running_loop()
         if install_signals:  # before anything slow, so a signal during start-up is clean
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.stop)
         gate: DeliveryGate = OpenGate()
         background: Any = None
@@ -510,7 +509,7 @@ class Service:
             if self.tracer is not None:
                 await self._flush_spans(self.tracer)
             if install_signals:
-                for sig in (signal.SIGTERM, signal.SIGINT):
+                for sig in STOP_SIGNALS:
                     loop.remove_signal_handler(sig)
         log.info("stopped")
 
@@ -628,6 +627,7 @@ class Service:
     def _register_sensitive(self) -> None:
         """Tell the log scrubber what must never be written."""
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
+        logs.add_sensitive(*self.settings.encryption_keys.texts)
         logs.add_sensitive_url(self.settings.webhook_url)
         register_engine_secrets(self.database_url, self.redis_url)
 

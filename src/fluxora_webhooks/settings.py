@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -22,6 +23,7 @@ from urllib.parse import unquote, unquote_to_bytes, urlsplit
 from . import logs
 from .errors import ConfigError, EndpointError
 from .host import default_workers
+from .secretbox import NO_KEYS, Keyring, keyring_from_env
 from .urlpolicy import IPNetwork, has_space_or_control
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,41 @@ def parse_retention(raw: str | None, variable: str = "WEBHOOK_RETENTION") -> int
     return period or None
 
 
+# WEBHOOK_API_RATE_LIMIT's default, (requests, per ms): a burst of 1000 requests, 100 a
+# second sustained per API token or dashboard session (docs/api.md, "Request rate limit").
+API_RATE_LIMIT = (1000, 10_000)
+
+
+def parse_rate(
+    raw: str | None, variable: str, default: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """A rate ``N/PERIOD`` (``20/s``, ``1000/10s``) as (N, PERIOD in ms): N requests at
+    once, and N more each PERIOD (a duration, or a bare unit for one of it, at most 1d);
+    ``0`` or ``off``: None (no limit); unset: ``default``."""
+    if raw is None:
+        return default
+    text = raw.strip()
+    if not text:
+        raise ConfigError(variable, "is set but empty (unset it to use the default)")
+    if text.lower() in ("0", "off"):
+        return None
+    count, slash, period = text.partition("/")
+    if not slash:
+        raise ConfigError(
+            variable,
+            f"{shown_value(text)} is not a rate: requests per period such as 20/s or"
+            " 1000/10s (0: off)",
+        )
+    requests = parse_int(count, variable, low=1, high=1_000_000)
+    period = period.strip()
+    per_ms = parse_duration_ms(
+        f"1{period}" if period in _UNIT_MS else period, variable, high_ms=86_400_000
+    )
+    if per_ms < 1:
+        raise ConfigError(variable, f"{shown_value(text)}: the period must be at least 1ms")
+    return requests, per_ms
+
+
 def check_builtin_pairs(env: Mapping[str, str]) -> None:
     """For ``run``: a built-in endpoint's secret set without its URL is refused. It is
     almost always a URL variable misspelled or missing, and the run would remove that
@@ -177,6 +214,8 @@ SECRET_FILE_VARIABLES = (
     "WEBHOOK_SECRET_PREVIOUS",
     "WEBHOOK_OPERATOR_SECRET",
     "WEBHOOK_PROXY_URL",
+    "WEBHOOK_ENCRYPTION_KEY",
+    "WEBHOOK_ENCRYPTION_KEY_PREVIOUS",
 )
 # Far above any URL or key; a path to the wrong file (a log, a disk) is refused unread.
 MAX_SECRET_FILE_BYTES = 65_536
@@ -581,6 +620,7 @@ class Settings:
     # is set; `fluxora-webhooks api` always, on 8080 by default.
     api_host: str = "127.0.0.1"
     api_port: int | None = None
+    api_rate_limit: tuple[int, int] | None = API_RATE_LIMIT  # WEBHOOK_API_RATE_LIMIT
     # The client certificate presented to consumers that ask for one (mutual TLS): a PEM
     # file of the certificate (and its chain), and of its key when that is not in it.
     tls_client_cert: str | None = None
@@ -589,6 +629,9 @@ class Settings:
     # directly (by default loopback, which a proxy elsewhere cannot reach).
     proxy: Proxy | None = field(default=None, repr=False)
     no_proxy: tuple[IPNetwork, ...] = NO_PROXY_DEFAULT
+    # The keys endpoint secrets are stored encrypted with (WEBHOOK_ENCRYPTION_KEY and
+    # WEBHOOK_ENCRYPTION_KEY_PREVIOUS; none: stored and read in plain text).
+    encryption_keys: Keyring = field(default=NO_KEYS, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, require_endpoint: bool = False) -> Settings:
@@ -658,10 +701,14 @@ class Settings:
             operator_secret=operator_secret,
             api_host=api_host,
             api_port=api_port,
+            api_rate_limit=parse_rate(
+                env.get("WEBHOOK_API_RATE_LIMIT"), "WEBHOOK_API_RATE_LIMIT", API_RATE_LIMIT
+            ),
             tls_client_cert=tls_client_cert,
             tls_client_key=tls_client_key,
             proxy=parse_proxy_url(env.get("WEBHOOK_PROXY_URL")),
             no_proxy=_no_proxy(env),
+            encryption_keys=keyring_from_env(env),
             **numbers,
         )
 
@@ -735,6 +782,20 @@ _INTEGERS: dict[str, tuple[str, int, int]] = {
     "max_endpoints_per_tenant": ("WEBHOOK_MAX_ENDPOINTS_PER_TENANT", 0, 1_000_000),
     "startup_wait_ms": ("WEBHOOK_STARTUP_WAIT_MS", 0, 3_600_000),
 }
+
+
+def environ_keyring() -> Keyring:
+    """The encryption keys of this process's environment, its ``_FILE`` variables read:
+    what the endpoint functions seal secrets with when their caller gives no keys (the API,
+    the dashboard, a library user). Read once per distinct environment."""
+    names = ("WEBHOOK_ENCRYPTION_KEY", "WEBHOOK_ENCRYPTION_KEY_PREVIOUS")
+    given = tuple((n, os.environ.get(n)) for v in names for n in (v, f"{v}_FILE"))
+    return _environ_keyring(given)
+
+
+@functools.lru_cache(maxsize=8)
+def _environ_keyring(given: tuple[tuple[str, str | None], ...]) -> Keyring:
+    return keyring_from_env(with_secret_files({k: v for k, v in given if v is not None}))
 
 
 def retry_rps(env: Mapping[str, str]) -> int:

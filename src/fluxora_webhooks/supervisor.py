@@ -17,10 +17,10 @@ a worker has lived a minute), logged and counted. A ready worker says it is aliv
 second on its pipe; one not heard for SILENT_S (stopped, wedged) is not counted as
 dispatching until it is heard again, and one not heard for UNRESPONSIVE_S is killed and
 replaced as a dead one is (never while the supervisor stops: the drain has its own bound).
-SIGTERM/SIGINT go to every worker, which drains as a single-process ``run`` does; the
-supervisor waits for them (bounded by the request timeout plus the drain grace, and a
-margin), kills any left and exits 0. A second signal is forwarded as well: the workers then
-stop at once.
+SIGTERM/SIGINT/SIGQUIT send SIGTERM to every worker, which drains as a single-process
+``run`` does; the supervisor waits for them (bounded by the request timeout plus the drain
+grace, and a margin), kills any left and exits 0. A second signal is forwarded as well: the
+workers then stop at once.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from prometheus_client import (
 
 from . import logs, metrics
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
+from .host import STOP_SIGNALS
 from .migrations import (
     check_dispatcher_privileges,
     check_schema,
@@ -188,7 +189,8 @@ class _Worker:
 
 
 class Supervisor:
-    """Runs ``settings.workers`` worker processes until SIGTERM/SIGINT (or :meth:`stop`)."""
+    """Runs ``settings.workers`` worker processes until SIGTERM/SIGINT/SIGQUIT (or
+    :meth:`stop`)."""
 
     def __init__(
         self,
@@ -230,7 +232,7 @@ class Supervisor:
     async def run(self, *, install_signals: bool = True) -> None:
         loop = asyncio.get_running_loop()
         if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.stop)
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
         logs.add_sensitive_url(self.settings.webhook_url)
@@ -281,7 +283,7 @@ class Supervisor:
             if self.metrics_dir:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
             if install_signals:
-                for sig in (signal.SIGTERM, signal.SIGINT):
+                for sig in STOP_SIGNALS:
                     loop.remove_signal_handler(sig)
         log.info("stopped")
 

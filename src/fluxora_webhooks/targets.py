@@ -29,6 +29,7 @@ from psycopg.rows import dict_row
 from .delivery import header_texts, secret_texts
 from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint, check_headers
 from .errors import ConfigError, EndpointError
+from .secretbox import NO_KEYS, Keyring, SecretLocked
 from .signing import Signer
 from .urlpolicy import validate_url
 
@@ -237,13 +238,24 @@ def _problem(endpoint: Endpoint, stored_headers: Any) -> str | None:
     return None
 
 
-def _signer_for(endpoint: Endpoint) -> Signer:
+def _plain_secrets(endpoint: Endpoint, keys: Keyring) -> tuple[str, str | None, str | None]:
+    """The endpoint's secret, its previous one while that still signs, and its previous one
+    whether or not it does (masked in what is stored of each attempt all the same), opened:
+    each is stored plain or sealed with WEBHOOK_ENCRYPTION_KEY. Opened once per reading of
+    its row, never per request. One that signs and that no key here opens raises
+    SecretLocked; an expired previous one that does not open is only left unmasked."""
     assert endpoint.secret is not None
-    previous = None
+    secret = keys.open(endpoint.secret, endpoint.id)
+    if not endpoint.secret_previous:
+        return secret, None, None
     until = endpoint.previous_until
-    if endpoint.secret_previous and until is not None and until.timestamp() > time.time():
-        previous = endpoint.secret_previous.encode()
-    return Signer(endpoint.secret.encode(), previous)
+    if until is not None and until.timestamp() > time.time():
+        previous = keys.open(endpoint.secret_previous, endpoint.id)
+        return secret, previous, previous
+    try:
+        return secret, None, keys.open(endpoint.secret_previous, endpoint.id)
+    except SecretLocked:
+        return secret, None, None
 
 
 class Targets:
@@ -252,9 +264,13 @@ class Targets:
     exists (it does once a service has started)."""
 
     def __init__(
-        self, env: Mapping[str, tuple[str, Signer]], env_secrets: Mapping[str, tuple[str, ...]]
+        self,
+        env: Mapping[str, tuple[str, Signer]],
+        env_secrets: Mapping[str, tuple[str, ...]],
+        keys: Keyring = NO_KEYS,
     ) -> None:
         self._env = dict(env)
+        self._keys = keys
         self._by_id: dict[str, Target] = {}
         # Of the endpoints in _by_id (None: stale): their tenants, and each tenant's ordered
         # endpoints.
@@ -266,6 +282,10 @@ class Targets:
         # Endpoints whose row cannot be used as it is (written by SQL past the checks of
         # the CLI and the API): why, by id.
         self._unusable: dict[str, str] = {}
+        # Endpoints whose sealed secret no key of this process opens: the key id it names,
+        # by id. Their deliveries wait (deferred, no attempt consumed) for a dispatcher
+        # that has the key; they are never dead-lettered for it.
+        self._locked: dict[str, str] = {}
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -337,6 +357,9 @@ class Targets:
         for endpoint_id in list(self._unusable):
             if endpoint_id not in seen:  # removed: its deliveries say so (endpoint_removed)
                 del self._unusable[endpoint_id]
+        for endpoint_id in list(self._locked):
+            if endpoint_id not in seen:
+                del self._locked[endpoint_id]
         for endpoint_id in list(self._applied):
             if endpoint_id not in seen:
                 del self._applied[endpoint_id]
@@ -366,6 +389,7 @@ class Targets:
                 return builtin
             self._by_id.pop(endpoint_id, None)
             self._unusable.pop(endpoint_id, None)
+            self._locked.pop(endpoint_id, None)
             self._tenants = None
             return None
         return self._apply_row(row)
@@ -374,6 +398,13 @@ class Targets:
         """Why the registry's row of ``endpoint_id`` cannot be sent to (None: it can, or
         it is not known here)."""
         return self._unusable.get(endpoint_id)
+
+    def locked(self, endpoint_id: str) -> str | None:
+        """The key id of the endpoint's sealed secret when no key of this process opens it
+        (None: it opens, or it is not known here). Such an endpoint is not :meth:`unusable`:
+        its row is sound, this process lacks its key, so its deliveries wait as those of an
+        endpoint another dispatcher is configured for do."""
+        return self._locked.get(endpoint_id)
 
     def _apply_row(self, row: Mapping[str, Any]) -> Target | None:
         """One registry row, checked as the CLI and the API check what they write: a row
@@ -388,7 +419,11 @@ class Targets:
             if problem is None:
                 target = self._apply(endpoint)  # its Signer refuses a secret empty once decoded
                 self._unusable.pop(endpoint_id, None)
+                self._locked.pop(endpoint_id, None)
                 return target
+        except SecretLocked as exc:
+            self._lock(endpoint_id, exc)
+            return None
         except (TypeError, ValueError, AttributeError) as exc:
             # A value of the wrong type, or a secret no key can be made of. Not a missing
             # column (KeyError): the schema is not what this code expects, which no dead
@@ -406,10 +441,29 @@ class Targets:
                 problem,
             )
         self._unusable[endpoint_id] = problem
+        self._locked.pop(endpoint_id, None)
         if endpoint_id not in self._env:
             self._by_id.pop(endpoint_id, None)
             self._tenants = None
         return None
+
+    def _lock(self, endpoint_id: str, exc: SecretLocked) -> None:
+        """An endpoint whose secret no key here opens: not sent to, its deliveries deferred
+        (the batch finds it neither known nor unusable, its row present), said once."""
+        if self._locked.get(endpoint_id) != exc.key_id:
+            log.error(
+                "endpoint %s cannot be signed: %s; its deliveries wait (kept, no attempt"
+                " consumed) until a dispatcher runs with the key %s as WEBHOOK_ENCRYPTION_KEY"
+                " or WEBHOOK_ENCRYPTION_KEY_PREVIOUS",
+                endpoint_id,
+                exc,
+                exc.key_id,
+            )
+        self._locked[endpoint_id] = exc.key_id
+        self._unusable.pop(endpoint_id, None)
+        if endpoint_id not in self._env:
+            self._by_id.pop(endpoint_id, None)
+            self._tenants = None
 
     def _apply(self, endpoint: Endpoint) -> Target | None:
         failing = None if endpoint.failing_since is None else endpoint.failing_since.timestamp()
@@ -420,20 +474,19 @@ class Targets:
             return target
         if endpoint.builtin or endpoint.secret is None:
             return None  # a built-in endpoint this dispatcher is not configured for
+        secret, previous, masked_previous = _plain_secrets(endpoint, self._keys)
         old = self._by_id.get(endpoint.id)
         target = Target(
             endpoint.id,
             endpoint.tenant,
             endpoint.url,
-            _signer_for(endpoint),
+            Signer(secret.encode(), None if previous is None else previous.encode()),
             headers=dict(endpoint.headers),
             rate_limit=endpoint.rate_limit,
             ordered=endpoint.ordered,
             enabled=endpoint.enabled,
             failing_since=failing,
-            secret_texts=secret_texts(
-                endpoint.secret.encode(), (endpoint.secret_previous or "").encode() or None
-            )
+            secret_texts=secret_texts(secret.encode(), (masked_previous or "").encode() or None)
             + header_texts(endpoint.headers),
         )
         if old is not None:  # this process's bookkeeping outlives a reload

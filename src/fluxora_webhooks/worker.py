@@ -7,7 +7,7 @@ a worker) and the resolved ``DATABASE_URL``/``REDIS_URL``. It
 runs the same :class:`~fluxora_webhooks.service.Service` as a single-process ``run``, with
 no HTTP endpoint of its own; worker 0 also runs the background readings and retention for
 all. It tells the supervisor through ``--ready-fd`` when it dispatches, drains on
-SIGTERM/SIGINT like ``run``, and drains as well when the supervisor is gone.
+SIGTERM/SIGINT/SIGQUIT like ``run``, and drains as well when the supervisor is gone.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # Both set by the supervisor (see supervisor._worker_env and metrics.WORKER_VARIABLE).
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("FLUXORA_WORKER") != "1":
-        print("fluxora-webhooks worker: started by `fluxora-webhooks run` only", file=sys.stderr)
-        return EXIT_CONFIG
     env = dict(os.environ)
     # Before the settings are read: what reading them logs (a short secret) is a record
     # in the run's format too. The supervisor has validated LOG_FORMAT.
     logs.configure(env.get("LOG_FORMAT", "text").strip().lower() or "text")
+    # Both set by the supervisor (see supervisor._worker_env and metrics.WORKER_VARIABLE).
+    if not env.get("PROMETHEUS_MULTIPROC_DIR") or env.get("FLUXORA_WORKER") != "1":
+        _fatal("started by `fluxora-webhooks run` only")
+        return EXIT_CONFIG
     logs.mark_worker(args.index)
     try:
         settings = Settings.from_env(env)

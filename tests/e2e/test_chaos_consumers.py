@@ -20,7 +20,6 @@ from tests.support.chaos import (
     Hit,
     account,
     enqueue_events,
-    free_port,
     http_get,
     metric,
     open_fds,
@@ -29,7 +28,7 @@ from tests.support.chaos import (
     tracebacks,
 )
 from tests.support.dispatch import pending, rows, wait_until
-from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
+from tests.support.procs import DispatcherProcess, dispatcher_env, free_port, start_dispatcher
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,8 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from tests.support.procs import command_env, dispatcher_env, run_command
-from tests.support.redis_server import free_port
+from tests.support.procs import command_env, dispatcher_env, free_port, run_command
 
 pytestmark = pytest.mark.e2e
 

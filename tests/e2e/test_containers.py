@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.chaos import tracebacks
 from tests.support.dispatch import wait_until
-from tests.support.redis_server import free_port
+from tests.support.procs import free_port
 from tests.support.scrape import get_json
 
 pytestmark = [pytest.mark.e2e]

@@ -16,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fluxora_webhooks import metrics
 from fluxora_webhooks.ops import METRIC_ENDPOINTS, read_endpoint_health, set_endpoint_gauges
-from tests.e2e.test_observability import free_port
 from tests.support.dispatch import wait_until
-from tests.support.procs import command_env, dispatcher_env, dispatchers, run_command
+from tests.support.procs import command_env, dispatcher_env, dispatchers, free_port, run_command
 from tests.support.scrape import scrape, total
 
 pytestmark = pytest.mark.e2e

@@ -18,9 +18,9 @@ from aiohttp import web
 
 from fluxora_webhooks import endpoints
 from fluxora_webhooks.migrations import migrate
-from tests.support.chaos import free_port, stop_processes, tracebacks, wait_ready
+from tests.support.chaos import stop_processes, tracebacks, wait_ready
 from tests.support.dispatch import wait_until
-from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
+from tests.support.procs import DispatcherProcess, dispatcher_env, free_port, start_dispatcher
 from tests.support.receiver import Received, Receiver
 from tests.support.replication import ReplicatedPostgres, make_synchronous
 from tests.support.scrape import get_json, is_ready

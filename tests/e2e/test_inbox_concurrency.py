@@ -18,9 +18,9 @@ import psycopg
 import pytest
 
 from tests.support.dispatch import SECRET
-from tests.support.inbox import ConsumerProcess, Delivery, delivery, free_port
+from tests.support.inbox import ConsumerProcess, Delivery, delivery
 from tests.support.inbox_consumer import prepare
-from tests.support.procs import command_env
+from tests.support.procs import command_env, free_port
 
 pytestmark = pytest.mark.e2e
 

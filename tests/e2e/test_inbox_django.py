@@ -16,8 +16,8 @@ import psycopg
 import pytest
 
 from tests.support.dispatch import SECRET
-from tests.support.inbox import Delivery, delivery, free_port
-from tests.support.procs import command_env
+from tests.support.inbox import Delivery, delivery
+from tests.support.procs import command_env, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -24,9 +24,15 @@ import psycopg
 import pytest
 
 from tests.support.dispatch import SECRET
-from tests.support.inbox import ConsumerProcess, free_port
+from tests.support.inbox import ConsumerProcess
 from tests.support.inbox_consumer import prepare
-from tests.support.procs import command_env, dispatcher_env, run_command, start_dispatcher
+from tests.support.procs import (
+    command_env,
+    dispatcher_env,
+    free_port,
+    run_command,
+    start_dispatcher,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

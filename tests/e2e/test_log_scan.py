@@ -21,9 +21,9 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from fluxora_webhooks import logs
-from tests.e2e.test_observability import free_port, running_service
+from tests.e2e.test_observability import running_service
 from tests.support.dispatch import pending, rows, wait_until
-from tests.support.procs import dispatcher_env, run_command
+from tests.support.procs import dispatcher_env, free_port, run_command
 from tests.support.receiver import Received, Receiver
 
 pytestmark = pytest.mark.e2e

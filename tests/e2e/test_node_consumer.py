@@ -27,9 +27,8 @@ import pytest
 
 from fluxora_webhooks import endpoints
 from tests.support.api import LOOPBACK
-from tests.support.chaos import free_port
 from tests.support.dispatch import rows
-from tests.support.procs import dispatcher_env, dispatchers
+from tests.support.procs import dispatcher_env, dispatchers, free_port
 
 pytestmark = pytest.mark.e2e
 

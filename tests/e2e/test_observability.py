@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,18 +20,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from fluxora_webhooks.migrations import latest_version
 from fluxora_webhooks.ops import read_backlog
 from tests.support.dispatch import SECRET, pending, rows, wait_until
-from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
+from tests.support.procs import (
+    DispatcherProcess,
+    dispatcher_env,
+    free_port,
+    start_dispatcher,
+)
 from tests.support.receiver import Received, Receiver
 
 pytestmark = pytest.mark.e2e
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @asynccontextmanager

@@ -15,9 +15,9 @@ from redis.asyncio import Redis
 
 from fluxora_webhooks.redis_gate import OPEN, rate_limit_key, read_breaker_state
 from tests.support.dispatch import enqueue_many, pending, scalar, wait_until
-from tests.support.procs import dispatcher_env, dispatchers
+from tests.support.procs import dispatcher_env, dispatchers, free_port
 from tests.support.receiver import Received, Receiver
-from tests.support.redis_server import RedisServer, free_port
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

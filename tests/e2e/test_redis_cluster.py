@@ -35,10 +35,15 @@ from fluxora_webhooks.redis_gate import (
 from tests.e2e.test_protection import SKEW_S
 from tests.support.chaos import stop_processes, tracebacks
 from tests.support.dispatch import enqueue_many, pending, scalar, wait_until
-from tests.support.procs import command_env, dispatcher_env, run_command, start_dispatcher
+from tests.support.procs import (
+    command_env,
+    dispatcher_env,
+    free_port,
+    run_command,
+    start_dispatcher,
+)
 from tests.support.receiver import Receiver
 from tests.support.redis_cluster import RedisCluster
-from tests.support.redis_server import free_port
 from tests.support.scrape import scrape, total
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

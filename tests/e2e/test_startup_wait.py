@@ -15,9 +15,9 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from tests.support.chaos import free_port, stop_processes, tracebacks, wait_ready
+from tests.support.chaos import stop_processes, tracebacks, wait_ready
 from tests.support.dispatch import enqueue_many, wait_until
-from tests.support.procs import DispatcherProcess, dispatcher_env, start_dispatcher
+from tests.support.procs import DispatcherProcess, dispatcher_env, free_port, start_dispatcher
 from tests.support.receiver import Receiver
 from tests.support.scrape import get_json, is_ready
 

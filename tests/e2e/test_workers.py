@@ -17,9 +17,14 @@ from aiohttp import web
 
 from tests.support.chaos import stop_processes, tracebacks
 from tests.support.dispatch import delivered, enqueue_many, pending, wait_until
-from tests.support.procs import DispatcherProcess, dispatcher_env, run_command, start_dispatcher
+from tests.support.procs import (
+    DispatcherProcess,
+    dispatcher_env,
+    free_port,
+    run_command,
+    start_dispatcher,
+)
 from tests.support.receiver import Received, Receiver
-from tests.support.redis_server import free_port
 from tests.support.scrape import get_json, is_ready, scrape, total
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

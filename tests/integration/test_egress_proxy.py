@@ -6,14 +6,17 @@ password kept out of every error and log; loopback connected to directly by defa
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import trustme
 
+from fluxora_webhooks import endpoints, enqueue
 from fluxora_webhooks.connector import SafeResolver
 from fluxora_webhooks.delivery import attempt
 from fluxora_webhooks.errors import EndpointError
@@ -23,7 +26,7 @@ from fluxora_webhooks.settings import NO_PROXY_DEFAULT, parse_proxy_url
 from fluxora_webhooks.signing import verify
 from tests.support.connect_proxy import ConnectProxy
 from tests.support.dispatch import SECRET, enqueue_many, pending, rows, wait_until
-from tests.support.procs import dispatcher_env, run_command, start_dispatcher
+from tests.support.procs import dispatcher_env, free_port, run_command, start_dispatcher
 from tests.support.resolvers import FixedResolver
 from tests.support.tls_consumer import TlsConsumer, ca_file
 
@@ -86,34 +89,40 @@ async def test_https_goes_through_the_tunnel_to_the_checked_address(
 
 
 @pytest.mark.parametrize(
-    ("refusal", "said"),
+    ("refusal", "said", "reason"),
     [
+        # The proxy's failures, no fault of the consumer's: "egress" (held, see below).
         ("password", "refused CONNECT 127.0.0.1:{port}: 407 Proxy Authentication Required"
-         " (the user and password of WEBHOOK_PROXY_URL)"),
-        ("forbidden", "refused CONNECT 127.0.0.1:{port}: 403 Forbidden"),
-        ("down", "the proxy 127.0.0.1:{proxy} cannot be reached"),
+         " (the user and password of WEBHOOK_PROXY_URL)", "egress"),
+        ("down", "the proxy 127.0.0.1:{proxy} cannot be reached", "egress"),
+        # About this consumer: its endpoint's failure, as a direct connection's would be.
+        ("forbidden", "refused CONNECT 127.0.0.1:{port}: 403 Forbidden", "connection_error"),
+        ("consumer down", "refused CONNECT 127.0.0.1:{port}: 502 Bad Gateway",
+         "connection_error"),
     ],
 )  # fmt: skip
 async def test_a_proxy_that_refuses_is_a_retryable_failure_that_says_so(
-    ca: trustme.CA, consumer: TlsConsumer, refusal: str, said: str
+    ca: trustme.CA, consumer: TlsConsumer, refusal: str, said: str, reason: str
 ) -> None:
-    async def post_once(proxy_url: str) -> Any:
+    async def post_once(proxy_url: str, port: int) -> Any:
         client = _client(ca, proxy_url)
         try:
-            return await _post(client, consumer.url("hooks.tls.test", "/hook"))
+            return await _post(client, f"https://hooks.tls.test:{port}/hook")
         finally:
             await client.close()
 
+    port = free_port() if refusal == "consumer down" else consumer.port
     async with ConnectProxy(
         credentials=("egress", PASSWORD), refuse=refusal == "forbidden"
     ) as proxy:
         url = proxy.url.replace(PASSWORD, "wrong-0c1d") if refusal == "password" else proxy.url
         if refusal != "down":
-            result = await post_once(url)
+            result = await post_once(url, port)
     if refusal == "down":
-        result = await post_once(url)  # the proxy has stopped
+        result = await post_once(url, port)  # the proxy has stopped
     assert result.kind is Kind.RETRYABLE
-    assert said.format(port=consumer.port, proxy=proxy.port) in result.error, result.error
+    assert said.format(port=port, proxy=proxy.port) in result.error, result.error
+    assert result.reason == reason
     assert PASSWORD not in result.error and "wrong-0c1d" not in result.error
     assert consumer.requests == []
 
@@ -256,3 +265,82 @@ async def test_the_proxy_answer_is_read_whole_and_bounded_however_it_is_cut(
     assert f"the proxy {proxy.shown} gave no usable answer to CONNECT" in result.error
     assert said in result.error, result.error
     assert consumer.requests == []
+
+
+async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
+    database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    ca: trustme.CA,
+    consumer: TlsConsumer,
+    tmp_path: Path,
+) -> None:
+    """The proxy is down for longer than WEBHOOK_DISABLE_AFTER: no consumer was asked, so
+    the endpoint stays enabled with no failure streak, its breaker (opened by one failure
+    here) hears nothing, and each delivery keeps its first attempt (no retry written,
+    nothing dead-lettered). Once the proxy is back, the held
+    deliveries go, each as attempt 1."""
+    proxy = ConnectProxy(credentials=("egress", PASSWORD), port=free_port())
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = await endpoints.create(
+            conn, url=consumer.url("localhost", "/hook"), tenant="acme",
+            allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),),
+        )  # fmt: skip
+        for i in range(2):
+            await enqueue(conn, tenant="acme", stream_id=f"s{i}", event_type="order.paid",
+                          payload={"i": i})  # fmt: skip
+    env = dispatcher_env(
+        database_url, redis_url, "", redis_prefix,
+        SSL_CERT_FILE=str(ca_file(ca, tmp_path)), WEBHOOK_POLL_INTERVAL_MS="100",
+        WEBHOOK_PROXY_URL=proxy.url, WEBHOOK_NO_PROXY="none",
+        WEBHOOK_ALLOWED_NETWORKS="127.0.0.0/8", WEBHOOK_DISABLE_AFTER="1s",
+        WEBHOOK_RETRY_SCHEDULE="100ms", WEBHOOK_MAX_ATTEMPTS="50",
+        WEBHOOK_CIRCUIT_BREAKER_THRESHOLD="1",
+    )  # fmt: skip
+    del env["WEBHOOK_URL"], env["WEBHOOK_SECRET"]
+    run = await start_dispatcher(env, tmp_path / "run.log")
+    try:
+
+        async def tried() -> bool:  # each attempted once: recorded, or held for later
+            tried = await rows(
+                database_url,
+                "SELECT count(DISTINCT delivery_id) FROM webhook_outbox WHERE endpoint_id = %s"
+                " AND (processed OR created_at > now())",
+                (endpoint.id,),
+            )
+            return bool(tried == [(2,)])
+
+        await wait_until(tried, 30, "both attempted")
+        await asyncio.sleep(2.5)  # past WEBHOOK_DISABLE_AFTER, many retry delays over
+        state = await rows(
+            database_url, "SELECT state, failing_since FROM webhook_endpoints WHERE id = %s",
+            (endpoint.id,),
+        )  # fmt: skip
+        assert state == [("enabled", None)], run.log()
+        attempts = await rows(
+            database_url,
+            "SELECT attempt, processed FROM webhook_outbox WHERE endpoint_id = %s",
+            (endpoint.id,),
+        )
+        assert sorted(attempts) == [(1, False), (1, False)], run.log()
+        async with proxy:
+
+            async def delivered() -> bool:
+                return await pending(database_url) == 0
+
+            await wait_until(delivered, 30, "both delivered once the proxy is back")
+    finally:
+        run.terminate()
+        assert await run.wait(30) == 0, run.log()
+    outcomes = await rows(
+        database_url,
+        "SELECT outcome, attempt FROM webhook_outbox WHERE endpoint_id = %s",
+        (endpoint.id,),
+    )
+    assert outcomes == [("delivered", 1), ("delivered", 1)], run.log()
+    assert [r.headers["x-fluxora-attempt"] for r in consumer.requests] == ["1", "1"]
+    assert await rows(database_url, "SELECT count(*) FROM webhook_dead_letter") == [(0,)]
+    assert "the egress proxy failed" in run.log()
+    assert "the egress proxy works again" in run.log()
+    assert "circuit breaker" not in run.log()
+    assert PASSWORD not in run.log()

@@ -14,7 +14,8 @@ from redis.asyncio import Redis
 from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_gate import RedisGate, _pack_command, rate_limit_key
-from tests.support.redis_server import RedisServer, free_port
+from tests.support.procs import free_port
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 

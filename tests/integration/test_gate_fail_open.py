@@ -17,7 +17,8 @@ from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_gate import RedisGate, breaker_key, connect_gate, rate_limit_key
-from tests.support.redis_server import RedisServer, free_port
+from tests.support.procs import free_port
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 

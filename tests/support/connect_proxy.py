@@ -19,11 +19,11 @@ class ConnectProxy:
     answer: tuple[bytes, ...] = (b"HTTP/1.1 200 Connection established\r\n\r\n",)
     targets: list[str] = field(default_factory=list)
     authorizations: list[str | None] = field(default_factory=list)
-    port: int = 0
+    port: int = 0  # 0: any free port
 
     async def __aenter__(self) -> ConnectProxy:
         self._tasks: set[asyncio.Task[None]] = set()
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -85,9 +85,13 @@ class ConnectProxy:
             writer.write(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n\r\n")
             return
         host, _, port = target.rpartition(":")
-        upstream_reader, upstream_writer = await asyncio.open_connection(
-            host.strip("[]"), int(port)
-        )
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(
+                host.strip("[]"), int(port)
+            )
+        except OSError:  # the consumer cannot be reached: a proxy says so
+            writer.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
+            return
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -62,12 +61,6 @@ def delivery(
         timestamp=int(time.time()) if timestamp is None else timestamp,
     )
     return Delivery(delivery_id, body, headers)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support.inbox import free_port
+from tests.support.procs import free_port
 
 POSTGRES = ("127.0.0.1", 5432)
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,6 +17,13 @@ from typing import Any
 from tests.support.dispatch import SECRET
 
 STRIP = ("DATABASE_URL", "REDIS_URL", "WEBHOOK_", "LOG_FORMAT", "FLUXORA_", "OTEL_")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free a moment ago (for a server a test starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def command_env(**overrides: str) -> dict[str, str]:

@@ -24,9 +24,10 @@ from starlette.requests import ClientDisconnect, Request
 from .._version import __version__
 from ..logs import Notice
 from ..pgtypes import SESSION_SETTINGS_SQL, read_far_timestamps, session_name
-from ..settings import Settings
+from ..settings import API_RATE_LIMIT, Settings
 from . import errors
 from .deps import FAILED_AUTH_PER_S, ApiState, FailureThrottle
+from .ratelimit import RateLimit
 
 log = logging.getLogger("fluxora_webhooks.api")
 
@@ -80,6 +81,8 @@ class ApiConfig:
     max_endpoints_per_tenant: int = 0
     body_timeout_s: float = BODY_TIMEOUT_S
     failed_auth_per_s: float = FAILED_AUTH_PER_S
+    # Requests per credential: (requests, per ms), a token bucket (ratelimit.py); None: off.
+    rate_limit: tuple[int, int] | None = API_RATE_LIMIT
 
     @classmethod
     def from_settings(
@@ -92,6 +95,7 @@ class ApiConfig:
             allowed_networks=settings.allowed_networks,
             breaker_threshold=settings.circuit_breaker_threshold,
             max_endpoints_per_tenant=settings.max_endpoints_per_tenant,
+            rate_limit=settings.api_rate_limit,
         )
 
 
@@ -325,6 +329,18 @@ def create_app(config: ApiConfig) -> FastAPI:
                 " the field); `query_timeout`: a read that ran longer than the API allows,"
                 " narrow it with a filter",
             },
+            429: {
+                "model": errors_model(),
+                "description": "`rate_limited`: more requests than WEBHOOK_API_RATE_LIMIT"
+                " allows this token (or, before it has authenticated, its client address)",
+                "headers": {
+                    "Retry-After": {
+                        "description": "seconds until the next request is admitted",
+                        "required": True,
+                        "schema": {"type": "integer"},
+                    }
+                },
+            },
             500: {
                 "model": errors_model(),
                 "description": "`internal_error`: an unexpected error (in the log);"
@@ -348,6 +364,8 @@ def create_app(config: ApiConfig) -> FastAPI:
         app.include_router(module.router, prefix=API_PREFIX)
     pages.install(app)
     errors.install(app, render.error_page)
+    # Inside the Guard: a 429 carries the security headers too.
+    app.add_middleware(RateLimit, limit=config.rate_limit, html_error=render.error_page)
     app.add_middleware(Guard, html_error=render.error_page, body_timeout_s=config.body_timeout_s)
     _require_token_for_openapi(app)
     _install_probes(app)

@@ -19,6 +19,7 @@ from .. import logs, tokens
 from ..migrations import discard
 from ..tokens import Principal
 from .errors import ApiError, unauthorized
+from .ratelimit import proven
 
 # Failed authentications (an API request without a token or with one that is not valid, a
 # dashboard sign-in with a wrong token) are answered no faster than this many a second in
@@ -100,6 +101,7 @@ async def bearer_token(
 
 
 async def principal(
+    request: Request,
     text: Annotated[str, Depends(bearer_token)],
     conn: Conn,
 ) -> Principal:
@@ -107,6 +109,7 @@ async def principal(
     if found is None:
         raise unauthorized("the token is not valid (unknown or revoked)")
     logs.add_sensitive(text)  # a live token: never written, whatever logs it (bounded set)
+    proven(request.scope, f"token {found.name!r}")  # its own rate limit bucket
     return found
 
 

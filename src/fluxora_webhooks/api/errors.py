@@ -4,7 +4,9 @@ router's own 404/405. The dashboard's paths get an HTML page instead."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,10 @@ from ..migrations import READ_ONLY_HINT
 API_PREFIX = "/api/"
 # A 503's Retry-After (seconds): a restart or a failover is over in about this long.
 RETRY_AFTER_S = 5
+# The 503 answers' log lines: the first of each reason, then at most one per this many
+# seconds, with the count of those answered meanwhile (a pool with no connection free
+# answers every waiting request 503: one line each would flood the log).
+UNAVAILABLE_LOG_EVERY_S = 10.0
 log = logging.getLogger("fluxora_webhooks.api")
 # The methods a 405's Allow can name (HEAD is added with GET).
 _METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
@@ -44,6 +50,7 @@ _CODES = {
     413: "too_large",
     415: "unsupported_media_type",
     422: "validation_error",
+    429: "rate_limited",
     500: "internal_error",
     503: "unavailable",
 }
@@ -203,6 +210,48 @@ def _too_long_message(request: Request) -> str:
     return f"the query took longer than {seconds} s and was stopped; narrow it with {how}"
 
 
+class _AggregatedWarnings:
+    """Warnings of one kind (a reason) said once, then at most once per
+    :data:`UNAVAILABLE_LOG_EVERY_S` (read at each call): the ones within that time are
+    counted and said as a count at its end (the next time starts then), or by the next
+    line when the time was shortened meanwhile."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}  # reason -> when its last line was written
+        self._quiet: dict[str, tuple[int, str]] = {}  # reason -> (not said, the last of them)
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    def warn(self, reason: str, line: str) -> None:
+        every = UNAVAILABLE_LOG_EVERY_S
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < every:
+            count, _ = self._quiet.get(reason, (0, line))
+            self._quiet[reason] = (count + 1, line)
+            if reason not in self._timers:
+                loop = asyncio.get_running_loop()
+                self._timers[reason] = loop.call_later(last + every - now, self._flush, reason)
+            return
+        count, _ = self._take(reason)
+        self._last[reason] = now
+        if count:
+            log.warning("%s (and %d more since the last such line)", line, count)
+        else:
+            log.warning("%s", line)
+
+    def _take(self, reason: str) -> tuple[int, str]:
+        timer = self._timers.pop(reason, None)
+        if timer is not None:
+            timer.cancel()
+        return self._quiet.pop(reason, (0, ""))
+
+    def _flush(self, reason: str) -> None:
+        count, line = self._take(reason)
+        if count:
+            self._last[reason] = time.monotonic()
+            log.warning("%d more answered 503 since the last such line (the last: %s)", count, line)
+
+
 def install(app: FastAPI, html_error: Any) -> None:
     """Register the handlers; ``html_error(request, status, message)`` renders the
     dashboard's error page."""
@@ -273,6 +322,8 @@ def install(app: FastAPI, html_error: Any) -> None:
         )
         return answer(request, 422, "query_timeout", _too_long_message(request))
 
+    unavailable = _AggregatedWarnings()
+
     @app.exception_handler(psycopg.OperationalError)
     @app.exception_handler(psycopg.InterfaceError)
     @app.exception_handler(PoolTimeout)
@@ -284,7 +335,7 @@ def install(app: FastAPI, html_error: Any) -> None:
             message = f"the database is read-only (a standby?): {READ_ONLY_HINT}"
         else:
             message = f"the database is not available ({type(exc).__name__}); try again"
-        log.warning("%s %s: answered 503, %s", request.method, request.url.path, message)
+        unavailable.warn(message, f"{request.method} {request.url.path}: answered 503, {message}")
         response = answer(request, 503, "unavailable", message)
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response

@@ -27,6 +27,7 @@ COMMANDS = (
     "tail",
     "api",
     "tokens",
+    "secrets",
     "prune",
     "inbox",
     "demo",

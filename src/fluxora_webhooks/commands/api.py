@@ -1,5 +1,5 @@
 """``fluxora-webhooks api``: the management API and the dashboard on their own, on
-``WEBHOOK_API_HOST:WEBHOOK_API_PORT`` (default 127.0.0.1:8080), until SIGTERM/SIGINT.
+``WEBHOOK_API_HOST:WEBHOOK_API_PORT`` (default 127.0.0.1:8080), until SIGTERM/SIGINT/SIGQUIT.
 ``run`` serves the same beside its dispatcher when ``WEBHOOK_API_PORT`` is set."""
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def require_api_extra(variable: str = "WEBHOOK_API_PORT") -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import asyncio
-    import signal
 
     from .. import logs
+    from ..host import STOP_SIGNALS
     from ..settings import Settings, register_engine_secrets
 
     settings = Settings.from_env(env)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         server = ApiServer(config, settings.api_host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         await server.start()
         if settings.log_format == "text":

@@ -102,12 +102,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .. import endpoints
+    from ..secretbox import keyring_from_env
     from ..settings import Settings
 
     action = args.endpoints_action
     if action == "list":
         endpoints.check_tenant_filter(args.tenant)
     allowed = Settings.from_env(env).allowed_networks if action in ("add", "update") else ()
+    # The secret is stored sealed with WEBHOOK_ENCRYPTION_KEY when it is set.
+    keys = keyring_from_env(env) if action in ("add", "rotate-secret") else None
     keep_ms = 0
     if action == "rotate-secret":
         keep_ms = endpoints.keep_previous_ms(args.keep_previous, "--keep-previous")
@@ -147,6 +150,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     rate_limit=args.rate_limit,
                     ordered=bool(args.ordered),
                     allowed_networks=allowed,
+                    keys=keys,
                 )
                 _print_created(endpoint.as_json(), secret, args.json)
             elif action == "list":
@@ -171,7 +175,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 _print_one(updated.as_json(), args.json)
             elif action == "rotate-secret":
                 endpoint, secret = await endpoints.rotate_secret(
-                    conn, args.id, secret=args.secret, keep_previous_ms=keep_ms
+                    conn, args.id, secret=args.secret, keep_previous_ms=keep_ms, keys=keys
                 )
                 if args.json:
                     print(json.dumps({"id": endpoint.id, "secret": secret}))

@@ -63,6 +63,22 @@ SET secret_previous = secret,
 WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
 RETURNING *;
 
+-- name: endpoint_secrets_page
+-- `secrets encrypt|decrypt`: one page of the endpoints that store a secret, by id, locked
+-- until the page is rewritten (a rotation meanwhile waits, then moves the rewritten value).
+SELECT id, secret, secret_previous FROM webhook_endpoints
+WHERE id > %(after)s AND (secret IS NOT NULL OR secret_previous IS NOT NULL)
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE;
+
+-- name: endpoint_secrets_set
+-- The same secrets in another stored form (sealed or plain): no change an endpoint's
+-- other readers see, so updated_at stays.
+UPDATE webhook_endpoints
+SET secret = %(secret)s, secret_previous = %(secret_previous)s
+WHERE id = %(id)s;
+
 -- name: endpoint_disable
 UPDATE webhook_endpoints
 SET state = 'disabled', disabled_reason = %(reason)s, disabled_at = clock_timestamp(),

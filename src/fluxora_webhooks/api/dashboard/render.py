@@ -24,6 +24,7 @@ from ... import tokens
 from ..._version import __version__
 from ...tokens import Principal
 from ..deps import api_state
+from ..ratelimit import proven
 
 HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "fx_session"
@@ -118,6 +119,7 @@ REASONS = {
     415: "Unsupported media type",
     422: "Not valid",
     500: "Internal error",
+    429: "Too many requests",
     503: "Unavailable",
 }
 # The pages a failed request can lead back to: a list, and one of its items.
@@ -171,6 +173,7 @@ async def viewer(request: Request) -> Viewer:
         raise SignInRequired(ended=True, page=came_from(request))
     who = Viewer(*found)
     request.state.fluxora_viewer = who  # for an error page of this request
+    proven(request.scope, f"the dashboard session of token {who.principal.name!r}")
     return who
 
 

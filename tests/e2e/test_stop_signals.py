@@ -1,0 +1,82 @@
+"""SIGQUIT stops `run` as SIGTERM does (docs/operations.md, "Stopping"): sent while batches
+are in flight, to one process or to a supervisor, it drains them and exits 0; every request
+the consumer got is recorded once, nothing is left claimed under a lease, and no worker
+outlives the supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from aiohttp import web
+
+from tests.support.chaos import stop_processes, tracebacks
+from tests.support.dispatch import delivered, enqueue_many, pending, scalar, wait_until
+from tests.support.procs import dispatcher_env, start_dispatcher
+from tests.support.receiver import Received, Receiver
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TIMEOUT_S = 5
+DRAIN_GRACE_S = 5
+KILL_MARGIN_S = 5
+BATCH, LOOPS = 5, 2
+EVENTS = 60
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sigquit_drains_the_in_flight_batches_and_exits_0(
+    workers: int,
+    database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    async def respond(r: Received) -> web.Response:
+        await asyncio.sleep(1.0)  # slow enough that the signal finds every batch in flight
+        return web.Response(status=200)
+
+    receiver.respond = respond
+    env = dispatcher_env(
+        database_url, redis_url, receiver.url, redis_prefix,
+        WEBHOOK_WORKERS=str(workers), WEBHOOK_BATCH_SIZE=str(BATCH),
+        WEBHOOK_CLAIM_LOOPS=str(LOOPS), WEBHOOK_TIMEOUT_MS=str(TIMEOUT_S * 1000),
+    )  # fmt: skip
+    proc = await start_dispatcher(env, tmp_path / "run.log")
+    try:
+        await wait_until(
+            lambda: _logged(proc.log(), "dispatching (", workers), timeout=30, what="dispatching"
+        )
+        children = {c.pid for c in psutil.Process(proc.pid).children()}
+        assert len(children) == (workers if workers > 1 else 0), proc.log()
+        await enqueue_many(database_url, EVENTS)
+        in_flight = workers * LOOPS * BATCH
+        await receiver.wait_for(in_flight, timeout=15)
+        assert await delivered(database_url) == 0, "the batches were not all in flight"
+        proc.proc.send_signal(signal.SIGQUIT)
+        code = await proc.wait(TIMEOUT_S + DRAIN_GRACE_S + KILL_MARGIN_S + 10)
+    finally:
+        await stop_processes([proc])  # after a failure: none left behind
+    log = proc.log()
+    assert code == 0, log
+    assert tracebacks(log) == 0 and "abandoning" not in log, log
+    # Each process said it stopped: the one, or the supervisor and each worker.
+    assert log.count(": stopped") == (workers + 1 if workers > 1 else 1), log
+    assert not any(psutil.pid_exists(pid) for pid in children), "a worker outlived run"
+    # Every request the consumer got is recorded as delivered, once; the rest waits, due and
+    # claimable at once (no lease left behind).
+    got = len(receiver.received)
+    assert in_flight <= got < EVENTS, got
+    assert len({r.delivery_id for r in receiver.received}) == got
+    assert await delivered(database_url) == got
+    assert await pending(database_url) == EVENTS - got
+    leased = "SELECT count(*) FROM webhook_outbox WHERE NOT processed AND lease IS NOT NULL"
+    assert await scalar(database_url, leased) == 0
+
+
+async def _logged(log: str, text: str, times: int) -> bool:
+    return log.count(text) >= times

@@ -1,0 +1,223 @@
+"""Endpoint secrets at rest (docs/security.md, "Secrets at rest"): with
+WEBHOOK_ENCRYPTION_KEY set, no secret is stored in plain text, and deliveries still verify
+with the plain secret at a real consumer; plain rows keep working beside encrypted ones; a
+key rotation opens the previous key's values; a secret no key opens holds its deliveries
+(never dead-lettered) and says which key it needs."""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+import pytest
+
+from fluxora_webhooks import endpoints
+from fluxora_webhooks.secretbox import Keyring, keyring_from_env, new_key
+from fluxora_webhooks.signing import verify
+from tests.support.api import LOOPBACK
+from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+PLAIN_SQL_SECRET = "plain-secret-written-by-sql-0123456789"
+
+
+def keyring(current: str | None, previous: str | None = None) -> Keyring:
+    env = {}
+    if current is not None:
+        env["WEBHOOK_ENCRYPTION_KEY"] = current
+    if previous is not None:
+        env["WEBHOOK_ENCRYPTION_KEY_PREVIOUS"] = previous
+    return keyring_from_env(env)
+
+
+async def enqueue(database_url: str, tenant: str, n: int) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " SELECT %s, 's', 'thing.done', jsonb_build_object('n', g)"
+            " FROM generate_series(1, %s) g",
+            (tenant, n),
+        )
+
+
+async def stored(database_url: str, endpoint_id: str) -> tuple[str, str | None, str]:
+    ((secret, previous, whole),) = await rows(
+        database_url,
+        "SELECT secret, secret_previous, row_to_json(e)::text FROM webhook_endpoints e"
+        " WHERE id = %s",
+        (endpoint_id,),
+    )
+    return secret, previous, whole
+
+
+def verified_by(receiver: Receiver, secret: str) -> int:
+    """How many requests the receiver got, each checked with the plain ``secret`` under
+    both schemes (a failed check raises)."""
+    for hit in receiver.received:
+        verify(hit.body, hit.headers, secret, scheme="fluxora")
+        verify(hit.body, hit.headers, secret, scheme="standard")
+    return len(receiver.received)
+
+
+async def test_an_endpoint_created_with_the_key_is_stored_encrypted_and_verifies(
+    database_url: str, receiver: Receiver
+) -> None:
+    keys = keyring(new_key())
+    assert keys.current is not None
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, secret = await endpoints.create(
+            conn, url=receiver.url, tenant="acme", allowed_networks=LOOPBACK, keys=keys
+        )
+    assert secret.startswith("whsec_")
+    column, previous, whole = await stored(database_url, endpoint.id)
+    assert column.startswith(f"fxenc:v1:{keys.current.id}:") and previous is None
+    # Neither the secret nor its key (the base64 part) anywhere in the row.
+    assert secret not in whole and secret.removeprefix("whsec_") not in whole
+    await enqueue(database_url, "acme", 2)
+    settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keys)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(2)
+        assert verified_by(receiver, secret) == 2
+        # Rotated: the new secret is stored encrypted too, the old one moved as it was.
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            _, rotated = await endpoints.rotate_secret(conn, endpoint.id, keys=keys)
+        new_column, moved, whole = await stored(database_url, endpoint.id)
+        assert moved == column and new_column.startswith("fxenc:v1:")
+        assert rotated not in whole and rotated.removeprefix("whsec_") not in whole
+        await enqueue(database_url, "acme", 1)
+        await receiver.wait_for(3)
+    last = receiver.received[2]
+    verify(last.body, last.headers, rotated, scheme="fluxora")
+    # Both signatures while the old secret keeps signing: each verifies on its own.
+    verify(last.body, last.headers, rotated, scheme="standard")
+    verify(last.body, last.headers, secret, scheme="standard")
+
+
+async def test_plain_rows_keep_working_beside_encrypted_ones(
+    database_url: str, receiver: Receiver
+) -> None:
+    keys = keyring(new_key())
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret, headers)"
+            """ VALUES ('ep_plain', 'mix', %s, %s, '{"X-Endpoint": "ep_plain"}')""",
+            (receiver.url, PLAIN_SQL_SECRET),
+        )
+        sealed, secret = await endpoints.create(
+            conn,
+            url=receiver.url,
+            tenant="mix",
+            headers={"X-Endpoint": "sealed"},
+            allowed_networks=LOOPBACK,
+            keys=keys,
+        )
+    await enqueue(database_url, "mix", 2)
+    settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keys)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(4)
+    by_endpoint = {"ep_plain": PLAIN_SQL_SECRET, "sealed": secret}
+    for hit in receiver.received:
+        plain = by_endpoint[hit.headers["x-endpoint"]]
+        verify(hit.body, hit.headers, plain, scheme="fluxora")
+        verify(hit.body, hit.headers, plain, scheme="standard")
+    assert sorted(h.headers["x-endpoint"] for h in receiver.received) == [
+        "ep_plain",
+        "ep_plain",
+        "sealed",
+        "sealed",
+    ]
+    assert (await stored(database_url, "ep_plain"))[0] == PLAIN_SQL_SECRET
+    assert (await stored(database_url, sealed.id))[0].startswith("fxenc:v1:")
+
+
+async def test_a_key_rotation_opens_the_previous_keys_secrets_and_moves_them(
+    database_url: str, receiver: Receiver
+) -> None:
+    old_key, new = new_key(), new_key()
+    old = keyring(old_key)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, secret = await endpoints.create(
+            conn, url=receiver.url, tenant="rot", allowed_networks=LOOPBACK, keys=old
+        )
+    both = keyring(new, previous=old_key)
+    assert both.current is not None and old.current is not None
+    await enqueue(database_url, "rot", 1)
+    settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=both)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(1)
+    assert verified_by(receiver, secret) == 1
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        done = await endpoints.reseal_secrets(conn, both)
+        assert (done.changed, done.rekeyed, done.unreadable) == (1, 1, [])
+        again = await endpoints.reseal_secrets(conn, both)
+        assert (again.changed, again.unchanged) == (0, 1)
+    column, _, _ = await stored(database_url, endpoint.id)
+    assert column.startswith(f"fxenc:v1:{both.current.id}:")
+    # The previous key dropped: the current one alone opens it.
+    await enqueue(database_url, "rot", 1)
+    only_new = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keyring(new))
+    async with running_dispatcher(only_new, database_url):
+        await receiver.wait_for(2)
+    assert verified_by(receiver, secret) == 2
+
+
+async def test_a_secret_no_key_opens_holds_its_deliveries_and_names_the_key(
+    database_url: str, receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="fluxora_webhooks")
+    right = keyring(new_key())
+    assert right.current is not None
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        locked, secret = await endpoints.create(
+            conn, url=receiver.url, tenant="lock", allowed_networks=LOOPBACK, keys=right
+        )
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret, headers)"
+            """ VALUES ('ep_fine', 'lock', %s, %s, '{"X-Endpoint": "ep_fine"}')""",
+            (receiver.url, PLAIN_SQL_SECRET),
+        )
+    await enqueue(database_url, "lock", 1)
+    wrong = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keyring(new_key()))
+
+    async def held() -> bool:
+        waiting = await scalar(
+            database_url,
+            "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed"
+            " AND created_at > now()",
+            (locked.id,),
+        )
+        return bool(waiting == 1)
+
+    async with running_dispatcher(wrong, database_url):
+        await receiver.wait_for(1)  # the other endpoint of the tenant is sent to
+        await wait_until(held, what="the locked endpoint's delivery deferred")
+    assert [h.headers["x-endpoint"] for h in receiver.received] == ["ep_fine"]
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_dead_letter") == 0
+    assert (
+        await scalar(
+            database_url,
+            "SELECT count(*) FROM webhook_outbox"
+            " WHERE endpoint_id = %s AND outcome = 'dead_letter'",
+            (locked.id,),
+        )
+        == 0
+    )
+    said = [r.getMessage() for r in caplog.records if locked.id in r.getMessage()]
+    assert said and all(right.current.id in text for text in said), said
+    assert not any(secret in r.getMessage() for r in caplog.records)
+    # With the key, the held delivery goes (made due now: it waits its deferral otherwise).
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "UPDATE webhook_outbox SET created_at = now() WHERE endpoint_id = %s AND NOT processed",
+            (locked.id,),
+        )
+    async with running_dispatcher(
+        make_settings("", allowed_networks=LOOPBACK, encryption_keys=right), database_url
+    ):
+        await receiver.wait_for(2)
+    hit = receiver.received[1]
+    assert "x-endpoint" not in hit.headers
+    verify(hit.body, hit.headers, secret, scheme="fluxora")
+    assert hit.attempt == 1  # waiting consumed no attempt
