@@ -67,8 +67,9 @@ class ConnectFailed(OSError):
 
 
 class EgressFailed(ConnectFailed):
-    """The egress proxy failed, not the consumer: it cannot be reached, gave no usable
-    answer to ``CONNECT``, or refused this service's user and password (407). The consumer
+    """The egress proxy failed, not the consumer: it cannot be reached, did not answer
+    within the request's timeout, gave no usable answer to ``CONNECT``, or refused this
+    service's user and password (407). The consumer
     was never asked, so the attempt says nothing of its endpoint (batch.outcome_of)."""
 
 
@@ -461,6 +462,16 @@ class _TunnelAnswer(asyncio.Protocol):
             self.answer.set_exception(OSError(errno.ECONNRESET, "the connection was closed"))
 
 
+class _Waiting:
+    """What one request's new connection waits for: ``proxy`` while the egress proxy's
+    connection or its answer to ``CONNECT`` is awaited (a timeout then is the proxy's)."""
+
+    __slots__ = ("proxy",)
+
+    def __init__(self) -> None:
+        self.proxy: Proxy | None = None
+
+
 class HttpClient:
     """POSTs webhooks. ``resolver`` is the address policy (a :class:`SafeResolver`);
     ``ssl_context`` verifies https consumers (the system's trust store by default).
@@ -501,6 +512,7 @@ class HttpClient:
         data = request_head(origin, headers, len(body)) + body
         deadline = asyncio.get_running_loop().time() + timeout_s  # all of it, connecting too
         conn: _Connection | None = None
+        waiting = _Waiting()
         try:
             conn = self._idle_connection(origin)
             if conn is not None:
@@ -514,10 +526,15 @@ class HttpClient:
                     conn = None
             if conn is None:
                 async with asyncio.timeout_at(deadline):
-                    conn = await self._connect(origin)
+                    conn = await self._connect(origin, waiting)
                 response = await conn.request(data, max_body, deadline)
         except TimeoutError:
             if conn is None:
+                if waiting.proxy is not None:  # the proxy did not answer, not the consumer
+                    raise EgressFailed(
+                        errno.ETIMEDOUT,
+                        f"the proxy {waiting.proxy.shown} did not answer within the timeout",
+                    ) from None
                 raise
             conn.reusable = False
             conn._close()
@@ -589,7 +606,7 @@ class HttpClient:
         self._dns[key] = _DnsEntry(now + DNS_CACHE_S, addresses)
         return addresses
 
-    async def _connect(self, origin: _Origin) -> _Connection:
+    async def _connect(self, origin: _Origin, waiting: _Waiting) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = origin.scheme == "https"
         last: OSError | None = None
@@ -599,9 +616,10 @@ class HttpClient:
             reason = self.resolver.check(address)  # the last word: this very address
             if reason is not None:
                 raise refuse_address(origin.host, address, reason)
+            waiting.proxy = None  # set again by a tunnel to this address
             try:
                 if tls and self._proxy is not None and not self._direct(address):
-                    conn = await self._tunnel(self._proxy, origin, address)
+                    conn = await self._tunnel(self._proxy, origin, address, waiting)
                 else:
                     _, conn = await loop.create_connection(
                         lambda: _Connection(origin),
@@ -633,12 +651,16 @@ class HttpClient:
         ip = ipaddress.ip_address(address)
         return any(ip in net for net in self._no_proxy if net.version == ip.version)
 
-    async def _tunnel(self, proxy: Proxy, origin: _Origin, address: str) -> _Connection:
+    async def _tunnel(
+        self, proxy: Proxy, origin: _Origin, address: str, stage: _Waiting
+    ) -> _Connection:
         """A TLS connection to ``address`` through the proxy's ``CONNECT`` tunnel. The
         tunnel names the address the policy checked, never the host name: the proxy must
-        not resolve it again (to an address the policy would refuse)."""
+        not resolve it again (to an address the policy would refuse). ``stage.proxy`` is the
+        proxy while its connection or its answer is awaited."""
         loop = asyncio.get_running_loop()
         target = f"[{address}]:{origin.port}" if ":" in address else f"{address}:{origin.port}"
+        stage.proxy = proxy
         try:
             transport, waiting = await loop.create_connection(
                 lambda: _TunnelAnswer(loop), proxy.host, proxy.port
@@ -661,6 +683,7 @@ class HttpClient:
                     f"the proxy {proxy.shown} gave no usable answer to CONNECT {target}:"
                     f" {exc.strerror}",
                 ) from None
+            stage.proxy = None  # it answered: what follows is the consumer's part
             if not 200 <= status < 300:
                 # 407: this service's credentials, no fault of the consumer's. Any other
                 # refusal is about this target (a 403 of the proxy's rules, a 502 or 504

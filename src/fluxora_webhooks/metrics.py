@@ -148,7 +148,8 @@ DETACHED = Counter(
 EGRESS_FAILURES = Counter(
     "fluxora_webhook_egress_failures",
     "Attempts the egress proxy (WEBHOOK_PROXY_URL) failed before any consumer was asked:"
-    " it could not be reached, gave no usable answer or refused this service's credentials."
+    " it could not be reached, did not answer in time, gave no usable answer or refused this"
+    " service's credentials."
     " Their rows were deferred with the attempt unused, counted against no endpoint.",
     registry=REGISTRY,
 )

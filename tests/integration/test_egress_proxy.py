@@ -127,6 +127,56 @@ async def test_a_proxy_that_refuses_is_a_retryable_failure_that_says_so(
     assert consumer.requests == []
 
 
+async def test_a_proxy_that_never_answers_is_the_proxys_failure(
+    ca: trustme.CA, consumer: TlsConsumer
+) -> None:
+    """It takes the connection and says nothing to CONNECT: the request's timeout is the
+    proxy's failure (held as an egress failure), not the consumer's timeout."""
+    async with ConnectProxy(answer=()) as proxy:
+        client = _client(ca, proxy.url)
+        try:
+            result = await attempt(
+                client, consumer.url("hooks.tls.test", "/hook"), b"{}", {},
+                timeout_s=0.5, max_response_bytes=1024,
+            )  # fmt: skip
+        finally:
+            await client.close()
+    assert (result.kind, result.reason) == (Kind.RETRYABLE, "egress"), result
+    assert f"the proxy {proxy.shown} did not answer within the timeout" in (result.error or "")
+    assert consumer.requests == []
+
+
+async def test_a_consumer_that_never_answers_through_the_tunnel_is_the_consumers_timeout(
+    ca: trustme.CA,
+) -> None:
+    """The proxy opened the tunnel; the consumer behind it takes the connection and says
+    nothing: the endpoint's timeout, not the proxy's failure."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with ConnectProxy() as proxy:
+            client = _client(ca, proxy.url)
+            try:
+                result = await attempt(
+                    client, f"https://hooks.tls.test:{port}/hook", b"{}", {},
+                    timeout_s=0.5, max_response_bytes=1024,
+                )  # fmt: skip
+            finally:
+                await client.close()
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert proxy.targets == [f"127.0.0.1:{port}"]
+    assert (result.kind, result.reason) == (Kind.RETRYABLE, "timeout"), result
+
+
 async def test_loopback_is_connected_to_directly_by_default(
     ca: trustme.CA, consumer: TlsConsumer
 ) -> None:
