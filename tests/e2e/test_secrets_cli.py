@@ -90,9 +90,8 @@ async def test_encrypt_and_decrypt_move_the_stored_secrets(
 @pytest.mark.parametrize(
     ("variable", "value", "problem"),
     [
+        # Each bad form: tests/unit/test_secretbox.py. Here: every command stops on one.
         ("WEBHOOK_ENCRYPTION_KEY", "too-short-a-key", "decodes to 11 bytes"),
-        ("WEBHOOK_ENCRYPTION_KEY", "not base64 at all!!", "is not base64"),
-        ("WEBHOOK_ENCRYPTION_KEY", " ", "is set but empty"),
         ("WEBHOOK_ENCRYPTION_KEY_PREVIOUS", "c2VjcmV0LWJ1dC1vbmx5LTI0LWJ5dGVz", "decodes to 24"),
     ],
 )
