@@ -615,7 +615,9 @@ async def rotate_secret(
         "endpoint_rotate",
         {
             "id": endpoint_id,
-            "secret": (keys or environ_keyring()).seal(chosen, endpoint_id),
+            "secret": (keys or environ_keyring()).seal(
+                chosen, endpoint_id, replacing=current.secret
+            ),
             "keep_ms": keep_previous_ms,
             **_scope(tenant),
         },

@@ -21,11 +21,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
+import logging
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from . import logs
 from .errors import ConfigError
 
 KEY_VARIABLE = "WEBHOOK_ENCRYPTION_KEY"
@@ -41,6 +44,8 @@ _KEY_ID_LABEL = b"fluxora-webhooks encryption key id\x00"
 _SEALED = re.compile(r"fxenc:v1:([0-9a-f]{8}):([A-Za-z0-9_-]+)", re.ASCII)
 _BASE64 = re.compile(r"[A-Za-z0-9+/_-]+={0,2}", re.ASCII)
 _MAKE_ONE = "make one with `fluxora-webhooks secrets new-key`"
+
+log = logging.getLogger(__name__)
 
 
 class SecretLocked(ValueError):
@@ -113,9 +118,20 @@ class Keyring:
     def _opening(self, wanted: str) -> list[Key]:
         return [k for k in (self.current, self.previous) if k is not None and k.id == wanted]
 
-    def seal(self, secret: str, endpoint_id: str) -> str:
-        """``secret`` as stored: sealed with the current key, or as it is without one."""
+    def seal(self, secret: str, endpoint_id: str, *, replacing: str | None = None) -> str:
+        """``secret`` as stored: sealed with the current key, or as it is without one.
+        ``replacing``: the value stored before (a rotation's). A sealed one replaced by a
+        process that has no key at all (a process of the fleet the key was not given to)
+        is said: the endpoint's new secret is stored in plain text."""
         if self.current is None:
+            if replacing is not None and is_sealed(replacing) and not self.configured:
+                log.warning(
+                    "endpoint %s: its secret was stored encrypted, but %s is not set here:"
+                    " its new secret is stored in plain text (set the key on this process,"
+                    " then run `fluxora-webhooks secrets encrypt`)",
+                    endpoint_id,
+                    KEY_VARIABLE,
+                )
             return secret
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -189,12 +205,25 @@ def sealed_key_id(stored: str) -> str | None:
 def keyring_from_env(env: Mapping[str, str]) -> Keyring:
     """The keys ``env`` configures (its ``_FILE`` variables already read, as
     ``settings.with_secret_files`` does). A bad value is a :class:`ConfigError` naming the
-    variable; the previous key alone opens old values while new ones are written plain."""
+    variable; the previous key alone opens old values while new ones are written plain.
+    The keys' texts are registered with the log scrubber here, so that every process that
+    reads them (``run``, its supervisor, ``api``, the commands) never writes them."""
     current_raw = env.get(KEY_VARIABLE)
     previous_raw = env.get(PREVIOUS_KEY_VARIABLE)
+    texts = tuple(t.strip() for t in (current_raw, previous_raw) if t is not None)
+    # As given, and without its padding (a key is taken padded or not, so either form
+    # may be the one something writes). Before parsing: a refused value is masked too.
+    logs.add_sensitive(*texts, *(t.rstrip("=") for t in texts))
     current = None if current_raw is None else parse_key(current_raw, KEY_VARIABLE)
     previous = None if previous_raw is None else parse_key(previous_raw, PREVIOUS_KEY_VARIABLE)
     if current is not None and previous is not None and current.id == previous.id:
+        if not hmac.compare_digest(current.material, previous.material):
+            # Two keys, one id (a 1 in 2**32 chance): a value would name both, and
+            # `secrets encrypt` would take the previous key's values for the current's.
+            raise ConfigError(
+                KEY_VARIABLE,
+                f"has the same key id ({current.id}) as {PREVIOUS_KEY_VARIABLE} but is another"
+                " key: make another one with `fluxora-webhooks secrets new-key`",
+            )
         previous = None  # the same key twice: nothing to fall back on
-    texts = tuple(t.strip() for t in (current_raw, previous_raw) if t is not None)
     return Keyring(current, previous, texts)

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from fluxora_webhooks import endpoints
-from fluxora_webhooks.secretbox import Keyring, keyring_from_env, new_key
+from fluxora_webhooks.secretbox import NO_KEYS, Keyring, keyring_from_env, new_key
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
@@ -221,3 +221,39 @@ async def test_a_secret_no_key_opens_holds_its_deliveries_and_names_the_key(
     assert "x-endpoint" not in hit.headers
     verify(hit.body, hit.headers, secret, scheme="fluxora")
     assert hit.attempt == 1  # waiting consumed no attempt
+
+
+async def test_a_rotation_by_a_process_without_the_key_keeps_the_old_secret_and_says_so(
+    database_url: str, receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fluxora_webhooks")
+    keys = keyring(new_key())
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, secret = await endpoints.create(
+            conn, url=receiver.url, tenant="nokey", allowed_networks=LOOPBACK, keys=keys
+        )
+        column, _, _ = await stored(database_url, endpoint.id)
+        # A process the key was not given to (an API of the fleet, say) rotates it.
+        _, rotated = await endpoints.rotate_secret(conn, endpoint.id, keys=NO_KEYS)
+    new_column, moved, _ = await stored(database_url, endpoint.id)
+    assert moved == column and new_column == rotated  # the old one as it was stored
+    said = [r.getMessage() for r in caplog.records if endpoint.id in r.getMessage()]
+    assert len(said) == 1, said
+    assert "WEBHOOK_ENCRYPTION_KEY is not set here" in said[0] and "in plain text" in said[0]
+    assert "secrets encrypt" in said[0] and secret not in said[0] and rotated not in said[0]
+    # A dispatcher with the key signs with both: the old secret opens in secret_previous.
+    await enqueue(database_url, "nokey", 1)
+    settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keys)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(1)
+    hit = receiver.received[0]
+    verify(hit.body, hit.headers, rotated, scheme="fluxora")
+    verify(hit.body, hit.headers, rotated, scheme="standard")
+    verify(hit.body, hit.headers, secret, scheme="standard")
+    # `secrets encrypt` then seals the plain one, and leaves the sealed one as it is.
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        done = await endpoints.reseal_secrets(conn, keys)
+    assert (done.changed, done.unchanged, done.unreadable) == (1, 1, [])
+    assert keys.current is not None
+    sealed, previous, _ = await stored(database_url, endpoint.id)
+    assert sealed.startswith(f"fxenc:v1:{keys.current.id}:") and previous == column

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 
 import pytest
 
+from fluxora_webhooks import logs
 from fluxora_webhooks.errors import ConfigError
-from fluxora_webhooks.secretbox import SecretLocked, keyring_from_env, new_key, parse_key
+from fluxora_webhooks.secretbox import SecretLocked, key_id, keyring_from_env, new_key, parse_key
 
 
 def test_a_key_is_taken_in_every_base64_form_of_32_bytes() -> None:
@@ -65,3 +67,37 @@ def test_a_sealed_secret_opens_for_its_endpoint_with_its_key_only() -> None:
     previous_only = keyring_from_env({"WEBHOOK_ENCRYPTION_KEY_PREVIOUS": old})
     assert previous_only.open(stored, "ep_1") == "whsec_the-secret"
     assert previous_only.seal("whsec_x", "ep_1") == "whsec_x"
+
+
+def test_the_keys_are_scrubbed_wherever_they_are_read() -> None:
+    # Read by the supervisor, `api`, the commands and the API as well as by the service:
+    # whatever any of them logs (a traceback, a library's debug line) never shows a key.
+    current = base64.b64encode(os.urandom(32)).decode()  # padded, standard alphabet
+    previous = new_key()
+    keyring_from_env(
+        {"WEBHOOK_ENCRYPTION_KEY": f" {current}\n", "WEBHOOK_ENCRYPTION_KEY_PREVIOUS": previous}
+    )
+    for key in (current, current.rstrip("="), previous, previous.rstrip("=")):
+        assert logs.scrub(f"failed with key={key}!") == f"failed with key={logs.MASK}!"
+
+
+def test_two_keys_of_one_key_id_are_refused() -> None:
+    # A key id is 8 hex digits: two keys may share one (about 1 in 2**32). Rotating to
+    # such a key would leave the previous key's values looking sealed with the current.
+    rng, seen = random.Random(0), {}
+    while (key := rng.randbytes(32)) and (found := key_id(key)) not in seen:
+        seen[found] = key
+    first, second = (base64.b64encode(k).decode() for k in (seen[found], key))
+    sealed = keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": first}).seal("whsec_s", "ep_1")
+    with pytest.raises(ConfigError) as caught:
+        keyring_from_env(
+            {"WEBHOOK_ENCRYPTION_KEY": second, "WEBHOOK_ENCRYPTION_KEY_PREVIOUS": first}
+        )
+    assert caught.value.variable == "WEBHOOK_ENCRYPTION_KEY"
+    assert f"same key id ({found})" in str(caught.value) and "secrets new-key" in str(caught.value)
+    assert first not in str(caught.value) and second not in str(caught.value)
+    # The same key twice is no rotation: it opens what it sealed.
+    same = keyring_from_env(
+        {"WEBHOOK_ENCRYPTION_KEY": first, "WEBHOOK_ENCRYPTION_KEY_PREVIOUS": first}
+    )
+    assert same.open(sealed, "ep_1") == "whsec_s"
