@@ -420,6 +420,7 @@ class Batch:
                     held = self.d.egress.wait_ms()  # the proxy fails: one probe at a time
                     if held is not None:
                         self.completions.append(deferral(row, held))
+                        self.d.egress.remember(row.id, row.partition_at)
                         continue
                 wait = self.d.capacity_wait_s(target)
                 queue = wait is not None and self.d.may_wait_for_slot(target)
@@ -699,6 +700,7 @@ def outcome_of(
         # ends (effects_of), nor does its breaker hear of it (breaker_signal). An outage
         # of the proxy disables no endpoint, opens no breaker and dead-letters nothing.
         decision = Decision(Outcome.DEFERRED, delay_ms=dispatcher.egress.failed(), reason=EGRESS)
+        dispatcher.egress.remember(row.id, row.partition_at)
         dispatcher.log_decision(row, send.target, result, decision)
         held = Completion(
             row.id, Outcome.DEFERRED, delay_ms=decision.delay_ms, endpoint_id=endpoint_id,

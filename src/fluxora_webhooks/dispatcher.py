@@ -19,6 +19,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -94,6 +95,8 @@ BUSY_DEFER_S = 0.02
 SLOW_HORIZON_TIMEOUTS = 4
 # URLs whose address policy is remembered (one entry per endpoint URL; cleared past this).
 _POLICY_KEYS_MAX = 100_000
+# Rows made due again per statement (Dispatcher._forward): each a lock until its commit.
+FORWARD_CHUNK = 1000
 # How often a dispatcher says that the egress proxy fails (Dispatcher._held_at_egress).
 EGRESS_LOG_EVERY_S = 30.0
 
@@ -750,17 +753,29 @@ class Dispatcher:
         each) are void: the rows deferred from now on are paced by its answers."""
         rows, load.early = load.early, {}
         load.turns.next = self._share_turns.next = 0.0
+        self._forward(rows, "deferred rows")
+
+    def _forward(self, rows: Mapping[int, datetime | None], what: str) -> None:
+        """Make ``rows`` (id: partition_at) that are still deferred due now, FORWARD_CHUNK
+        per statement, on a connection of their own beside the batches."""
+        if not rows:
+            return
+        items = list(rows.items())
 
         async def forward() -> None:
             async def work(conn: psycopg.AsyncConnection[Any]) -> int:
-                async with conn.transaction():
-                    return await bring_forward(conn, rows)
+                done = 0
+                for first in range(0, len(items), FORWARD_CHUNK):
+                    async with conn.transaction():
+                        chunk = dict(items[first : first + FORWARD_CHUNK])
+                        done += await bring_forward(conn, chunk)
+                return done
 
             try:
                 if await self.with_connection(work):
                     self._waker.wake_all()
             except Exception as exc:  # they come back at their deferral as they would have
-                log.debug("deferred rows not brought forward (%s)", type(exc).__name__)
+                log.debug("%s not brought forward (%s)", what, type(exc).__name__)
 
         task = asyncio.create_task(forward(), name="fluxora-bring-forward")
         self._background.add(task)
@@ -983,8 +998,19 @@ class Dispatcher:
             self._held_at_egress(result)
             return
         if self.egress.since is not None and target.url.startswith("https:"):
-            self.egress.answered()  # a request through the proxy got an answer
-            log.warning("the egress proxy works again; the held deliveries go")
+            ended = self.egress.answered()  # a request through the proxy got an answer
+            if ended is not None:
+                failed_s, longest_s = ended
+                held = self.egress.take_held()
+                log.warning(
+                    "the egress proxy works again (it failed for %ds); the %d delivery(ies)"
+                    " this process held are due now, any others when their holds end,"
+                    " within %ds",
+                    round(failed_s),
+                    len(held),
+                    math.ceil(longest_s),
+                )
+                self._forward(held, "held rows")
         if decision.outcome is not Outcome.RETRY:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         if decision.outcome is Outcome.DELIVERED:

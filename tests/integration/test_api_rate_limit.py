@@ -150,3 +150,17 @@ async def test_a_bad_value_stops_start_up_naming_the_variable(database_url: str)
         code, out = await run_command(command, env=env, timeout=30)
         assert code == 2, out
         assert "WEBHOOK_API_RATE_LIMIT" in out, out
+
+
+async def test_a_token_refused_on_its_address_is_told_why(database_url: str) -> None:
+    """A valid token whose first request comes from an address other clients used up is
+    refused against that address: the message says so, not that its token is over."""
+    async with serving(database_url, rate_limit=FIVE, failed_auth_per_s=1000.0) as api:
+        statuses = [(await api.get("/api/v1/endpoints", token=None)).status for _ in range(5)]
+        assert statuses == [401] * 5
+        refused = await api.get("/api/v1/endpoints", token="acme")
+        limited(refused)
+        message = refused.body["error"]["message"]
+        assert message.startswith("too many requests from this client address"), message
+        assert "until it has authenticated" in message
+        assert "at most 5 per" in message

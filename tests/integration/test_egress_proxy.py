@@ -392,5 +392,6 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
     assert await rows(database_url, "SELECT count(*) FROM webhook_dead_letter") == [(0,)]
     assert "the egress proxy failed" in run.log()
     assert "the egress proxy works again" in run.log()
+    assert "this process held are due now" in run.log()
     assert "circuit breaker" not in run.log()
     assert PASSWORD not in run.log()

@@ -3,6 +3,9 @@ grow with the outage and are spread, and the first answer through the proxy ends
 
 from __future__ import annotations
 
+import pytest
+
+from fluxora_webhooks import egress
 from fluxora_webhooks.egress import HOLD_MAX_S, HOLD_MIN_S, PROBE_S, EgressHold
 
 
@@ -41,3 +44,33 @@ def test_the_hold_grows_with_the_outage_up_to_its_cap_and_is_spread() -> None:
     assert hold.failed() == HOLD_MAX_S * 1000
     spread = EgressHold(clock, jitter=lambda: 0.999)
     assert spread.failed() > HOLD_MIN_S * 1000 * 1.19
+
+
+def test_the_end_of_an_outage_says_how_long_it_lasted_and_how_long_a_held_row_may_wait() -> None:
+    clock = Clock()
+    hold = EgressHold(clock, jitter=lambda: 0.5)
+    assert hold.answered() is None  # it was not failing
+    hold.failed()
+    clock.now += 90
+    longest_ms = hold.failed()  # held for the outage so far, spread
+    clock.now += 30
+    assert hold.wait_ms() is None  # the probe, which gets an answer
+    assert hold.answered() == (120.0, longest_ms / 1000)
+    assert longest_ms == 99_000  # 90 s, lengthened by half the jitter
+    assert hold.answered() is None and hold.since is None
+    hold.failed()  # the next outage starts from the shortest hold again
+    assert hold.answered() == (0.0, int(HOLD_MIN_S * 1.1 * 1000) / 1000)
+
+
+def test_the_rows_held_in_an_outage_are_handed_back_once_and_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the dispatcher makes due at once when the proxy answers again."""
+    monkeypatch.setattr(egress, "MAX_REMEMBERED", 3)
+    hold = EgressHold(Clock(), jitter=lambda: 0.0)
+    hold.failed()
+    for row_id in range(5):
+        hold.remember(row_id, None)
+    assert hold.answered() is not None
+    assert hold.take_held() == {0: None, 1: None, 2: None}  # the first 3 remembered
+    assert hold.take_held() == {}  # handed back once

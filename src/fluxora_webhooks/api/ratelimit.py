@@ -272,9 +272,19 @@ class RateLimit:
         assert self.limiter is not None
         limiter = self.limiter
         period = format_ms(limiter.per_ms)
-        whose = credential[1] if credential is not None and key == credential[0] else "address"
+        if credential is not None and key == credential[0]:
+            whose = credential[1]
+            counted_as = f"for this {whose}"
+        else:
+            # A valid token refused here has not authenticated in this process yet (or not
+            # since its bucket was dropped): say why its address is what was counted.
+            whose = "address"
+            counted_as = (
+                "from this client address (a token or session counts against its address"
+                " until it has authenticated)"
+            )
         message = (
-            f"too many requests for this {whose}: at most {limiter.requests} per {period}"
+            f"too many requests {counted_as}: at most {limiter.requests} per {period}"
             f" (a burst of {limiter.requests}); try again in {decision.retry_after_s} s"
         )
         unsaid = self._notice.due()
