@@ -65,6 +65,24 @@ def test_idle_buckets_are_dropped_and_their_number_is_bounded() -> None:
     assert len(limiter) < 100
 
 
+def test_a_credential_that_authenticated_keeps_counting_on_its_own_once_its_bucket_refilled() -> (
+    None
+):
+    """Its bucket, full again, is dropped; it still counts against a bucket of its own (a
+    client flooding its address does not hold back its next first request). Bounded too."""
+    clock = Clock()
+    limiter = ratelimit.Limiter(5, 1000, max_buckets=3, clock=clock)
+    limiter.take(b"token")
+    limiter.prove(b"token", "token 'ops'")
+    clock.now += 10.0
+    for n in range(3):  # the sweep drops the full bucket
+        limiter.take(b"a" + bytes([n]))
+    assert limiter.known(b"token") and limiter.label(b"token") == "token 'ops'"
+    for n in range(3):
+        limiter.prove(b"other" + bytes([n]), "another")
+    assert not limiter.known(b"token")  # the least recently seen of more than 3
+
+
 def test_credentials_are_kept_hashed() -> None:
     token = b"fxa_" + b"s" * 43
     scope = {"path": "/api/v1/endpoints", "headers": [(b"authorization", b"Bearer " + token)]}

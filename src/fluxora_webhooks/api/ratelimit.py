@@ -10,7 +10,10 @@ of each getting a full bucket of its own.
 
 Buckets are kept by a hash of the credential (never the credential itself). A bucket that
 has filled up again is no different from none and is dropped; at most
-:data:`MAX_BUCKETS` are kept (the least recently used go first)."""
+:data:`MAX_BUCKETS` are kept (the least recently used go first). Which credentials have
+authenticated is kept apart (as many, by the same hash), so a credential whose bucket was
+dropped still counts against its own bucket, not its address's: a client flooding from a
+shared address does not hold back the first request of an idle user's token."""
 
 from __future__ import annotations
 
@@ -101,16 +104,30 @@ class Limiter:
         self.max_buckets = max_buckets
         self._clock = clock
         self._buckets: OrderedDict[bytes, _Bucket] = OrderedDict()
+        # Credentials that authenticated here: their label, the least recently seen first.
+        self._proven: OrderedDict[bytes, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._buckets)
 
     def known(self, key: bytes) -> bool:
-        return key in self._buckets
+        """Whether the credential ``key`` authenticated in this process (and is still
+        remembered): its requests count against a bucket of its own."""
+        if key not in self._proven:
+            return False
+        self._proven.move_to_end(key)
+        return True
+
+    def prove(self, key: bytes, label: str) -> None:
+        """The credential ``key`` authenticated (``label`` names it in the log)."""
+        self._proven[key] = label
+        self._proven.move_to_end(key)
+        while len(self._proven) > self.max_buckets:
+            self._proven.popitem(last=False)
 
     def label(self, key: bytes) -> str:
         bucket = self._buckets.get(key)
-        return bucket.label if bucket is not None else ""
+        return bucket.label if bucket is not None and bucket.label else self._proven.get(key, "")
 
     def _level(self, bucket: _Bucket, now: float) -> float:
         return min(self.capacity, bucket.tokens + max(0.0, now - bucket.at) * self.rate)
@@ -254,6 +271,7 @@ class RateLimit:
                     # Authenticated: the request counts against its credential, not its
                     # address, and the credential has its bucket from now on.
                     limiter.refund(address)
+                    limiter.prove(credential[0], str(label))
                     decision = limiter.take(credential[0], label=str(label), force=True)
                 message["headers"] = [*message.get("headers", []), *decision.headers()]
             await send(message)
@@ -276,8 +294,8 @@ class RateLimit:
             whose = credential[1]
             counted_as = f"for this {whose}"
         else:
-            # A valid token refused here has not authenticated in this process yet (or not
-            # since its bucket was dropped): say why its address is what was counted.
+            # A valid token refused here has not authenticated in this process yet (or
+            # was forgotten past MAX_BUCKETS): say why its address is what was counted.
             whose = "address"
             counted_as = (
                 "from this client address (a token or session counts against its address"
