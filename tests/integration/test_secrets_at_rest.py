@@ -15,7 +15,14 @@ from fluxora_webhooks import endpoints
 from fluxora_webhooks.secretbox import NO_KEYS, Keyring, keyring_from_env, new_key
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
-from tests.support.dispatch import make_settings, rows, running_dispatcher, scalar, wait_until
+from tests.support.dispatch import (
+    enqueue_many,
+    make_settings,
+    rows,
+    running_dispatcher,
+    scalar,
+    wait_until,
+)
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -30,16 +37,6 @@ def keyring(current: str | None, previous: str | None = None) -> Keyring:
     if previous is not None:
         env["WEBHOOK_ENCRYPTION_KEY_PREVIOUS"] = previous
     return keyring_from_env(env)
-
-
-async def enqueue(database_url: str, tenant: str, n: int) -> None:
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
-            " SELECT %s, 's', 'thing.done', jsonb_build_object('n', g)"
-            " FROM generate_series(1, %s) g",
-            (tenant, n),
-        )
 
 
 async def stored(database_url: str, endpoint_id: str) -> tuple[str, str | None, str]:
@@ -75,7 +72,7 @@ async def test_an_endpoint_created_with_the_key_is_stored_encrypted_and_verifies
     assert column.startswith(f"fxenc:v1:{keys.current.id}:") and previous is None
     # Neither the secret nor its key (the base64 part) anywhere in the row.
     assert secret not in whole and secret.removeprefix("whsec_") not in whole
-    await enqueue(database_url, "acme", 2)
+    await enqueue_many(database_url, 2, tenant="acme")
     settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keys)
     async with running_dispatcher(settings, database_url):
         await receiver.wait_for(2)
@@ -86,7 +83,7 @@ async def test_an_endpoint_created_with_the_key_is_stored_encrypted_and_verifies
         new_column, moved, whole = await stored(database_url, endpoint.id)
         assert moved == column and new_column.startswith("fxenc:v1:")
         assert rotated not in whole and rotated.removeprefix("whsec_") not in whole
-        await enqueue(database_url, "acme", 1)
+        await enqueue_many(database_url, 1, tenant="acme")
         await receiver.wait_for(3)
     last = receiver.received[2]
     verify(last.body, last.headers, rotated, scheme="fluxora")
@@ -113,7 +110,7 @@ async def test_plain_rows_keep_working_beside_encrypted_ones(
             allowed_networks=LOOPBACK,
             keys=keys,
         )
-    await enqueue(database_url, "mix", 2)
+    await enqueue_many(database_url, 2, tenant="mix")
     settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keys)
     async with running_dispatcher(settings, database_url):
         await receiver.wait_for(4)
@@ -143,7 +140,7 @@ async def test_a_key_rotation_opens_the_previous_keys_secrets_and_moves_them(
         )
     both = keyring(new, previous=old_key)
     assert both.current is not None and old.current is not None
-    await enqueue(database_url, "rot", 1)
+    await enqueue_many(database_url, 1, tenant="rot")
     settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=both)
     async with running_dispatcher(settings, database_url):
         await receiver.wait_for(1)
@@ -156,7 +153,7 @@ async def test_a_key_rotation_opens_the_previous_keys_secrets_and_moves_them(
     column, _, _ = await stored(database_url, endpoint.id)
     assert column.startswith(f"fxenc:v1:{both.current.id}:")
     # The previous key dropped: the current one alone opens it.
-    await enqueue(database_url, "rot", 1)
+    await enqueue_many(database_url, 1, tenant="rot")
     only_new = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keyring(new))
     async with running_dispatcher(only_new, database_url):
         await receiver.wait_for(2)
@@ -178,7 +175,7 @@ async def test_a_secret_no_key_opens_holds_its_deliveries_and_names_the_key(
             """ VALUES ('ep_fine', 'lock', %s, %s, '{"X-Endpoint": "ep_fine"}')""",
             (receiver.url, PLAIN_SQL_SECRET),
         )
-    await enqueue(database_url, "lock", 1)
+    await enqueue_many(database_url, 1, tenant="lock")
     wrong = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keyring(new_key()))
 
     async def held() -> bool:
@@ -242,7 +239,7 @@ async def test_a_rotation_by_a_process_without_the_key_keeps_the_old_secret_and_
     assert "WEBHOOK_ENCRYPTION_KEY is not set here" in said[0] and "in plain text" in said[0]
     assert "secrets encrypt" in said[0] and secret not in said[0] and rotated not in said[0]
     # A dispatcher with the key signs with both: the old secret opens in secret_previous.
-    await enqueue(database_url, "nokey", 1)
+    await enqueue_many(database_url, 1, tenant="nokey")
     settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keys)
     async with running_dispatcher(settings, database_url):
         await receiver.wait_for(1)

@@ -74,14 +74,17 @@ async def rows(database_url: str, sql: str, params: Any = None) -> list[tuple[An
         return list(await cur.fetchall())
 
 
-async def enqueue_many(database_url: str, n: int, event_type: str = "stream.updated") -> None:
-    """``n`` events by plain SQL, as a producer in any language would write them."""
+async def enqueue_many(
+    database_url: str, n: int, event_type: str = "stream.updated", *, tenant: str = ""
+) -> None:
+    """``n`` events (of ``tenant``) by plain SQL, as a producer in any language would write
+    them."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await conn.execute(
-            "INSERT INTO webhook_outbox (stream_id, event_type, payload)"
-            " SELECT 's-' || g, %s, jsonb_build_object('n', g)"
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+            " SELECT %s, 's-' || g, %s, jsonb_build_object('n', g)"
             " FROM generate_series(1, %s) g",
-            (event_type, n),
+            (tenant, event_type, n),
         )
 
 
