@@ -136,3 +136,18 @@ def test_a_missing_dead_letter_is_said_as_a_missing_endpoint_is(
         else:
             assert done.stderr.startswith("fluxora-webhooks: no ")
     assert missing in answers[0].stderr
+
+
+def test_migrate_says_what_it_did_as_json(empty_database_url: str) -> None:
+    env = _env(empty_database_url)
+    first = _command("migrate", "--json", env=env, capture_output=True)
+    assert first.returncode == 0, first.stderr
+    done = json.loads(first.stdout)
+    assert done["applied"][0] == {"version": 1, "name": "outbox"}
+    assert done["applied"][-1]["version"] == done["version"]
+    assert (done["partitioned"], done["converted"]) == (None, False)
+    again = _command("migrate", "--json", "--partitioned", env=env, capture_output=True)
+    assert again.returncode == 0, again.stderr
+    done = json.loads(again.stdout)
+    assert done["applied"] == [] and done["partitioned"] is True and done["converted"] is True
+    assert done["partition_interval"] == "1d" and done["partition_interval_kept"] is False

@@ -1,11 +1,12 @@
 """``fluxora-webhooks migrate``: apply the pending schema migrations (idempotent, safe to run
 from many places at once: they serialize on an advisory lock). ``--partitioned`` makes the
 outbox partitioned by time (SPEC 16; see :mod:`fluxora_webhooks.partitions`), converting an
-existing one in place."""
+existing one in place. ``--json``: what was done as one object, for scripts."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
 
@@ -34,6 +35,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PERIOD",
         help="the time range of one partition, from 1h to 31d (default 1d)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print what was done as one JSON object (for scripts)",
     )
 
 
@@ -86,6 +92,21 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     current = (await partitions.layout(conn)).interval_ms
                 finally:
                     await conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+        if args.json:
+            kept = current is not None and asked is not None and current != interval_ms
+            print(
+                json.dumps(
+                    {
+                        "applied": [{"version": m.version, "name": m.name} for m in applied],
+                        "version": latest_version(),
+                        "partitioned": True if args.partitioned else None,
+                        "converted": converted,
+                        "partition_interval": None if current is None else format_ms(current),
+                        "partition_interval_kept": kept,
+                    }
+                )
+            )
+            return 0
         if applied:
             for m in applied:
                 print(f"applied {m.version:04d}_{m.name}")
