@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
@@ -44,6 +45,7 @@ from .batch import (
     gone_retried,
     outage,
 )
+from .clientcerts import ClientTls
 from .connector import SafeResolver
 from .delivery import EGRESS, AttemptResult, attempt, secret_texts
 from .egress import EgressHold
@@ -190,6 +192,10 @@ class Dispatcher:
         # client given to the constructor (tests) serves every endpoint.
         self._given_client = client
         self._clients: dict[tuple[bool, bool, bool], HttpClient] = {}
+        # Endpoints with a client certificate of their own: a client per address policy
+        # and certificate, so that a connection made presenting one certificate is never
+        # reused for an endpoint of another (or of none) on the same origin.
+        self._tls_clients: dict[tuple[tuple[bool, bool, bool], str], HttpClient] = {}
         self._policy_keys: dict[tuple[bool, str], tuple[bool, bool, bool]] = {}
         # Batches whose COMMIT is under way: when each began (monotonic).
         self._committing: dict[int, float] = {}
@@ -273,6 +279,8 @@ class Dispatcher:
             await self._pool.close()
             for client in self._clients.values():
                 await client.close()
+            for client in self._tls_clients.values():
+                await client.close()
 
     async def _configure_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Session limits of a claim connection. Its transaction idles while the batch's
@@ -324,6 +332,7 @@ class Dispatcher:
                     # same (the claim loops say that the database refuses writes).
                     pass
                 await self.with_connection(self.targets.load_all)
+                await self.close_unused_tls_clients()
                 self.claim_since = await self.with_connection(partitions.pending_since)
                 if time.monotonic() - last_sweep >= SWEEP_S:
                     last_sweep = time.monotonic()
@@ -849,12 +858,36 @@ class Dispatcher:
             if len(self._policy_keys) >= _POLICY_KEYS_MAX:
                 self._policy_keys.clear()
             self._policy_keys[(target.builtin, target.url)] = key
+        if target.tls is not None:
+            return self._tls_client_for(key, target.tls)
         client = self._clients.get(key)
         if client is None:
             client = self._clients[key] = make_client(
                 self.settings, allow_loopback=key[1], require_loopback=key[2]
             )
         return client
+
+    def _tls_client_for(self, key: tuple[bool, bool, bool], tls: ClientTls) -> HttpClient:
+        """The client of an endpoint with its own client certificate: the address policy's,
+        presenting that certificate (in place of WEBHOOK_TLS_CLIENT_CERT's). Its keep-alive
+        connections are its own: one made with another certificate, or with none, is never
+        reused for it."""
+        client = self._tls_clients.get((key, tls.fingerprint))
+        if client is None:
+            client = self._tls_clients[(key, tls.fingerprint)] = make_client(
+                self.settings,
+                allow_loopback=key[1],
+                require_loopback=key[2],
+                ssl_context=tls.context,
+            )
+        return client
+
+    async def close_unused_tls_clients(self) -> None:
+        """Close the clients of client certificates no endpoint presents any more (one
+        replaced, its endpoint removed): their idle connections too."""
+        used = {t.tls.fingerprint for t in self.targets.all() if t.tls is not None}
+        for key in [k for k in self._tls_clients if k[1] not in used]:
+            await self._tls_clients.pop(key).close()
 
     async def report(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
         """Tell the gate how the admitted attempts went, per URL."""
@@ -1176,21 +1209,27 @@ def _short_type(event_type: str) -> str:
 
 
 def make_client(
-    settings: Settings, *, allow_loopback: bool = False, require_loopback: bool = False
+    settings: Settings,
+    *,
+    allow_loopback: bool = False,
+    require_loopback: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> HttpClient:
     """The HTTP client: keep-alive, the connect-time address policy (resolved addresses are
     checked and the connection is pinned to them). ``allow_loopback``: an operator's own
     loopback URL (a built-in endpoint); ``require_loopback``: plain http, which may go only
     to loopback addresses whatever the name resolves to. Our own limits (per endpoint, and
     WEBHOOK_MAX_CONNECTIONS in all) defer rows instead of queueing them in the client,
-    where the wait would eat into the request's timeout."""
+    where the wait would eat into the request's timeout. ``ssl_context``: an endpoint's own
+    (its client certificate), in place of the deployment's."""
     resolver = SafeResolver(
         allow_loopback,
         settings.allowed_networks,
         require_loopback=require_loopback,
     )
-    cert = settings.tls_client_cert
-    context = None if cert is None else client_ssl_context(cert, settings.tls_client_key)
+    context = ssl_context
+    if context is None and settings.tls_client_cert is not None:
+        context = client_ssl_context(settings.tls_client_cert, settings.tls_client_key)
     return HttpClient(
         resolver, ssl_context=context, proxy=settings.proxy, no_proxy=settings.no_proxy
     )

@@ -30,6 +30,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from . import clientcerts
 from .errors import ConfigError, ConflictError, EndpointError, EndpointLimitReached, NotFoundError
 from .outbox import EVENT_TYPE, MAX_EVENT_TYPE, TENANT
 from .queries import query
@@ -155,8 +156,10 @@ def resolve_hidden_headers(
 @dataclass(frozen=True)
 class Endpoint:
     """One registered endpoint. ``secret`` never appears in :meth:`as_json` or ``repr``.
-    ``secret`` and ``secret_previous`` are as stored: plain text, or sealed with
-    ``WEBHOOK_ENCRYPTION_KEY`` (``fxenc:...``, opened by :meth:`secretbox.Keyring.open`)."""
+    ``secret``, ``secret_previous`` and ``client_key`` are as stored: plain text, or sealed
+    with ``WEBHOOK_ENCRYPTION_KEY`` (``fxenc:...``, opened by :meth:`secretbox.Keyring.open`).
+    ``client_cert``: its own TLS client certificate (PEM chain), shown described only;
+    ``client_key`` (its private key) never appears in :meth:`as_json` or ``repr``."""
 
     id: str
     tenant: str
@@ -175,6 +178,8 @@ class Endpoint:
     secret: str | None = field(default=None, repr=False)
     secret_previous: str | None = field(default=None, repr=False)
     previous_until: datetime | None = None
+    client_cert: str | None = field(default=None, repr=False)
+    client_key: str | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -203,7 +208,17 @@ class Endpoint:
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
             "builtin": self.builtin,
+            "client_certificate": self.client_certificate(),
         }
+
+    def client_certificate(self) -> dict[str, Any] | None:
+        """Its own client certificate as shown: subject, issuer, expiry, SHA-256
+        fingerprint (None: it has none, or a stored one that cannot be read). Never the
+        certificate's key."""
+        if not self.client_cert:
+            return None
+        described = clientcerts.describe(self.client_cert)
+        return None if described is None else described.as_json()
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Endpoint:
@@ -225,6 +240,8 @@ class Endpoint:
             secret=row["secret"],
             secret_previous=row["secret_previous"],
             previous_until=row["previous_until"],
+            client_cert=row.get("client_cert"),
+            client_key=row.get("client_key"),
         )
 
 
@@ -253,6 +270,21 @@ class Changes:
     rate_limit: int | None = None
     clear_rate_limit: bool = False
     ordered: bool | None = None
+
+
+@dataclass(frozen=True)
+class ClientCert:
+    """An endpoint's own TLS client certificate as given: its PEM chain and private key,
+    and the names their problems are said under (``--client-cert``, a JSON field...)."""
+
+    chain: str = field(repr=False)
+    key: str = field(repr=False)
+    names: tuple[str, str] = ("certificate", "private_key")
+
+    def check(self) -> clientcerts.Described:
+        return clientcerts.check(
+            self.chain, self.key, chain_name=self.names[0], key_name=self.names[1]
+        )
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -471,15 +503,20 @@ async def create(
     allowed_networks: Sequence[IPNetwork] = (),
     max_for_tenant: int = 0,
     keys: Keyring | None = None,
+    client_cert: ClientCert | None = None,
 ) -> tuple[Endpoint, str]:
     """Register an endpoint; returns it and its secret (generated unless given), which is
     shown this once. ``max_for_tenant`` (0: none): a tenant that has that many endpoints
     already gets :class:`EndpointLimitReached` (``WEBHOOK_MAX_ENDPOINTS_PER_TENANT``, for
     the creates of tenant tokens). The secret is stored sealed with ``keys`` (default: the
-    process's ``WEBHOOK_ENCRYPTION_KEY``; none set: in plain text)."""
+    process's ``WEBHOOK_ENCRYPTION_KEY``; none set: in plain text), and so is
+    ``client_cert``'s private key (the endpoint's own TLS client certificate)."""
     chosen = check_secret(secret) if secret is not None else new_secret()
     endpoint_id = new_id()
-    sealed = (keys or environ_keyring()).seal(chosen, endpoint_id)
+    keyring = keys or environ_keyring()
+    sealed = keyring.seal(chosen, endpoint_id)
+    if client_cert is not None:
+        client_cert.check()
     params = {
         "id": endpoint_id,
         "tenant": check_tenant(tenant),
@@ -490,6 +527,8 @@ async def create(
         "headers": Jsonb(check_headers(resolve_hidden_headers(headers or {}, {}), new=True)),
         "rate_limit": check_rate_limit(rate_limit),
         "ordered": bool(ordered),
+        "client_cert": None if client_cert is None else client_cert.chain,
+        "client_key": None if client_cert is None else keyring.seal(client_cert.key, endpoint_id),
     }
     if max_for_tenant <= 0:
         row = await _one(conn, "endpoint_insert", params)
@@ -577,6 +616,43 @@ async def update(
     return Endpoint.from_row(row)
 
 
+async def set_client_certificate(
+    conn: psycopg.AsyncConnection[Any],
+    endpoint_id: str,
+    client_cert: ClientCert | None,
+    *,
+    tenant: str | None = None,
+    keys: Keyring | None = None,
+) -> Endpoint:
+    """Give the endpoint its own TLS client certificate, presented to its consumer in
+    place of ``WEBHOOK_TLS_CLIENT_CERT`` (a new one replaces the last: a rotation), or
+    remove it (None: the deployment's certificate again, or none). The key is stored
+    sealed as :func:`create` stores a secret. Running dispatchers use it at once."""
+    current = await get(conn, endpoint_id, tenant=tenant)
+    if current.builtin:
+        raise ConflictError(
+            f"{endpoint_id} is configured from the environment; its client certificate is"
+            " WEBHOOK_TLS_CLIENT_CERT"
+        )
+    if client_cert is not None:
+        client_cert.check()
+    row = await _one(
+        conn,
+        "endpoint_client_cert_set",
+        {
+            "id": endpoint_id,
+            "client_cert": None if client_cert is None else client_cert.chain,
+            "client_key": None
+            if client_cert is None
+            else (keys or environ_keyring()).seal(client_cert.key, endpoint_id),
+            **_scope(tenant),
+        },
+    )
+    if row is None:
+        raise NotFoundError(f"no endpoint {endpoint_id!r}")
+    return Endpoint.from_row(row)
+
+
 def keep_previous_ms(text: str, name: str = "keep_previous") -> int:
     """How long a rotated-out secret keeps signing, as the CLI, the API and the dashboard
     take it: ``0`` (it stops at once: after a leak) or a duration up to 30 days."""
@@ -633,10 +709,10 @@ RESEAL_BATCH = 500
 @dataclass
 class Resealed:
     """What :func:`reseal_secrets` did, counted in stored secrets (an endpoint's current
-    and previous one each count): ``changed`` sealed with the current key (or opened, when
-    decrypting), of which ``rekeyed`` were sealed with another key before; ``unchanged``
-    already in the wanted form; ``unreadable``: sealed with a key this process does not
-    have (endpoint id, key id), left as they are."""
+    and previous one and its client certificate's key each count): ``changed`` sealed with
+    the current key (or opened, when decrypting), of which ``rekeyed`` were sealed with
+    another key before; ``unchanged`` already in the wanted form; ``unreadable``: sealed
+    with a key this process does not have (endpoint id, key id), left as they are."""
 
     changed: int = 0
     rekeyed: int = 0
@@ -651,7 +727,8 @@ async def reseal_secrets(
     plain: bool = False,
     batch: int = RESEAL_BATCH,
 ) -> Resealed:
-    """Store every endpoint's secrets sealed with the current key of ``keys`` (plain ones
+    """Store every endpoint's secrets (signing secrets, client certificates' private keys)
+    sealed with the current key of ``keys`` (plain ones
     and those of the previous key; ``plain``: opened, as before a key was set), ``batch``
     endpoints per transaction. Idempotent: a secret in the wanted form is left alone."""
     from .secretbox import SecretLocked, is_sealed, sealed_key_id
@@ -667,7 +744,7 @@ async def reseal_secrets(
             rows = await cur.fetchall()
             for row in rows:
                 endpoint_id = str(row["id"])
-                stored = {k: row[k] for k in ("secret", "secret_previous")}
+                stored = {k: row[k] for k in ("secret", "secret_previous", "client_key")}
                 wanted = dict(stored)
                 for column, value in stored.items():
                     if value is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import logging
 import random
 import time
@@ -26,6 +27,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from .clientcerts import CertificateUnusable, ClientTls
+from .clientcerts import load as load_client_tls
 from .delivery import header_texts, secret_texts
 from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint, check_headers
 from .errors import ConfigError, EndpointError
@@ -219,6 +222,9 @@ class Target:
     # Masked in the response bodies and errors stored with each attempt: the signing
     # secrets and the custom headers' values.
     secret_texts: tuple[str, ...] = ()
+    # Its own TLS client certificate, loaded (None: the deployment's, or none). The
+    # dispatcher sends to it over connections of that certificate only.
+    tls: ClientTls | None = None
 
 
 def _problem(endpoint: Endpoint, stored_headers: Any) -> str | None:
@@ -258,6 +264,27 @@ def _plain_secrets(endpoint: Endpoint, keys: Keyring) -> tuple[str, str | None, 
         return secret, None, None
 
 
+def _plain_client_cert(row: Mapping[str, Any], keys: Keyring) -> tuple[str, str] | None:
+    """A row's client certificate chain and its private key, opened (None: it has none).
+    A key no key here opens raises SecretLocked, as a secret does."""
+    chain, key = row.get("client_cert"), row.get("client_key")
+    if not chain and not key:
+        return None
+    if not isinstance(chain, str) or not isinstance(key, str) or not chain or not key:
+        raise CertificateUnusable("its client certificate lacks its certificate or its key")
+    endpoint_id = str(row["id"])
+    try:
+        return chain, keys.open(key, endpoint_id)
+    except SecretLocked as exc:
+        why = str(exc).replace("its secret", "its client certificate's private key", 1)
+        raise SecretLocked(endpoint_id, exc.key_id, why) from None
+
+
+def _tls_key(chain: str, key: str) -> str:
+    # In memory only: the loaded contexts by what they were loaded from.
+    return hashlib.sha256(f"{chain}\0{key}".encode()).hexdigest()
+
+
 class Targets:
     """The endpoints a dispatcher sends to, by id. ``env`` holds the built-in endpoints'
     (url, signer) from the environment; their state comes from the registry when a row
@@ -286,6 +313,12 @@ class Targets:
         # by id. Their deliveries wait (deferred, no attempt consumed) for a dispatcher
         # that has the key; they are never dead-lettered for it.
         self._locked: dict[str, str] = {}
+        # The endpoints' own client certificates, loaded: one context per certificate and
+        # key, whatever number of endpoints present it (load_all forgets those unused).
+        self._tls: dict[str, ClientTls] = {}
+        # Those that failed to load, why: from _load_certificates to _apply_row (not loaded
+        # again, on the event loop, to say so).
+        self._tls_failed: dict[str, str] = {}
         self.loaded = False
         for endpoint_id, (url, signer) in self._env.items():
             self._by_id[endpoint_id] = Target(
@@ -345,11 +378,15 @@ class Targets:
         await cur.execute("SELECT * FROM webhook_endpoints")
         seen: set[str] = set()
         while rows := await cur.fetchmany(LOAD_SLICE):
+            changed = []
             for row in rows:
                 endpoint_id = str(row["id"])
                 seen.add(endpoint_id)
                 if not self._unchanged(endpoint_id, row):
-                    self._apply_row(row)
+                    changed.append(row)
+            await self._load_certificates(changed)
+            for row in changed:
+                self._apply_row(row)
             await asyncio.sleep(0)
         for endpoint_id in list(self._by_id):
             if endpoint_id not in seen and endpoint_id not in self._env:
@@ -363,6 +400,11 @@ class Targets:
         for endpoint_id in list(self._applied):
             if endpoint_id not in seen:
                 del self._applied[endpoint_id]
+        used = {id(t.tls) for t in self._by_id.values() if t.tls is not None}
+        for loaded_key, tls in list(self._tls.items()):
+            if id(tls) not in used:
+                del self._tls[loaded_key]
+        self._tls_failed.clear()
         self.loaded = True
         self._tenants = None
 
@@ -392,7 +434,54 @@ class Targets:
             self._locked.pop(endpoint_id, None)
             self._tenants = None
             return None
+        await self._load_certificates([row])
         return self._apply_row(row)
+
+    async def _load_certificates(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        """The client certificates of ``rows`` not loaded yet, loaded in a thread: each
+        context loads the trust store, tens of milliseconds the event loop (every request
+        in flight) must not wait. A row whose certificate cannot be loaded is left to
+        :meth:`_apply_row`, which says why."""
+        wanted: dict[str, tuple[str, str]] = {}
+        for row in rows:
+            try:
+                pair = _plain_client_cert(row, self._keys)
+            except (SecretLocked, CertificateUnusable):
+                continue
+            if pair is not None and _tls_key(*pair) not in self._tls:
+                wanted[_tls_key(*pair)] = pair
+        if not wanted:
+            return
+
+        def load_them() -> dict[str, ClientTls | str]:
+            loaded: dict[str, ClientTls | str] = {}
+            for loaded_key, pair in wanted.items():
+                try:
+                    loaded[loaded_key] = load_client_tls(*pair)
+                except CertificateUnusable as exc:
+                    loaded[loaded_key] = str(exc)
+            return loaded
+
+        for loaded_key, tls in (await asyncio.to_thread(load_them)).items():
+            if isinstance(tls, str):
+                self._tls_failed[loaded_key] = tls
+            else:
+                self._tls[loaded_key] = tls
+
+    def _client_tls(self, row: Mapping[str, Any]) -> ClientTls | None:
+        """The row's client certificate, loaded (:meth:`_load_certificates` did, unless it
+        cannot be: then it raises CertificateUnusable, saying why)."""
+        pair = _plain_client_cert(row, self._keys)
+        if pair is None:
+            return None
+        loaded_key = _tls_key(*pair)
+        failed = self._tls_failed.get(loaded_key)
+        if failed is not None:
+            raise CertificateUnusable(failed)
+        tls = self._tls.get(loaded_key)
+        if tls is None:
+            tls = self._tls[loaded_key] = load_client_tls(*pair)
+        return tls
 
     def unusable(self, endpoint_id: str) -> str | None:
         """Why the registry's row of ``endpoint_id`` cannot be sent to (None: it can, or
@@ -417,13 +506,17 @@ class Targets:
             endpoint = Endpoint.from_row(row)  # its headers made readable: checked as stored
             problem = _problem(endpoint, row["headers"])
             if problem is None:
-                target = self._apply(endpoint)  # its Signer refuses a secret empty once decoded
+                tls = None if endpoint.builtin else self._client_tls(row)
+                # Its Signer refuses a secret empty once decoded.
+                target = self._apply(endpoint, tls)
                 self._unusable.pop(endpoint_id, None)
                 self._locked.pop(endpoint_id, None)
                 return target
         except SecretLocked as exc:
             self._lock(endpoint_id, exc)
             return None
+        except CertificateUnusable as exc:
+            problem = str(exc)
         except (TypeError, ValueError, AttributeError) as exc:
             # A value of the wrong type, or a secret no key can be made of. Not a missing
             # column (KeyError): the schema is not what this code expects, which no dead
@@ -465,7 +558,7 @@ class Targets:
             self._by_id.pop(endpoint_id, None)
             self._tenants = None
 
-    def _apply(self, endpoint: Endpoint) -> Target | None:
+    def _apply(self, endpoint: Endpoint, tls: ClientTls | None = None) -> Target | None:
         failing = None if endpoint.failing_since is None else endpoint.failing_since.timestamp()
         if endpoint.id in self._env:
             target = self._by_id[endpoint.id]
@@ -488,6 +581,7 @@ class Targets:
             failing_since=failing,
             secret_texts=secret_texts(secret.encode(), (masked_previous or "").encode() or None)
             + header_texts(endpoint.headers),
+            tls=tls,
         )
         if old is not None:  # this process's bookkeeping outlives a reload
             target.load = old.load

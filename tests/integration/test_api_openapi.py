@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 import pytest_asyncio
+import trustme
 from openapi_schema_validator import OAS31Validator
 
 from fluxora_webhooks import endpoints as registry
@@ -255,6 +256,15 @@ async def test_answers_of_the_main_flows_match_the_document(
     await call(api, doc, "POST", f"{path}/enable", 200)
     await call(api, doc, "POST", f"{path}/rotate-secret", 200)  # no body at all
     await call(api, doc, "POST", f"{path}/rotate-secret", 200, json={"keep_previous": "1h"})
+    issued = trustme.CA().issue_cert("acme-integration.example")
+    pem = {
+        "certificate": issued.cert_chain_pems[0].bytes().decode(),
+        "private_key": issued.private_key_pem.bytes().decode(),
+    }
+    shown = await call(api, doc, "PUT", f"{path}/client-certificate", 200, json=pem)
+    assert shown["client_certificate"]["fingerprint_sha256"]
+    await call(api, doc, "PUT", f"{path}/client-certificate", 422, json={**pem, "private_key": "x"})
+    await call(api, doc, "DELETE", f"{path}/client-certificate", 204)
     stats = await call(api, doc, "GET", "/api/v1/stats", 200, params={"series": "true"})
     assert stats["series"] and stats["endpoints"]
     await call(api, doc, "GET", "/api/v1/stats", 200, token="acme", params={"endpoints_limit": 1})
@@ -279,5 +289,6 @@ async def test_answers_of_the_main_flows_match_the_document(
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await registry.sync_builtin(conn, "default", receiver.url)
     await call(api, doc, "POST", "/api/v1/endpoints/default/rotate-secret", 409)
+    await call(api, doc, "PUT", "/api/v1/endpoints/default/client-certificate", 409, json=pem)
     await call(api, doc, "DELETE", path, 204)
     assert len(doc.checked) > 40

@@ -12,13 +12,16 @@ asyncio server may not flush before it closes. ``mode`` says how it behaves:
 - ``tls10``: speaks TLS 1.0 and 1.1 only;
 - ``mtls``: requires a client certificate signed by ``client_ca``.
 
-It records the connections it accepted, the SNI name of each handshake (None: no SNI) and
-every request (its head's fields and its body).
+``ok`` with a ``client_ca`` asks for a client certificate without requiring one. It records
+the connections it accepted, the SNI name of each handshake (None: no SNI) and every request
+(its head's fields, its body, the connection it came on and the client certificate
+presented on that connection: its SHA-256 fingerprint, None for none).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import socket
 import ssl
 import threading
@@ -41,6 +44,8 @@ class TlsRequest:
     target: str
     headers: dict[str, str]
     body: bytes
+    connection: int = 0  # the order in which its connection was accepted, from 1
+    peer: str | None = None  # the client certificate's SHA-256 (hex); None: none presented
 
 
 @dataclass
@@ -70,6 +75,9 @@ class TlsConsumer:
         if self.mode == "mtls":
             assert self.client_ca is not None
             ctx.verify_mode = ssl.CERT_REQUIRED
+            self.client_ca.configure_trust(ctx)
+        elif self.client_ca is not None:
+            ctx.verify_mode = ssl.CERT_OPTIONAL
             self.client_ca.configure_trust(ctx)
 
         def on_sni(_sock: ssl.SSLObject, name: str | None, _ctx: ssl.SSLContext) -> None:
@@ -121,12 +129,13 @@ class TlsConsumer:
                 return
             with self._lock:
                 self.accepted += 1
+                number = self.accepted
                 self._socks.append(conn)
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, number), daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def _serve(self, raw: socket.socket) -> None:
+    def _serve(self, raw: socket.socket, number: int = 0) -> None:
         try:
             raw.settimeout(30)
         except OSError:  # stopped before this thread ran: the socket is closed already
@@ -158,9 +167,11 @@ class TlsConsumer:
                     while conn.recv(65536):
                         pass
                 return
-            self._answer(conn)
+            self._answer(conn, number)
 
-    def _answer(self, conn: ssl.SSLSocket) -> None:
+    def _answer(self, conn: ssl.SSLSocket, number: int = 0) -> None:
+        presented = conn.getpeercert(binary_form=True)
+        peer = None if presented is None else hashlib.sha256(presented).hexdigest()
         reader = conn.makefile("rb")
         while not self._stop.is_set():
             try:
@@ -179,7 +190,7 @@ class TlsConsumer:
             except (OSError, ValueError, IndexError):
                 return
             with self._lock:
-                self.requests.append(TlsRequest(target, headers, body))
+                self.requests.append(TlsRequest(target, headers, body, number, peer))
             try:
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             except OSError:

@@ -66,6 +66,23 @@ class Page(BaseModel, Generic[T]):
 # -- endpoints ----------------------------------------------------------------------------
 
 
+class ClientCertificateIn(_In):
+    certificate: str = Field(
+        description="PEM: the certificate, then any intermediate certificates of its chain"
+    )
+    private_key: str = Field(
+        description="PEM, unencrypted: the certificate's private key. Stored encrypted with"
+        " WEBHOOK_ENCRYPTION_KEY when that is set; never shown again"
+    )
+
+
+class ClientCertificate(BaseModel):
+    subject: str = Field(description="RFC 4514, as in CN=acme-integration,O=Example")
+    issuer: str
+    not_after: Timestamp
+    fingerprint_sha256: str = Field(description="of the certificate (DER), hex")
+
+
 class EndpointIn(_In):
     url: str = Field(description="the consumer's https URL")
     tenant: str | None = Field(None, description="default: the token's tenant, or '' (admin)")
@@ -75,6 +92,11 @@ class EndpointIn(_In):
     rate_limit: int | None = Field(None, ge=1, le=1_000_000, description="retries per second")
     ordered: bool = False
     secret: str | None = Field(None, description="default: a new whsec_ secret")
+    client_certificate: ClientCertificateIn | None = Field(
+        None,
+        description="the endpoint's own TLS client certificate, presented to its consumer in"
+        " place of the deployment's (WEBHOOK_TLS_CLIENT_CERT); default: none",
+    )
 
 
 class EndpointPatch(_In):
@@ -117,6 +139,10 @@ class Endpoint(BaseModel):
     created_at: Timestamp | None
     updated_at: Timestamp | None
     builtin: bool
+    client_certificate: ClientCertificate | None = Field(
+        description="its own TLS client certificate (never its key); null: the deployment's"
+        " (WEBHOOK_TLS_CLIENT_CERT), or none"
+    )
 
 
 class EndpointCreated(Endpoint):

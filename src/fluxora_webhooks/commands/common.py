@@ -76,6 +76,8 @@ _FIELD_OPTIONS = {
     "headers": "--header",
     "rate_limit": "--rate-limit",
     "secret": "--secret",
+    "client_cert": "--client-cert",
+    "client_key": "--client-key",
     "keep_previous": "--keep-previous",
     "since": "--since",
     "until": "--until",

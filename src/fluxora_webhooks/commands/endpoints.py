@@ -1,6 +1,6 @@
 """``fluxora-webhooks endpoints``: register, list, show, update, disable, enable, rotate the
 secret of, and remove endpoints (SPEC 10). Each action takes ``--json``; ids and secrets are
-printed once, at creation and rotation."""
+printed once, at creation and rotation; a client certificate's private key never."""
 
 from __future__ import annotations
 
@@ -59,6 +59,25 @@ def _options(p: argparse.ArgumentParser, *, creating: bool) -> None:
     )
     p.add_argument("--rate-limit", type=positive_int, metavar="N", help="retries per second")
     p.add_argument(
+        "--client-cert",
+        metavar="FILE",
+        help="a PEM file: the endpoint's own TLS client certificate (then any intermediates),"
+        " presented to its consumer in place of WEBHOOK_TLS_CLIENT_CERT"
+        + ("" if creating else "; replaces the one it has"),
+    )
+    p.add_argument(
+        "--client-key",
+        metavar="FILE",
+        help="a PEM file: the certificate's unencrypted private key (default: the key in the"
+        " --client-cert file); stored encrypted with WEBHOOK_ENCRYPTION_KEY when set",
+    )
+    if not creating:
+        p.add_argument(
+            "--no-client-cert",
+            action="store_true",
+            help="remove its client certificate (WEBHOOK_TLS_CLIENT_CERT's is presented again)",
+        )
+    p.add_argument(
         "--ordered",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -109,8 +128,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if action == "list":
         endpoints.check_tenant_filter(args.tenant)
     allowed = Settings.from_env(env).allowed_networks if action in ("add", "update") else ()
-    # The secret is stored sealed with WEBHOOK_ENCRYPTION_KEY when it is set.
-    keys = keyring_from_env(env) if action in ("add", "rotate-secret") else None
+    # The secret (and a client certificate's key) is stored sealed with
+    # WEBHOOK_ENCRYPTION_KEY when it is set.
+    keys = keyring_from_env(env) if action in ("add", "update", "rotate-secret") else None
+    client_cert = _client_cert(args) if action in ("add", "update") else None
     keep_ms = 0
     if action == "rotate-secret":
         keep_ms = endpoints.keep_previous_ms(args.keep_previous, "--keep-previous")
@@ -123,11 +144,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             args.header,
             args.rate_limit,
             args.ordered,
+            client_cert,
+            args.no_client_cert or None,
         )
     ):
         print(
             "fluxora-webhooks: error: endpoints update: nothing to change (give --url, --events,"
-            " --description, --header, --rate-limit or --ordered/--no-ordered)",
+            " --description, --header, --rate-limit, --ordered/--no-ordered, --client-cert or"
+            " --no-client-cert)",
             file=sys.stderr,
         )
         return EXIT_CONFIG
@@ -151,6 +175,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     ordered=bool(args.ordered),
                     allowed_networks=allowed,
                     keys=keys,
+                    client_cert=client_cert,
                 )
                 _print_created(endpoint.as_json(), secret, args.json)
             elif action == "list":
@@ -171,7 +196,16 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     rate_limit=args.rate_limit,
                     ordered=args.ordered,
                 )
+                if client_cert is not None or args.no_client_cert:
+                    # Checked (and refused, naming the option) before anything else changes.
+                    if client_cert is not None:
+                        client_cert.check()
+                    await endpoints.get(conn, args.id)
                 updated = await endpoints.update(conn, args.id, changes, allowed_networks=allowed)
+                if client_cert is not None or args.no_client_cert:
+                    updated = await endpoints.set_client_certificate(
+                        conn, args.id, client_cert, keys=keys
+                    )
                 _print_one(updated.as_json(), args.json)
             elif action == "rotate-secret":
                 endpoint, secret = await endpoints.rotate_secret(
@@ -190,6 +224,43 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 0
 
     return as_options(lambda: run_async(main()))
+
+
+def _client_cert(args: argparse.Namespace) -> Any:
+    """``--client-cert`` and ``--client-key`` read (an endpoints.ClientCert; None: not
+    given). The key may be in the certificate's file, after it."""
+    from ..clientcerts import split_pem
+    from ..endpoints import ClientCert
+    from ..errors import ConfigError
+
+    if args.client_cert is None:
+        if args.client_key is not None:
+            raise ConfigError("--client-key", "is given without --client-cert")
+        return None
+    if getattr(args, "no_client_cert", False):
+        raise ConfigError("--client-cert", "and --no-client-cert cannot go together")
+
+    def read(path: str, option: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as given:
+                return given.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not PEM text"
+            raise ConfigError(option, f"cannot read {path} ({why})") from None
+
+    chain = read(args.client_cert, "--client-cert")
+    if args.client_key is not None:
+        return ClientCert(
+            chain, read(args.client_key, "--client-key"), ("client_cert", "client_key")
+        )
+    certs, key = split_pem(chain)
+    if key is None:
+        raise ConfigError(
+            "--client-key",
+            f"is required: {args.client_cert} holds no private key (give its file with"
+            " --client-key, or append the key to the certificate's file)",
+        )
+    return ClientCert(certs, key, ("client_cert", "client_cert"))
 
 
 async def _all(conn: Any, tenant: str | None) -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 NAME = "secrets"
 HELP = "encrypt the endpoints' signing secrets at rest (WEBHOOK_ENCRYPTION_KEY)"
 DESCRIPTION = (
-    "With WEBHOOK_ENCRYPTION_KEY set, new and rotated endpoint secrets are stored encrypted"
+    "With WEBHOOK_ENCRYPTION_KEY set, new and rotated endpoint secrets (signing secrets, and"
+    " the private keys of endpoints' client certificates) are stored encrypted"
     " (AES-256-GCM). `new-key` prints a key; `encrypt` encrypts the secrets stored before"
     " (and re-encrypts those of WEBHOOK_ENCRYPTION_KEY_PREVIOUS with the current key);"
     " `decrypt` stores them in plain text again, for dropping the key."

@@ -5,9 +5,10 @@
 
 -- name: endpoint_insert
 INSERT INTO webhook_endpoints
-    (id, tenant, url, event_types, secret, description, headers, rate_limit, ordered)
+    (id, tenant, url, event_types, secret, description, headers, rate_limit, ordered,
+     client_cert, client_key)
 VALUES (%(id)s, %(tenant)s, %(url)s, %(event_types)s, %(secret)s, %(description)s,
-        %(headers)s, %(rate_limit)s, %(ordered)s)
+        %(headers)s, %(rate_limit)s, %(ordered)s, %(client_cert)s, %(client_key)s)
 RETURNING *;
 
 -- name: endpoint_tenant_lock
@@ -64,10 +65,12 @@ WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
 RETURNING *;
 
 -- name: endpoint_secrets_page
--- `secrets encrypt|decrypt`: one page of the endpoints that store a secret, by id, locked
--- until the page is rewritten (a rotation meanwhile waits, then moves the rewritten value).
-SELECT id, secret, secret_previous FROM webhook_endpoints
-WHERE id > %(after)s AND (secret IS NOT NULL OR secret_previous IS NOT NULL)
+-- `secrets encrypt|decrypt`: one page of the endpoints that store a secret (a signing
+-- secret, or a client certificate's private key), by id, locked until the page is
+-- rewritten (a rotation meanwhile waits, then moves the rewritten value).
+SELECT id, secret, secret_previous, client_key FROM webhook_endpoints
+WHERE id > %(after)s
+  AND (secret IS NOT NULL OR secret_previous IS NOT NULL OR client_key IS NOT NULL)
 ORDER BY id
 LIMIT %(limit)s
 FOR UPDATE;
@@ -76,8 +79,15 @@ FOR UPDATE;
 -- The same secrets in another stored form (sealed or plain): no change an endpoint's
 -- other readers see, so updated_at stays.
 UPDATE webhook_endpoints
-SET secret = %(secret)s, secret_previous = %(secret_previous)s
+SET secret = %(secret)s, secret_previous = %(secret_previous)s, client_key = %(client_key)s
 WHERE id = %(id)s;
+
+-- name: endpoint_client_cert_set
+-- An endpoint's client certificate set (both) or removed (both NULL).
+UPDATE webhook_endpoints
+SET client_cert = %(client_cert)s, client_key = %(client_key)s, updated_at = now()
+WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
+RETURNING *;
 
 -- name: endpoint_disable
 UPDATE webhook_endpoints

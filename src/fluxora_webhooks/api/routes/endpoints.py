@@ -1,5 +1,5 @@
 """``/api/v1/endpoints``: list, create, show, update, remove, disable, enable, rotate the
-secret and recover dead letters."""
+secret, set or remove the client certificate and recover dead letters."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pydantic import WithJsonSchema
 from ... import endpoints
 from ..deps import Conn, Reader, Writer, api_state, scoped
 from ..models import (
+    ClientCertificateIn,
     Endpoint,
     EndpointCreated,
     EndpointIn,
@@ -102,6 +103,13 @@ async def create_endpoint(
         max_for_tenant=api_state(request).config.max_endpoints_per_tenant
         if who.tenant is not None
         else 0,
+        client_cert=None
+        if body.client_certificate is None
+        else endpoints.ClientCert(
+            body.client_certificate.certificate,
+            body.client_certificate.private_key,
+            ("client_certificate.certificate", "client_certificate.private_key"),
+        ),
     )
     audit("endpoint %s created for tenant %r", endpoint.id, endpoint.tenant, who=who.name)
     return {**endpoint.as_json(), "secret": secret}
@@ -192,6 +200,49 @@ async def rotate_secret(
     )
     audit("secret of endpoint %s rotated", endpoint.id, who=who.name)  # never the secret
     return {"id": endpoint.id, "secret": secret}
+
+
+@router.put(
+    "/{endpoint_id}/client-certificate",
+    response_model=Endpoint,
+    summary="Set the client certificate",
+    responses=BUILT_IN,
+)
+async def set_client_certificate(
+    endpoint_id: str, who: Writer, conn: Conn, body: ClientCertificateIn
+) -> dict[str, Any]:
+    """The endpoint's own TLS client certificate, presented when its consumer asks for one
+    (in place of the deployment's WEBHOOK_TLS_CLIENT_CERT); a new one replaces the last
+    (a rotation). Refused (422, naming the field): a certificate or key that is not PEM, a
+    key that is not the certificate's or is encrypted, a certificate that has expired."""
+    updated = await endpoints.set_client_certificate(
+        conn,
+        endpoint_id,
+        endpoints.ClientCert(body.certificate, body.private_key),
+        tenant=who.tenant,
+    )
+    # Never the key; the fingerprint says which certificate.
+    shown = updated.client_certificate() or {}
+    audit(
+        "client certificate of endpoint %s set (sha256 %s)",
+        updated.id,
+        shown.get("fingerprint_sha256"),
+        who=who.name,
+    )
+    return updated.as_json()
+
+
+@router.delete(
+    "/{endpoint_id}/client-certificate",
+    status_code=204,
+    summary="Remove the client certificate",
+    responses=BUILT_IN,
+)
+async def remove_client_certificate(endpoint_id: str, who: Writer, conn: Conn) -> Response:
+    """The endpoint presents the deployment's client certificate again (or none)."""
+    await endpoints.set_client_certificate(conn, endpoint_id, None, tenant=who.tenant)
+    audit("client certificate of endpoint %s removed", endpoint_id, who=who.name)
+    return Response(status_code=204)
 
 
 @router.post("/{endpoint_id}/recover", response_model=Requeued, summary="Recover dead letters")

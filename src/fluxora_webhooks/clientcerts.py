@@ -1,0 +1,234 @@
+"""Endpoints' own TLS client certificates: checked as they are set, described as the CLI,
+the API and the dashboard show them, and loaded into the ``ssl.SSLContext`` a dispatcher
+presents to that endpoint's consumer.
+
+A certificate is stored as given (its PEM chain: the certificate first, then any
+intermediates); its private key is a secret, stored as an endpoint's signing secret is
+(sealed with ``WEBHOOK_ENCRYPTION_KEY`` when one is set, see :mod:`secretbox`), and never
+shown, logged or returned. What is shown is the certificate's subject, issuer, SHA-256
+fingerprint and expiry (:class:`Described`).
+
+The ``cryptography`` package is imported only when a certificate is checked, described or
+loaded: a producer that only enqueues never loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import ssl
+import tempfile
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any
+
+from .errors import ConfigError
+
+# Far more than a chain of a few certificates and a key take (a 4096-bit RSA key is about
+# 3.3 KB of PEM); an upload larger than this is no certificate of ours.
+MAX_CHAIN_BYTES = 64 * 1024
+MAX_KEY_BYTES = 16 * 1024
+_PEM_BLOCK = re.compile(
+    r"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL | re.ASCII
+)
+
+
+class CertificateUnusable(ValueError):
+    """A stored certificate and key that cannot be loaded (a row written past the checks of
+    the CLI and the API): the reason, never the key."""
+
+
+@dataclass(frozen=True)
+class Described:
+    """What is shown of an endpoint's client certificate (its leaf)."""
+
+    subject: str
+    issuer: str
+    not_after: datetime
+    fingerprint_sha256: str  # hex, lowercase, no separators
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "subject": self.subject,
+            "issuer": self.issuer,
+            "not_after": self.not_after.isoformat(),
+            "fingerprint_sha256": self.fingerprint_sha256,
+        }
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """A client certificate loaded for sending: ``fingerprint`` (the SHA-256 of the chain's
+    certificates, in order: of the certificate alone when it comes without intermediates)
+    names it, and the connections made with it (the dispatcher keeps them apart from any
+    other certificate's); ``context`` verifies consumers as the deployment's context does
+    and presents it."""
+
+    fingerprint: str
+    context: ssl.SSLContext = field(repr=False, compare=False)
+
+
+def split_pem(text: str) -> tuple[str, str | None]:
+    """A PEM file's certificates and its private key, apart (None: no key in it), as one
+    file holding both is read for ``WEBHOOK_TLS_CLIENT_CERT``."""
+    certs: list[str] = []
+    keys: list[str] = []
+    for block in _PEM_BLOCK.finditer(text):
+        (keys if "PRIVATE KEY" in block.group(1) else certs).append(block.group(0))
+    if not keys:
+        return text, None
+    return "".join(c if c.endswith("\n") else c + "\n" for c in certs), "".join(keys)
+
+
+def _certificates(chain: str, name: str) -> list[Any]:
+    from cryptography import x509
+
+    if not isinstance(chain, str) or not chain.strip():
+        raise ConfigError(name, "is empty: give the PEM certificate (-----BEGIN CERTIFICATE-----)")
+    if len(chain.encode()) > MAX_CHAIN_BYTES:
+        raise ConfigError(name, f"is larger than {MAX_CHAIN_BYTES // 1024} KiB")
+    if "PRIVATE KEY-----" in chain:
+        raise ConfigError(name, "holds a private key: give the key on its own")
+    try:
+        certs = x509.load_pem_x509_certificates(chain.encode())
+    except ValueError:
+        raise ConfigError(
+            name, "is not a PEM certificate chain (-----BEGIN CERTIFICATE----- ...)"
+        ) from None
+    return certs
+
+
+def _fingerprint(certs: list[Any]) -> str:
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    if len(certs) == 1:
+        return bytes(certs[0].fingerprint(hashes.SHA256())).hex()
+    whole = hashlib.sha256()
+    for cert in certs:
+        whole.update(cert.public_bytes(serialization.Encoding.DER))
+    return whole.hexdigest()
+
+
+def _describe(cert: Any) -> Described:
+    from cryptography.hazmat.primitives import hashes
+
+    return Described(
+        subject=cert.subject.rfc4514_string(),
+        issuer=cert.issuer.rfc4514_string(),
+        not_after=cert.not_valid_after_utc,
+        fingerprint_sha256=bytes(cert.fingerprint(hashes.SHA256())).hex(),
+    )
+
+
+def check(
+    chain: str,
+    key: str,
+    *,
+    chain_name: str = "certificate",
+    key_name: str = "private_key",
+    now: datetime | None = None,
+) -> Described:
+    """A certificate chain and its private key, both PEM, as an endpoint may take them: the
+    chain parses, the key parses and is not encrypted (a dispatcher has no passphrase to
+    give), the key is the certificate's, and the certificate has not expired. Anything else
+    is a :class:`ConfigError` naming ``chain_name`` or ``key_name`` (never the key)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    certs = _certificates(chain, chain_name)
+    if not isinstance(key, str) or not key.strip():
+        raise ConfigError(key_name, "is empty: give the certificate's PEM private key")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise ConfigError(key_name, f"is larger than {MAX_KEY_BYTES // 1024} KiB")
+    if "ENCRYPTED" in key:
+        raise ConfigError(key_name, _ENCRYPTED)
+    try:
+        private = serialization.load_pem_private_key(key.encode(), password=None)
+    except TypeError:  # "password was not given but private key is encrypted"
+        raise ConfigError(key_name, _ENCRYPTED) from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise ConfigError(
+            key_name, "is not a PEM private key (-----BEGIN PRIVATE KEY----- ...)"
+        ) from None
+    leaf = certs[0]
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.DER
+    if private.public_key().public_bytes(encoding, public) != leaf.public_key().public_bytes(
+        encoding, public
+    ):
+        raise ConfigError(key_name, "is not the certificate's private key (they do not match)")
+    try:  # what OpenSSL itself takes (not every key type cryptography reads is one TLS uses)
+        _load_into(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), chain, key)
+    except CertificateUnusable:
+        raise ConfigError(
+            key_name, "is a key of a kind TLS client certificates cannot use"
+        ) from None
+    described = _describe(leaf)
+    if described.not_after <= (now or datetime.now(UTC)):
+        raise ConfigError(
+            chain_name,
+            f"expired on {described.not_after.isoformat()} ({described.subject}): give a"
+            " current certificate",
+        )
+    return described
+
+
+_ENCRYPTED = (
+    "is encrypted: give it unencrypted (a dispatcher has no passphrase to give; it is stored"
+    " encrypted with WEBHOOK_ENCRYPTION_KEY when that is set)"
+)
+
+
+@lru_cache(maxsize=512)
+def describe(chain: str) -> Described | None:
+    """What is shown of a stored chain (None: it cannot be read; a row written by SQL).
+    Remembered for the lists that show the same endpoints page after page."""
+    try:
+        return _describe(_certificates(chain, "certificate")[0])
+    except (ConfigError, ValueError):
+        return None
+
+
+def load(chain: str, key: str) -> ClientTls:
+    """The context that presents ``chain`` with ``key`` (the system's trust store, as the
+    deployment's context has; SSL_CERT_FILE and SSL_CERT_DIR apply). Loading the trust store
+    takes tens of milliseconds: not on an event loop (the dispatcher loads in a thread).
+    Raises :class:`CertificateUnusable` saying why."""
+    try:
+        certs = _certificates(chain, "certificate")
+    except ConfigError as exc:
+        raise CertificateUnusable(f"its client certificate {exc.problem}") from None
+
+    context = ssl.create_default_context()
+    _load_into(context, chain, key)
+    return ClientTls(_fingerprint(certs), context)
+
+
+def _load_into(context: ssl.SSLContext, chain: str, key: str) -> None:
+    """``context.load_cert_chain`` of texts. The key reaches OpenSSL through a file only:
+    one in a directory of this process's own (0700), removed as soon as it is read."""
+
+    def encrypted() -> bytes:
+        raise CertificateUnusable("its client certificate's private key is encrypted")
+
+    with tempfile.TemporaryDirectory(prefix="fluxora-client-cert-") as folder:
+        cert_path = os.path.join(folder, "cert.pem")
+        key_path = os.path.join(folder, "key.pem")
+        for path, text in ((cert_path, chain), (key_path, key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(text)
+        try:
+            context.load_cert_chain(cert_path, key_path, password=encrypted)
+        except ssl.SSLError as exc:
+            if exc.reason == "KEY_VALUES_MISMATCH":
+                why = "its client certificate's private key is not the certificate's"
+            else:
+                why = "its client certificate or its private key cannot be loaded"
+            raise CertificateUnusable(why) from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(key_path)
