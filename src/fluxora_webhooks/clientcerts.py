@@ -31,6 +31,16 @@ from .errors import ConfigError
 # 3.3 KB of PEM); an upload larger than this is no certificate of ours.
 MAX_CHAIN_BYTES = 64 * 1024
 MAX_KEY_BYTES = 16 * 1024
+# The certificate and its intermediates: sent in every handshake.
+MAX_CHAIN_CERTIFICATES = 10
+# The key sizes and curves TLS signs with. Checking an RSA key costs time growing with its
+# size to the fourth (about 0.3 s at 4096 bits, 35 s at 16384): a larger one is refused
+# before it is checked.
+RSA_BITS = (2048, 4096)
+EC_CURVES = ("secp256r1", "secp384r1", "secp521r1")
+# What no PEM file holds, and PostgreSQL's text or UTF-8 cannot: a NUL, another control
+# character (tabs and line ends aside), a lone surrogate.
+_NOT_PEM_TEXT = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 _PEM_BLOCK = re.compile(
     r"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL | re.ASCII
 )
@@ -88,8 +98,7 @@ def _certificates(chain: str, name: str) -> list[Any]:
 
     if not isinstance(chain, str) or not chain.strip():
         raise ConfigError(name, "is empty: give the PEM certificate (-----BEGIN CERTIFICATE-----)")
-    if len(chain.encode()) > MAX_CHAIN_BYTES:
-        raise ConfigError(name, f"is larger than {MAX_CHAIN_BYTES // 1024} KiB")
+    _check_text(chain, name, MAX_CHAIN_BYTES)
     if "PRIVATE KEY-----" in chain:
         raise ConfigError(name, "holds a private key: give the key on its own")
     try:
@@ -99,6 +108,82 @@ def _certificates(chain: str, name: str) -> list[Any]:
             name, "is not a PEM certificate chain (-----BEGIN CERTIFICATE----- ...)"
         ) from None
     return certs
+
+
+def _check_text(text: str, name: str, limit: int) -> None:
+    """``text`` holds nothing PEM text cannot (a NUL, a control character, a lone
+    surrogate) and is no larger than ``limit`` bytes: said naming ``name``, never quoting
+    the text."""
+    if len(text) > limit:  # before it is searched
+        raise ConfigError(name, f"is larger than {limit // 1024} KiB")
+    if _NOT_PEM_TEXT.search(text):
+        raise ConfigError(
+            name, "holds what PEM text cannot (a NUL, a control character, a lone surrogate)"
+        )
+    if len(text.encode()) > limit:
+        raise ConfigError(name, f"is larger than {limit // 1024} KiB")
+
+
+def _key_kind(public: Any) -> str | None:
+    """What is wrong with the key of a client certificate (\"a 16384-bit RSA key: ...\";
+    None: a key TLS clients sign with)."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+
+    if isinstance(public, rsa.RSAPublicKey):
+        low, high = RSA_BITS
+        if not low <= public.key_size <= high:
+            return f"a {public.key_size}-bit RSA key: give one of {low} to {high} bits"
+        return None
+    if isinstance(public, ec.EllipticCurvePublicKey):
+        if public.curve.name not in EC_CURVES:
+            return (
+                f"an EC key on {public.curve.name}, which TLS does not sign with: give one"
+                " on P-256, P-384 or P-521"
+            )
+        return None
+    if isinstance(public, ed25519.Ed25519PublicKey | ed448.Ed448PublicKey):
+        return None
+    return (
+        f"a key of a kind TLS client certificates cannot use ({type(public).__name__}):"
+        " give an RSA, EC (P-256, P-384, P-521) or Ed25519 key"
+    )
+
+
+def _client_auth_problem(cert: Any) -> str | None:
+    """Why consumers refuse ``cert`` as a client's (None: its usages allow it)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        pass
+    else:
+        if (
+            ExtendedKeyUsageOID.CLIENT_AUTH not in usages
+            and ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in usages
+        ):
+            return (
+                "does not allow TLS client authentication (its extended key usage lacks"
+                " clientAuth): give a client certificate"
+            )
+    try:
+        key_usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        return None
+    if not key_usage.digital_signature:
+        return (
+            "does not allow signing (its key usage lacks digitalSignature), which TLS client"
+            " authentication needs: give a client certificate"
+        )
+    return None
+
+
+def _same_key(public: Any, cert: Any) -> bool:
+    from cryptography.hazmat.primitives import serialization
+
+    der, spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    return bool(public.public_bytes(der, spki) == cert.public_key().public_bytes(der, spki))
 
 
 def _fingerprint(certs: list[Any]) -> str:
@@ -133,33 +218,53 @@ def check(
 ) -> Described:
     """A certificate chain and its private key, both PEM, as an endpoint may take them: the
     chain parses, the key parses and is not encrypted (a dispatcher has no passphrase to
-    give), the key is the certificate's, and the certificate has not expired. Anything else
-    is a :class:`ConfigError` naming ``chain_name`` or ``key_name`` (never the key)."""
+    give), the key is the certificate's (the chain's first), of a kind and size TLS clients
+    sign with (checked before the key's costly check), the certificate's usages allow client
+    authentication, and it has not expired. Anything else is a :class:`ConfigError` naming
+    ``chain_name`` or ``key_name`` (never the key)."""
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
 
     certs = _certificates(chain, chain_name)
+    if len(certs) > MAX_CHAIN_CERTIFICATES:
+        raise ConfigError(
+            chain_name,
+            f"holds {len(certs)} certificates: give the certificate and its intermediates"
+            f" ({MAX_CHAIN_CERTIFICATES} at most)",
+        )
+    leaf = certs[0]
+    kind = _key_kind(leaf.public_key())
+    if kind is not None:
+        raise ConfigError(chain_name, f"holds {kind}")
+    usage = _client_auth_problem(leaf)
+    if usage is not None:
+        raise ConfigError(chain_name, usage)
     if not isinstance(key, str) or not key.strip():
         raise ConfigError(key_name, "is empty: give the certificate's PEM private key")
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise ConfigError(key_name, f"is larger than {MAX_KEY_BYTES // 1024} KiB")
+    _check_text(key, key_name, MAX_KEY_BYTES)
     if "ENCRYPTED" in key:
         raise ConfigError(key_name, _ENCRYPTED)
     try:
-        private = serialization.load_pem_private_key(key.encode(), password=None)
+        # Read unchecked first: checking a key costs time growing with its size, and only
+        # the certificate's (of a size taken above) is worth it.
+        unchecked = serialization.load_pem_private_key(
+            key.encode(), password=None, unsafe_skip_rsa_key_validation=True
+        )
+        if not _same_key(unchecked.public_key(), leaf):
+            if any(_same_key(unchecked.public_key(), other) for other in certs[1:]):
+                raise ConfigError(
+                    chain_name,
+                    "is in the wrong order: give the key's certificate first, then its"
+                    " intermediates",
+                )
+            raise ConfigError(key_name, "is not the certificate's private key (they do not match)")
+        serialization.load_pem_private_key(key.encode(), password=None)
     except TypeError:  # "password was not given but private key is encrypted"
         raise ConfigError(key_name, _ENCRYPTED) from None
     except (ValueError, UnsupportedAlgorithm):
         raise ConfigError(
             key_name, "is not a PEM private key (-----BEGIN PRIVATE KEY----- ...)"
         ) from None
-    leaf = certs[0]
-    public = serialization.PublicFormat.SubjectPublicKeyInfo
-    encoding = serialization.Encoding.DER
-    if private.public_key().public_bytes(encoding, public) != leaf.public_key().public_bytes(
-        encoding, public
-    ):
-        raise ConfigError(key_name, "is not the certificate's private key (they do not match)")
     try:  # what OpenSSL itself takes (not every key type cryptography reads is one TLS uses)
         _load_into(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), chain, key)
     except CertificateUnusable:

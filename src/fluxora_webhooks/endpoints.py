@@ -15,6 +15,7 @@ a string restricts the call to that tenant, so another tenant's endpoint is not 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -516,7 +517,9 @@ async def create(
     keyring = keys or environ_keyring()
     sealed = keyring.seal(chosen, endpoint_id)
     if client_cert is not None:
-        client_cert.check()
+        # In a thread: loading a key costs milliseconds of CPU (up to a third of a second
+        # for RSA-4096) the API's event loop, every other request, must not wait.
+        await asyncio.to_thread(client_cert.check)
     params = {
         "id": endpoint_id,
         "tenant": check_tenant(tenant),
@@ -635,7 +638,7 @@ async def set_client_certificate(
             " WEBHOOK_TLS_CLIENT_CERT"
         )
     if client_cert is not None:
-        client_cert.check()
+        await asyncio.to_thread(client_cert.check)  # as in create
     row = await _one(
         conn,
         "endpoint_client_cert_set",

@@ -510,3 +510,84 @@ async def test_a_certificate_key_no_key_here_opens_holds_its_deliveries(
         for text in said
     ), said
     assert receiver.received == []
+
+
+def _self_signed(private: Any, *, usages: list[Any] | None = None) -> tuple[str, str]:
+    """A certificate of ``private``'s key (and its PEM key), with those extended usages."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "odd.example")])
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+    )
+    if usages is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    cert = builder.sign(private, hashes.SHA256())
+    key = private.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM).decode(), key.decode()
+
+
+async def test_the_api_refuses_certificates_tls_clients_cannot_present_naming_the_field(
+    api: Api, client_ca: trustme.CA
+) -> None:
+    """What would fail every handshake, cost the API seconds of CPU or not be storable is
+    refused as it is set (422 naming the field, never a 500, never the key)."""
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    chain_a, key_a = _pem(client_ca.issue_cert("a.example"))
+    leaf = client_ca.create_child_ca().issue_cert("c.example")
+    leaf_pem, intermediate_pem = (pem.bytes().decode() for pem in leaf.cert_chain_pems)
+    keys = []
+
+    def made(*pair: str) -> dict[str, str]:
+        keys.append(pair[1])
+        return {"certificate": pair[0], "private_key": pair[1]}
+
+    cases = [
+        (made(*_self_signed(rsa.generate_private_key(65537, 1024))), "certificate",
+         "1024-bit RSA key"),
+        (made(*_self_signed(ec.generate_private_key(ec.SECP256K1()))), "certificate",
+         "secp256k1"),
+        (made(*_self_signed(ec.generate_private_key(ec.SECP256R1()),
+                            usages=[ExtendedKeyUsageOID.SERVER_AUTH])), "certificate",
+         "clientAuth"),
+        ({"certificate": chain_a + "\x00", "private_key": key_a}, "certificate", "NUL"),
+        ({"certificate": chain_a, "private_key": key_a + "\x00"}, "private_key", "NUL"),
+        ({"certificate": chain_a * 11, "private_key": key_a}, "certificate", "11 certificates"),
+        ({"certificate": intermediate_pem + leaf_pem,
+          "private_key": leaf.private_key_pem.bytes().decode()}, "certificate", "wrong order"),
+    ]  # fmt: skip
+    created = await api.post("/api/v1/endpoints", json={"url": URL}, token="acme")
+    path = f"/api/v1/endpoints/{created.body['id']}/client-certificate"
+    for body, field, words in cases:
+        put = await api.call("PUT", path, json=body, token="acme")
+        assert (put.status, put.error_code) == (422, "validation_error"), put.text
+        assert put.body["error"]["message"].startswith(f"{field}: "), put.text
+        assert words in put.body["error"]["message"], put.text
+    assert await rows(
+        api.database_url, "SELECT count(*) FROM webhook_endpoints WHERE client_cert IS NOT NULL"
+    ) == [(0,)]
+    for key in [key_a, *keys]:
+        assert not any(_key_body(key)[:40] in text for text in api.seen)
+    # A key of a size and kind TLS takes is still taken: P-256, in the right order.
+    good = await api.call(
+        "PUT",
+        path,
+        json=made(*_self_signed(ec.generate_private_key(ec.SECP256R1()))),
+        token="acme",
+    )
+    assert good.status == 200, good.text
