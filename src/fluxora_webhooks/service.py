@@ -482,10 +482,11 @@ class Service:
             if task.done():
                 task.result()  # the dispatcher failed at its start: raise its error
             log.info(
-                "dispatching (batch %d, %d claim loops, poll %d ms)",
+                "dispatching (batch %d, %d claim loops, poll %d ms%s)",
                 self.settings.batch_size,
                 self.settings.claim_loops,
                 self.settings.poll_interval_ms,
+                self._egress_and_keys(),
             )
             stop = asyncio.create_task(self._stop_requested.wait())
             try:
@@ -563,6 +564,18 @@ class Service:
         elif failed:
             log.warning("spans not flushed (%s)", type(failed[0]).__name__)
         self.tracer = None
+
+    def _egress_and_keys(self) -> str:
+        """What the start-up line says of the egress proxy and of the key secrets are
+        sealed with (never a credential: the proxy's address, the key's id)."""
+        said = ""
+        proxy = self.settings.proxy
+        if proxy is not None:
+            said += f", https through the proxy {proxy.shown}"
+        key = self.settings.encryption_keys.current
+        if key is not None:
+            said += f", secrets sealed with key {key.id}"
+        return said
 
     def stop(self) -> None:
         """First call: drain and stop. A second call: stop at once."""

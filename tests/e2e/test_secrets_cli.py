@@ -11,6 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from fluxora_webhooks.secretbox import keyring_from_env
 from fluxora_webhooks.signing import verify
 from tests.support.dispatch import rows, wait_until
 from tests.support.procs import command_env, dispatcher_env, dispatchers, run_command, run_json
@@ -160,3 +161,5 @@ async def test_run_signs_with_a_secret_endpoints_add_stored_encrypted(
     verify(hit.body, hit.headers, made["secret"], scheme="standard")
     assert json.loads(hit.body) == {"n": 1}
     assert key not in log and made["secret"] not in log
+    sealing = keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": key}).current
+    assert sealing is not None and f"secrets sealed with key {sealing.id}" in log

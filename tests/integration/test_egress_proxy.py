@@ -393,5 +393,6 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
     assert "the egress proxy failed" in run.log()
     assert "the egress proxy works again" in run.log()
     assert "this process held are due now" in run.log()
+    assert f"https through the proxy 127.0.0.1:{proxy.port})" in run.log()  # at start-up
     assert "circuit breaker" not in run.log()
     assert PASSWORD not in run.log()
