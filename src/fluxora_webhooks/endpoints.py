@@ -36,7 +36,7 @@ from .errors import ConfigError, ConflictError, EndpointError, EndpointLimitReac
 from .outbox import EVENT_TYPE, MAX_EVENT_TYPE, TENANT
 from .queries import query
 from .secretbox import PREFIX as SEALED_PREFIX
-from .secretbox import Keyring
+from .secretbox import Keyring, SecretLocked, is_sealed, sealed_length
 from .settings import environ_keyring, looks_like_duration, parse_duration_ms, retry_rps
 from .urlpolicy import IPNetwork, check_url_address, validate_url
 
@@ -154,11 +154,80 @@ def resolve_hidden_headers(
     return out
 
 
+def seal_headers(
+    given: Mapping[str, str],
+    stored: Mapping[str, str],
+    endpoint_id: str,
+    keys: Keyring,
+    name: str = "headers",
+) -> dict[str, str]:
+    """Custom headers as :func:`create` and :func:`update` store them: ``given`` (a
+    credential as :data:`HIDDEN_HEADER_VALUE` stands for its value in ``stored``: it stays
+    as stored, sealed or not), checked as :func:`check_headers` checks new ones, on the
+    values as sent (a value kept sealed counts as long as its plain value), then each
+    credential's new value sealed with ``keys`` (bound to the endpoint, as its secret; no
+    current key: as given). Other headers' values stay plain."""
+    resolved = resolve_hidden_headers(given, stored, name)
+    if not isinstance(resolved, Mapping):
+        return check_headers(resolved, name, new=True)  # says what is wrong with it
+    kept = {
+        key
+        for key, value in given.items()
+        if isinstance(key, str) and value == HIDDEN_HEADER_VALUE and credential_header(key)
+    }
+    as_sent = {
+        key: _as_sent(value) if key in kept and isinstance(value, str) else value
+        for key, value in resolved.items()
+    }
+    checked = check_headers(as_sent, name, new=True)
+    return {
+        key: resolved[key]
+        if key in kept
+        else keys.seal(value, endpoint_id)
+        if value and credential_header(key)
+        else value
+        for key, value in checked.items()
+    }
+
+
+def _as_sent(stored: str) -> str:
+    """A value kept as stored, as the checks see it: a plain one as it is; for a sealed one
+    a stand-in as long as its plain value (ASCII, as checked before it was sealed), what
+    the size checks count. One this version cannot read counts as its stored text."""
+    size = sealed_length(stored) if is_sealed(stored) else None
+    return stored if size is None else "x" * size
+
+
+def open_headers(stored: Any, endpoint_id: str, keys: Keyring) -> Any:
+    """A row's headers with each sealed credential value opened (a plain one as it is),
+    as the dispatcher reads them once per reading of the row, never per request. Anything
+    but a map is returned as it is. A value no key of ``keys`` opens raises
+    :class:`SecretLocked` naming the header, never its value."""
+    if not isinstance(stored, Mapping):
+        return stored
+    out: dict[Any, Any] = {}
+    for key, value in stored.items():
+        if (
+            isinstance(key, str)
+            and isinstance(value, str)
+            and credential_header(key)
+            and is_sealed(value)
+        ):
+            try:
+                value = keys.open(value, endpoint_id)
+            except SecretLocked as exc:
+                why = str(exc).replace("its secret", f"the value of its header {key}", 1)
+                raise SecretLocked(endpoint_id, exc.key_id, why) from None
+        out[key] = value
+    return out
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One registered endpoint. ``secret`` never appears in :meth:`as_json` or ``repr``.
-    ``secret``, ``secret_previous`` and ``client_key`` are as stored: plain text, or sealed
-    with ``WEBHOOK_ENCRYPTION_KEY`` (``fxenc:...``, opened by :meth:`secretbox.Keyring.open`).
+    ``secret``, ``secret_previous``, ``client_key`` and the values of the credential
+    ``headers`` are as stored: plain text, or sealed with ``WEBHOOK_ENCRYPTION_KEY``
+    (``fxenc:...``, opened by :meth:`secretbox.Keyring.open`, :func:`open_headers`).
     ``client_cert``: its own TLS client certificate (PEM chain), shown described only;
     ``client_key`` (its private key) never appears in :meth:`as_json` or ``repr``."""
 
@@ -407,6 +476,12 @@ def check_headers(
             raise ConfigError(name, f"the value of {key} must be text of at most 4096 characters")
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value) or not value.isascii():
             raise ConfigError(name, f"the value of {key} must be printable ASCII")
+        if new and value.startswith(SEALED_PREFIX) and credential_header(key):
+            raise ConfigError(
+                name,
+                f"the value of {key} must not start with {SEALED_PREFIX} (an encrypted"
+                " value's form)",
+            )
         out[key] = value
     total = sum(len(k) + len(v) + 4 for k, v in out.items())  # "Name: value\r\n"
     if new and total > MAX_HEADERS_BYTES:
@@ -510,8 +585,9 @@ async def create(
     shown this once. ``max_for_tenant`` (0: none): a tenant that has that many endpoints
     already gets :class:`EndpointLimitReached` (``WEBHOOK_MAX_ENDPOINTS_PER_TENANT``, for
     the creates of tenant tokens). The secret is stored sealed with ``keys`` (default: the
-    process's ``WEBHOOK_ENCRYPTION_KEY``; none set: in plain text), and so is
-    ``client_cert``'s private key (the endpoint's own TLS client certificate)."""
+    process's ``WEBHOOK_ENCRYPTION_KEY``; none set: in plain text), and so are
+    ``client_cert``'s private key (the endpoint's own TLS client certificate) and the
+    values of the credential ``headers`` (:func:`seal_headers`)."""
     chosen = check_secret(secret) if secret is not None else new_secret()
     endpoint_id = new_id()
     keyring = keys or environ_keyring()
@@ -527,7 +603,7 @@ async def create(
         "event_types": list(check_event_types(event_types)),
         "secret": sealed,
         "description": check_description(description),
-        "headers": Jsonb(check_headers(resolve_hidden_headers(headers or {}, {}), new=True)),
+        "headers": Jsonb(seal_headers(headers or {}, {}, endpoint_id, keyring)),
         "rate_limit": check_rate_limit(rate_limit),
         "ordered": bool(ordered),
         "client_cert": None if client_cert is None else client_cert.chain,
@@ -582,7 +658,11 @@ async def update(
     *,
     tenant: str | None = None,
     allowed_networks: Sequence[IPNetwork] = (),
+    keys: Keyring | None = None,
 ) -> Endpoint:
+    """Change what ``changes`` gives. New values of credential headers are stored sealed
+    as :func:`create` stores them (``keys``, default: the process's); one given back as
+    :data:`HIDDEN_HEADER_VALUE` stays as stored."""
     current = await get(conn, endpoint_id, tenant=tenant)
     if current.builtin:
         raise ConflictError(
@@ -602,7 +682,7 @@ async def update(
         "headers": None
         if changes.headers is None
         else Jsonb(
-            check_headers(resolve_hidden_headers(changes.headers, current.headers), new=True)
+            seal_headers(changes.headers, current.headers, endpoint_id, keys or environ_keyring())
         ),
         "set_rate_limit": changes.clear_rate_limit or changes.rate_limit is not None,
         "rate_limit": None if changes.clear_rate_limit else check_rate_limit(changes.rate_limit),
@@ -712,7 +792,8 @@ RESEAL_BATCH = 500
 @dataclass
 class Resealed:
     """What :func:`reseal_secrets` did, counted in stored secrets (an endpoint's current
-    and previous one and its client certificate's key each count): ``changed`` sealed with
+    and previous one, its client certificate's key and the value of each of its credential
+    headers, :func:`credential_header`, each count): ``changed`` sealed with
     the current key (or opened, when decrypting), of which ``rekeyed`` were sealed with
     another key before; ``unchanged`` already in the wanted form; ``unreadable``: sealed
     with a key this process does not have (endpoint id, key id), left as they are."""
@@ -730,8 +811,8 @@ async def reseal_secrets(
     plain: bool = False,
     batch: int = RESEAL_BATCH,
 ) -> Resealed:
-    """Store every endpoint's secrets (signing secrets, client certificates' private keys)
-    sealed with the current key of ``keys`` (plain ones
+    """Store every endpoint's secrets (signing secrets, client certificates' private keys,
+    the values of credential headers) sealed with the current key of ``keys`` (plain ones
     and those of the previous key; ``plain``: opened, as before a key was set), ``batch``
     endpoints per transaction. Idempotent: a secret in the wanted form is left alone."""
     from .secretbox import SecretLocked, is_sealed, sealed_key_id
@@ -747,7 +828,14 @@ async def reseal_secrets(
             rows = await cur.fetchall()
             for row in rows:
                 endpoint_id = str(row["id"])
-                stored = {k: row[k] for k in ("secret", "secret_previous", "client_key")}
+                stored: dict[str | tuple[str, str], Any] = {
+                    k: row[k] for k in ("secret", "secret_previous", "client_key")
+                }
+                headers = row["headers"] if isinstance(row["headers"], Mapping) else {}
+                # Each credential header's value, under its name (a header is no column).
+                for name, value in headers.items():
+                    if isinstance(value, str) and value and credential_header(str(name)):
+                        stored[("headers", str(name))] = value
                 wanted = dict(stored)
                 for column, value in stored.items():
                     if value is None:
@@ -768,7 +856,15 @@ async def reseal_secrets(
                     if not plain and sealed_key_id(value) is not None:
                         done.rekeyed += 1
                 if wanted != stored:
-                    await conn.execute(query("endpoint_secrets_set"), {"id": endpoint_id, **wanted})
+                    params: dict[str, Any] = {"id": endpoint_id, "headers": Jsonb(row["headers"])}
+                    new_headers = dict(headers)
+                    for column, value in wanted.items():
+                        if isinstance(column, tuple):
+                            new_headers[column[1]] = value
+                            params["headers"] = Jsonb(new_headers)
+                        else:
+                            params[column] = value
+                    await conn.execute(query("endpoint_secrets_set"), params)
         if len(rows) < batch:
             return done
         after = str(rows[-1]["id"])

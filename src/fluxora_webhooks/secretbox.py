@@ -4,7 +4,9 @@ With a key configured, every secret the project writes to ``webhook_endpoints`` 
 and through a rotation ``secret_previous``) is stored as ``fxenc:v1:<key id>:<base64>``: the
 base64 (url-safe, unpadded) of a 12-byte nonce and the AES-256-GCM ciphertext with its tag,
 authenticated with the endpoint's id (a rotation's ``SET secret_previous = secret`` moves a
-sealed value between columns, so it is bound to the endpoint, not to the column). The key id
+sealed value between columns, so it is bound to the endpoint, not to the column). So is an
+endpoint's client certificate's private key, and the value of each of its custom headers
+that carries a credential (``endpoints.seal_headers``). The key id
 is a short hash of the key, so a reader picks the key that opens it: the current key, or
 ``WEBHOOK_ENCRYPTION_KEY_PREVIOUS`` during a key rotation (which opens, never seals).
 
@@ -194,6 +196,21 @@ NO_KEYS = Keyring()
 
 def is_sealed(stored: str) -> bool:
     return stored.startswith(PREFIX)
+
+
+def sealed_length(stored: str) -> int | None:
+    """How many bytes the plain value of a sealed one has, read from its length alone (no
+    key needed); None: not a sealed value this version reads."""
+    found = _SEALED.fullmatch(stored)
+    if found is None:
+        return None
+    body = found.group(2)
+    try:
+        data = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    size = len(data) - NONCE_BYTES - TAG_BYTES
+    return size if size >= 0 else None
 
 
 def sealed_key_id(stored: str) -> str | None:

@@ -30,7 +30,14 @@ from psycopg.rows import dict_row
 from .clientcerts import CertificateUnusable, ClientTls
 from .clientcerts import load as load_client_tls
 from .delivery import header_texts, secret_texts
-from .endpoints import DEFAULT_ID, OPERATOR_ID, OPERATOR_TENANT, Endpoint, check_headers
+from .endpoints import (
+    DEFAULT_ID,
+    OPERATOR_ID,
+    OPERATOR_TENANT,
+    Endpoint,
+    check_headers,
+    open_headers,
+)
 from .errors import ConfigError, EndpointError
 from .secretbox import NO_KEYS, Keyring, SecretLocked
 from .signing import Signer
@@ -503,8 +510,12 @@ class Targets:
         endpoint_id = str(row.get("id"))
         self._applied[endpoint_id] = (dict(row), time.time())
         try:
-            endpoint = Endpoint.from_row(row)  # its headers made readable: checked as stored
-            problem = _problem(endpoint, row["headers"])
+            # Its credential headers' values opened (once per reading of its row: a value
+            # no key here opens locks it, as its secret would), then made readable and
+            # checked as they are sent.
+            headers = open_headers(row["headers"], endpoint_id, self._keys)
+            endpoint = Endpoint.from_row({**row, "headers": headers})
+            problem = _problem(endpoint, headers)
             if problem is None:
                 tls = None if endpoint.builtin else self._client_tls(row)
                 # Its Signer refuses a secret empty once decoded.

@@ -201,7 +201,9 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     if client_cert is not None:
                         client_cert.check()
                     await endpoints.get(conn, args.id)
-                updated = await endpoints.update(conn, args.id, changes, allowed_networks=allowed)
+                updated = await endpoints.update(
+                    conn, args.id, changes, allowed_networks=allowed, keys=keys
+                )
                 if client_cert is not None or args.no_client_cert:
                     updated = await endpoints.set_client_certificate(
                         conn, args.id, client_cert, keys=keys

@@ -66,11 +66,13 @@ RETURNING *;
 
 -- name: endpoint_secrets_page
 -- `secrets encrypt|decrypt`: one page of the endpoints that store a secret (a signing
--- secret, or a client certificate's private key), by id, locked until the page is
--- rewritten (a rotation meanwhile waits, then moves the rewritten value).
-SELECT id, secret, secret_previous, client_key FROM webhook_endpoints
+-- secret, a client certificate's private key, custom headers that may hold credentials),
+-- by id, locked until the page is rewritten (a rotation or an update meanwhile waits,
+-- then moves or replaces the rewritten value).
+SELECT id, secret, secret_previous, client_key, headers FROM webhook_endpoints
 WHERE id > %(after)s
-  AND (secret IS NOT NULL OR secret_previous IS NOT NULL OR client_key IS NOT NULL)
+  AND (secret IS NOT NULL OR secret_previous IS NOT NULL OR client_key IS NOT NULL
+       OR headers <> '{}'::jsonb)
 ORDER BY id
 LIMIT %(limit)s
 FOR UPDATE;
@@ -79,7 +81,8 @@ FOR UPDATE;
 -- The same secrets in another stored form (sealed or plain): no change an endpoint's
 -- other readers see, so updated_at stays.
 UPDATE webhook_endpoints
-SET secret = %(secret)s, secret_previous = %(secret_previous)s, client_key = %(client_key)s
+SET secret = %(secret)s, secret_previous = %(secret_previous)s, client_key = %(client_key)s,
+    headers = %(headers)s
 WHERE id = %(id)s;
 
 -- name: endpoint_client_cert_set
