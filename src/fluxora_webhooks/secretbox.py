@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 class SecretLocked(ValueError):
     """A sealed secret that no configured key opens: sealed with another key (``key_id``),
-    or altered. The endpoint cannot be signed for until a key that opens it is configured;
+    or altered. The endpoint is not sent to until a key that opens it is configured;
     the message names the key id, never the secret."""
 
     def __init__(self, endpoint_id: str, key_id: str, why: str) -> None:

@@ -552,11 +552,12 @@ class Targets:
         return None
 
     def _lock(self, endpoint_id: str, exc: SecretLocked) -> None:
-        """An endpoint whose secret no key here opens: not sent to, its deliveries deferred
-        (the batch finds it neither known nor unusable, its row present), said once."""
+        """An endpoint whose secret (its client key, a credential header) no key here opens:
+        not sent to, its deliveries deferred (the batch finds it neither known nor
+        unusable, its row present), said once."""
         if self._locked.get(endpoint_id) != exc.key_id:
             log.error(
-                "endpoint %s cannot be signed: %s; its deliveries wait (kept, no attempt"
+                "endpoint %s cannot be sent to: %s; its deliveries wait (kept, no attempt"
                 " consumed) until a dispatcher runs with the key %s as WEBHOOK_ENCRYPTION_KEY"
                 " or WEBHOOK_ENCRYPTION_KEY_PREVIOUS",
                 endpoint_id,

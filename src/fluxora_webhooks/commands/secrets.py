@@ -1,6 +1,7 @@
-"""``fluxora-webhooks secrets``: the endpoints' signing secrets at rest (docs/security.md,
-"Secrets at rest"). ``new-key`` prints a new ``WEBHOOK_ENCRYPTION_KEY``; ``encrypt`` stores
-every endpoint secret sealed with it (plain ones, and those of
+"""``fluxora-webhooks secrets``: the endpoints' secrets at rest (signing secrets, client
+certificates' keys, credential header values; docs/security.md, "Secrets at rest").
+``new-key`` prints a new ``WEBHOOK_ENCRYPTION_KEY``; ``encrypt`` stores every endpoint
+secret sealed with it (plain ones, and those of
 ``WEBHOOK_ENCRYPTION_KEY_PREVIOUS`` after a key rotation); ``decrypt`` stores them all in
 plain text again, before the key is dropped. Both go in batches, are idempotent and print
 what they did."""
@@ -20,11 +21,12 @@ if TYPE_CHECKING:
     from ..secretbox import Keyring
 
 NAME = "secrets"
-HELP = "encrypt the endpoints' signing secrets at rest (WEBHOOK_ENCRYPTION_KEY)"
+HELP = "encrypt the endpoints' secrets at rest (WEBHOOK_ENCRYPTION_KEY)"
 DESCRIPTION = (
-    "With WEBHOOK_ENCRYPTION_KEY set, new and rotated endpoint secrets (signing secrets, and"
-    " the private keys of endpoints' client certificates) are stored encrypted"
-    " (AES-256-GCM). `new-key` prints a key; `encrypt` encrypts the secrets stored before"
+    "With WEBHOOK_ENCRYPTION_KEY set, new and rotated endpoint secrets (signing secrets,"
+    " the private keys of endpoints' client certificates and the values of credential"
+    " headers such as Authorization) are stored encrypted (AES-256-GCM). `new-key` prints"
+    " a key; `encrypt` encrypts the secrets stored before"
     " (and re-encrypts those of WEBHOOK_ENCRYPTION_KEY_PREVIOUS with the current key);"
     " `decrypt` stores them in plain text again, for dropping the key."
 )
