@@ -796,12 +796,25 @@ class Resealed:
     headers, :func:`credential_header`, each count): ``changed`` sealed with
     the current key (or opened, when decrypting), of which ``rekeyed`` were sealed with
     another key before; ``unchanged`` already in the wanted form; ``unreadable``: sealed
-    with a key this process does not have (endpoint id, key id), left as they are."""
+    with a key this process does not have (endpoint id, key id, which value: ``its
+    secret``, ``its previous secret``, ``its client certificate's private key``, ``the
+    value of its header NAME``), left as they are."""
 
     changed: int = 0
     rekeyed: int = 0
     unchanged: int = 0
-    unreadable: list[tuple[str, str]] = field(default_factory=list)
+    unreadable: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def _which_value(column: str | tuple[str, str]) -> str:
+    """A stored value's name as the ``secrets`` command says it (:class:`Resealed`)."""
+    if isinstance(column, tuple):
+        return f"the value of its header {column[1]}"
+    return {
+        "secret": "its secret",
+        "secret_previous": "its previous secret",
+        "client_key": "its client certificate's private key",
+    }.get(column, column)
 
 
 async def reseal_secrets(
@@ -849,7 +862,7 @@ async def reseal_secrets(
                     try:
                         opened = keys.open(value, endpoint_id)
                     except SecretLocked as exc:
-                        done.unreadable.append((endpoint_id, exc.key_id))
+                        done.unreadable.append((endpoint_id, exc.key_id, _which_value(column)))
                         continue
                     wanted[column] = opened if plain else keys.seal(opened, endpoint_id)
                     done.changed += 1

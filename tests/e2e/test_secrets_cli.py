@@ -76,7 +76,9 @@ async def test_encrypt_and_decrypt_move_the_stored_secrets(
     # Another key cannot open them: said by endpoint and key id, left as they are, exit 1.
     other = command_env(DATABASE_URL=database_url, WEBHOOK_ENCRYPTION_KEY=await _new_key())
     code, out = await run_command("secrets", "decrypt", env=other)
-    assert code == 1 and "endpoint ep_a" in out and key not in out, out
+    assert code == 1 and "endpoint ep_a: its secret is encrypted with key" in out, out
+    assert "endpoint ep_a: its previous secret is encrypted with key" in out
+    assert "3 could not be opened (below)" in out and key not in out, out
     assert await _secrets(database_url) == sealed
     # The way back, with the key as the previous one (it opens, never seals).
     back = command_env(DATABASE_URL=database_url, WEBHOOK_ENCRYPTION_KEY_PREVIOUS=key)

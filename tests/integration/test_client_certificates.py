@@ -269,10 +269,11 @@ async def test_the_api_takes_shows_replaces_and_removes_a_certificate_never_its_
     for key in (key_a, key_b):
         assert not any(_key_body(key)[:40] in text for text in api.seen)
         assert _key_body(key)[:40] not in caplog.text
-    # The audit says which certificate by its fingerprint.
+    # The audit says which certificate by its fingerprint, as it is created and replaced.
     assert f"client certificate of endpoint {endpoint_id} set (sha256 {_fingerprint(cert_b)})" in (
         caplog.text
     )
+    assert f"(client certificate sha256 {_fingerprint(cert_a)})" in caplog.text
 
 
 async def _dashboard_page(api: Api, path: str) -> str:
@@ -363,6 +364,8 @@ async def test_the_cli_reads_pem_files_and_refuses_what_it_cannot_use(
         (("--client-cert", files["junk.crt"], "--client-key", files["a.key"]), "--client-cert",
          "not a PEM certificate"),
         (("--client-cert", files["a.crt"]), "--client-key", "holds no private key"),
+        # Not a certificate at all, no --client-key: the certificate is what is wrong.
+        (("--client-cert", files["junk.crt"]), "--client-cert", "holds no PEM certificate"),
         (("--client-cert", tmp_path / "none.crt", "--client-key", files["a.key"]),
          "--client-cert", "cannot read"),
     ]  # fmt: skip

@@ -256,6 +256,11 @@ def _client_cert(args: argparse.Namespace) -> Any:
             chain, read(args.client_key, "--client-key"), ("client_cert", "client_key")
         )
     certs, key = split_pem(chain)
+    if "-----BEGIN CERTIFICATE-----" not in certs:
+        raise ConfigError(
+            "--client-cert",
+            f"{args.client_cert} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+        )
     if key is None:
         raise ConfigError(
             "--client-key",

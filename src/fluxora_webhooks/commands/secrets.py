@@ -99,22 +99,29 @@ def _report(done: Resealed, keys: Keyring, *, plain: bool, as_json: bool) -> int
                     **counts,
                     "unchanged": done.unchanged,
                     "unreadable": len(done.unreadable),
-                    "unreadable_endpoints": [{"id": i, "key_id": k} for i, k in unreadable],
+                    "unreadable_endpoints": [
+                        {"id": i, "key_id": k, "value": v} for i, k, v in unreadable
+                    ],
                 }
             )
         )
-    elif plain:
-        print(f"decrypted {done.changed} secret(s); {done.unchanged} were in plain text already")
     else:
-        assert keys.current is not None
+        left = f"; {len(unreadable)} could not be opened (below)" if unreadable else ""
+        if plain:
+            print(
+                f"decrypted {done.changed} secret(s); {done.unchanged} were in plain text"
+                f" already{left}"
+            )
+        else:
+            assert keys.current is not None
+            print(
+                f"encrypted {done.changed - done.rekeyed} plain secret(s) and re-encrypted"
+                f" {done.rekeyed} with key {keys.current.id}; {done.unchanged} were encrypted"
+                f" with it already{left}"
+            )
+    for endpoint_id, key_id, which in unreadable:
         print(
-            f"encrypted {done.changed - done.rekeyed} plain secret(s) and re-encrypted"
-            f" {done.rekeyed} with key {keys.current.id}; {done.unchanged} were encrypted with"
-            " it already"
-        )
-    for endpoint_id, key_id in unreadable:
-        print(
-            f"fluxora-webhooks: endpoint {endpoint_id}: its secret is encrypted with key"
+            f"fluxora-webhooks: endpoint {endpoint_id}: {which} is encrypted with key"
             f" {key_id}, which is neither {KEY_VARIABLE} nor {PREVIOUS_KEY_VARIABLE}: left as"
             " it is",
             file=sys.stderr,

@@ -111,7 +111,16 @@ async def create_endpoint(
             ("client_certificate.certificate", "client_certificate.private_key"),
         ),
     )
-    audit("endpoint %s created for tenant %r", endpoint.id, endpoint.tenant, who=who.name)
+    certificate = endpoint.client_certificate()  # never the key: its fingerprint
+    audit(
+        "endpoint %s created for tenant %r%s",
+        endpoint.id,
+        endpoint.tenant,
+        ""
+        if certificate is None
+        else f" (client certificate sha256 {certificate.get('fingerprint_sha256')})",
+        who=who.name,
+    )
     return {**endpoint.as_json(), "secret": secret}
 
 
