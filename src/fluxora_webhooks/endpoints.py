@@ -213,11 +213,7 @@ def open_headers(stored: Any, endpoint_id: str, keys: Keyring) -> Any:
             and credential_header(key)
             and is_sealed(value)
         ):
-            try:
-                value = keys.open(value, endpoint_id)
-            except SecretLocked as exc:
-                why = str(exc).replace("its secret", f"the value of its header {key}", 1)
-                raise SecretLocked(endpoint_id, exc.key_id, why) from None
+            value = keys.open(value, endpoint_id, f"the value of its header {key}")
         out[key] = value
     return out
 
@@ -828,7 +824,7 @@ async def reseal_secrets(
     the values of credential headers) sealed with the current key of ``keys`` (plain ones
     and those of the previous key; ``plain``: opened, as before a key was set), ``batch``
     endpoints per transaction. Idempotent: a secret in the wanted form is left alone."""
-    from .secretbox import SecretLocked, is_sealed, sealed_key_id
+    from .secretbox import is_sealed, sealed_key_id
 
     if not plain and keys.current is None:
         raise ConfigError("WEBHOOK_ENCRYPTION_KEY", "is required to encrypt the secrets")

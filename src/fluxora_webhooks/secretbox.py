@@ -144,15 +144,16 @@ class Keyring:
         body = base64.urlsafe_b64encode(nonce + sealed).decode().rstrip("=")
         return f"{PREFIX}{_VERSION}:{self.current.id}:{body}"
 
-    def open(self, stored: str, endpoint_id: str) -> str:
+    def open(self, stored: str, endpoint_id: str, what: str = "its secret") -> str:
         """The plain secret of a stored value (a plain one as it is). A sealed one no
-        configured key opens raises :class:`SecretLocked`."""
+        configured key opens raises :class:`SecretLocked`, whose message says ``what`` the
+        value is (``its client certificate's private key``, ``the value of its header X``)."""
         if not is_sealed(stored):
             return stored
         found = _SEALED.fullmatch(stored)
         if found is None:
             raise SecretLocked(
-                endpoint_id, "unknown", "its secret is an encrypted value this version cannot read"
+                endpoint_id, "unknown", f"{what} is an encrypted value this version cannot read"
             )
         wanted, body = found.groups()
         keys = self._opening(wanted)
@@ -160,7 +161,7 @@ class Keyring:
             raise SecretLocked(
                 endpoint_id,
                 wanted,
-                f"its secret is encrypted with key {wanted}, which is neither {KEY_VARIABLE}"
+                f"{what} is encrypted with key {wanted}, which is neither {KEY_VARIABLE}"
                 f" nor {PREVIOUS_KEY_VARIABLE} here",
             )
         from cryptography.exceptions import InvalidTag
@@ -182,7 +183,7 @@ class Keyring:
         raise SecretLocked(
             endpoint_id,
             wanted,
-            f"its secret, encrypted with key {wanted}, does not open with that key (altered,"
+            f"{what}, encrypted with key {wanted}, does not open with that key (altered,"
             " or copied from another endpoint)",
         )
 

@@ -279,12 +279,7 @@ def _plain_client_cert(row: Mapping[str, Any], keys: Keyring) -> tuple[str, str]
         return None
     if not isinstance(chain, str) or not isinstance(key, str) or not chain or not key:
         raise CertificateUnusable("its client certificate lacks its certificate or its key")
-    endpoint_id = str(row["id"])
-    try:
-        return chain, keys.open(key, endpoint_id)
-    except SecretLocked as exc:
-        why = str(exc).replace("its secret", "its client certificate's private key", 1)
-        raise SecretLocked(endpoint_id, exc.key_id, why) from None
+    return chain, keys.open(key, str(row["id"]), "its client certificate's private key")
 
 
 def _tls_key(chain: str, key: str) -> str:

@@ -310,10 +310,7 @@ async def test_the_api_refuses_a_certificate_it_cannot_use_naming_the_field(
     created = await api.post("/api/v1/endpoints", json={"url": URL}, token="acme")
     path = f"/api/v1/endpoints/{created.body['id']}/client-certificate"
     for body, field, words in cases:
-        put = await api.call("PUT", path, json=body, token="acme")
-        assert (put.status, put.error_code) == (422, "validation_error"), put.text
-        assert put.body["error"]["message"].startswith(f"{field}: "), put.text
-        assert words in put.body["error"]["message"], put.text
+        await _refused(api, path, body, field, words)
         post = await api.post(
             "/api/v1/endpoints", json={"url": URL, "client_certificate": body}, token="acme"
         )
@@ -577,10 +574,7 @@ async def test_the_api_refuses_certificates_tls_clients_cannot_present_naming_th
     created = await api.post("/api/v1/endpoints", json={"url": URL}, token="acme")
     path = f"/api/v1/endpoints/{created.body['id']}/client-certificate"
     for body, field, words in cases:
-        put = await api.call("PUT", path, json=body, token="acme")
-        assert (put.status, put.error_code) == (422, "validation_error"), put.text
-        assert put.body["error"]["message"].startswith(f"{field}: "), put.text
-        assert words in put.body["error"]["message"], put.text
+        await _refused(api, path, body, field, words)
     assert await rows(
         api.database_url, "SELECT count(*) FROM webhook_endpoints WHERE client_cert IS NOT NULL"
     ) == [(0,)]
@@ -594,3 +588,11 @@ async def test_the_api_refuses_certificates_tls_clients_cannot_present_naming_th
         token="acme",
     )
     assert good.status == 200, good.text
+
+
+async def _refused(api: Api, path: str, body: dict[str, str], field: str, words: str) -> None:
+    """A PUT of ``body`` answered 422, its message naming ``field`` and saying ``words``."""
+    put = await api.call("PUT", path, json=body, token="acme")
+    assert (put.status, put.error_code) == (422, "validation_error"), put.text
+    assert put.body["error"]["message"].startswith(f"{field}: "), put.text
+    assert words in put.body["error"]["message"], put.text

@@ -21,6 +21,7 @@ from fluxora_webhooks.secretbox import Keyring, keyring_from_env, new_key
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import (
+    deferred,
     enqueue_many,
     make_settings,
     rows,
@@ -251,13 +252,7 @@ async def test_a_header_no_key_opens_holds_its_deliveries(
     wrong = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keyring(new_key()))
 
     async def held() -> bool:
-        waiting = await scalar(
-            database_url,
-            "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed"
-            " AND created_at > now()",
-            (locked.id,),
-        )
-        return bool(waiting == 1)
+        return await deferred(database_url, locked.id) == 1
 
     async with running_dispatcher(wrong, database_url):
         await wait_until(held, what="the locked endpoint's delivery deferred")

@@ -16,6 +16,7 @@ from fluxora_webhooks.secretbox import NO_KEYS, Keyring, keyring_from_env, new_k
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import (
+    deferred,
     enqueue_many,
     make_settings,
     rows,
@@ -179,13 +180,7 @@ async def test_a_secret_no_key_opens_holds_its_deliveries_and_names_the_key(
     wrong = make_settings("", allowed_networks=LOOPBACK, encryption_keys=keyring(new_key()))
 
     async def held() -> bool:
-        waiting = await scalar(
-            database_url,
-            "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed"
-            " AND created_at > now()",
-            (locked.id,),
-        )
-        return bool(waiting == 1)
+        return await deferred(database_url, locked.id) == 1
 
     async with running_dispatcher(wrong, database_url):
         await receiver.wait_for(1)  # the other endpoint of the tenant is sent to

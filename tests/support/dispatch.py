@@ -101,3 +101,15 @@ async def pending(database_url: str) -> int:
     return int(
         await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")
     )
+
+
+async def deferred(database_url: str, endpoint_id: str) -> int:
+    """The endpoint's deliveries waiting for a later time (deferred or held), unprocessed."""
+    return int(
+        await scalar(
+            database_url,
+            "SELECT count(*) FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed"
+            " AND created_at > now()",
+            (endpoint_id,),
+        )
+    )
