@@ -23,6 +23,12 @@ _UNLIMITED_NOFILE = 1 << 20
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
 
+def stopped_by(sig: signal.Signals | None) -> str:
+    """The words " on SIGTERM" for a stop's log line ("stopping on SIGTERM: ..."); "" for a stop
+    asked in code."""
+    return f" on {sig.name}" if sig is not None else ""
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask: what a container or taskset
     allows), not the machine's count."""

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from .dispatcher import Dispatcher, unless_stopping
 from .endpoints import BUILTIN_SEEN_S, DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
-from .host import STOP_SIGNALS, raise_open_files_limit
+from .host import STOP_SIGNALS, raise_open_files_limit, stopped_by
 from .migrations import (
     READ_ONLY_HINT,
     check_dispatcher_privileges,
@@ -425,7 +426,7 @@ class Service:
         loop = asyncio.get_running_loop()
         if install_signals:  # before anything slow, so a signal during start-up is clean
             for sig in STOP_SIGNALS:
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self.stop, sig)
         gate: DeliveryGate = OpenGate()
         background: Any = None
         task: asyncio.Task[None] | None = None
@@ -577,14 +578,15 @@ class Service:
             said += f", secrets sealed with key {key.id}"
         return said
 
-    def stop(self) -> None:
-        """First call: drain and stop. A second call: stop at once."""
+    def stop(self, sig: signal.Signals | None = None) -> None:
+        """First call: drain and stop. A second call: stop at once. ``sig``: the signal
+        that asked, named in the log line (an operator reads who stopped the process)."""
         if not hasattr(self, "_stop_requested"):
             return
         if self._stop_requested.is_set():
             self._forced.set()
             return
-        log.info("stopping: finishing the in-flight batch")
+        log.info("stopping%s: finishing the in-flight batch", stopped_by(sig))
         self._stop_requested.set()
         if self.dispatcher is not None:
             self.dispatcher.stop()

@@ -49,7 +49,7 @@ from prometheus_client import (
 
 from . import logs, metrics
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
-from .host import STOP_SIGNALS
+from .host import STOP_SIGNALS, stopped_by
 from .migrations import (
     check_dispatcher_privileges,
     check_schema,
@@ -233,7 +233,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         if install_signals:
             for sig in STOP_SIGNALS:
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self.stop, sig)
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
         logs.add_sensitive_url(self.settings.webhook_url)
         register_engine_secrets(self.database_url, self.redis_url)
@@ -296,11 +296,12 @@ class Supervisor:
             await self._api.stop()
             self._api = None
 
-    def stop(self) -> None:
-        """First call: the workers drain. Later calls: they stop at once."""
+    def stop(self, sig: signal.Signals | None = None) -> None:
+        """First call: the workers drain. Later calls: they stop at once. ``sig``: the
+        signal that asked, named in the log line."""
         self._signals += 1
         if self._signals == 1:
-            log.info("stopping: the workers finish their in-flight batches")
+            log.info("stopping%s: the workers finish their in-flight batches", stopped_by(sig))
             self._stopping.set()
         self._signal_workers(signal.SIGTERM)
 

@@ -1,5 +1,6 @@
 """SIGQUIT stops `run` as SIGTERM does (docs/operations.md, "Stopping"): sent while batches
-are in flight, to one process or to a supervisor, it drains them and exits 0; every request
+are in flight, to one process or to a supervisor, it drains them and exits 0 (its log names
+the signal); every request
 the consumer got is recorded once, nothing is left claimed under a lease, and no worker
 outlives the supervisor."""
 
@@ -66,6 +67,12 @@ async def test_sigquit_drains_the_in_flight_batches_and_exits_0(
     assert tracebacks(log) == 0 and "abandoning" not in log, log
     # Each process said it stopped: the one, or the supervisor and each worker.
     assert log.count(": stopped") == (workers + 1 if workers > 1 else 1), log
+    # Who stopped it: the signal sent, and each worker's from its supervisor.
+    if workers > 1:
+        assert log.count("stopping on SIGQUIT: the workers finish") == 1, log
+        assert log.count("stopping on SIGTERM: finishing the in-flight batch") == workers, log
+    else:
+        assert log.count("stopping on SIGQUIT: finishing the in-flight batch") == 1, log
     assert not any(psutil.pid_exists(pid) for pid in children), "a worker outlived run"
     # Every request the consumer got is recorded as delivered, once; the rest waits, due and
     # claimable at once (no lease left behind).
