@@ -369,6 +369,28 @@ RETENTION_RUNS = Counter(
 )
 
 
+# -- the management API (api/, where it runs: `api`, or `run` with WEBHOOK_API_PORT) ------
+# Labelled by the route's template (/api/v1/endpoints/{endpoint_id}), never by a path: an
+# id, a tenant or a query never becomes a label. No label value is created at import: a
+# worker never serves the API, and a series it created would come back from its files.
+
+API_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+API_REQUESTS = Counter(
+    "fluxora_api_requests",
+    "Requests the management API answered, by method, route template (none: answered before "
+    "routing, or no route takes it) and status; 429 is the request rate limit "
+    "(WEBHOOK_API_RATE_LIMIT).",
+    ["method", "route", "status"],
+    registry=REGISTRY,
+)
+API_REQUEST_DURATION = Histogram(
+    "fluxora_api_request_duration_seconds",
+    "Time from a request's arrival to the end of its answer, by method and route template.",
+    ["method", "route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
+)
+
 # -- the supervisor (WEBHOOK_WORKERS above 1) -----------------------------------------
 
 WORKERS = Gauge(

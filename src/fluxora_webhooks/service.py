@@ -81,7 +81,8 @@ async def serve_health(settings: Settings, **handlers: Any) -> tuple[web.AppRunn
         raise cannot_listen("METRICS", host, port, exc) from None
     server: Any = site._server
     bound = int(server.sockets[0].getsockname()[1])
-    log.info("metrics and health on http://%s:%d", host, bound)
+    paths = ", ".join(f"/{name}" for name in handlers)
+    log.info("%s on http://%s:%d", paths, host, bound)
     return runner, bound
 
 

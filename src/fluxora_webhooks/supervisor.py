@@ -217,11 +217,14 @@ class Supervisor:
         self.exit_code = 0
         self._ever_ready = False  # whether any worker has reported ready
         self._readers: set[asyncio.Task[None]] = set()
-        # What /metrics shows: the workers' files, and the supervisor's own two series
-        # (no worker has a sample of them: see metrics.py).
+        # What /metrics shows: the workers' files, and the supervisor's own series (no
+        # worker has a sample of them: see metrics.py), the API's when it serves it.
         self._registry = CollectorRegistry()
-        self._registry.register(metrics.WORKERS)
-        self._registry.register(metrics.WORKER_RESTARTS)
+        for own in (metrics.WORKERS, metrics.WORKER_RESTARTS):
+            self._registry.register(own)
+        if self.settings.api_port is not None:
+            self._registry.register(metrics.API_REQUESTS)
+            self._registry.register(metrics.API_REQUEST_DURATION)
         # The per-endpoint series are read here, not by a worker (see metrics.py).
         self._registry.register(metrics.ENDPOINTS_COLLECTOR)
         self._endpoints_read_at = -GAUGE_REFRESH_S

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -15,15 +14,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.support.procs import command_env, dispatcher_env, run_command, start_dispatcher
+from tests.support.procs import (
+    command_env,
+    dispatcher_env,
+    free_port,
+    run_command,
+    start_dispatcher,
+)
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_for_api(url: str, token: str, timeout: float = 30) -> dict[str, object]:
@@ -41,6 +40,23 @@ async def wait_for_api(url: str, token: str, timeout: float = 30) -> dict[str, o
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
+
+
+async def scrape(port: int) -> str:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+    ):
+        assert resp.status == 200
+        return await resp.text()
+
+
+def api_requests(text: str, route: str, status: int) -> float:
+    """fluxora_api_requests_total's value for GET ``route`` answered ``status`` (0: none)."""
+    sample = f'fluxora_api_requests_total{{method="GET",route="{route}",status="{status}"}} '
+    found = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample)]
+    assert len(found) <= 1, text
+    return found[0] if found else 0.0
 
 
 async def test_tokens_create_list_revoke(database_url: str) -> None:
@@ -85,12 +101,12 @@ async def test_the_api_command_serves_and_stops_on_sigterm(
     code, out = await run_command("tokens", "create", "--name", "ops", "--json", env=env)
     assert code == 0, out
     token = json.loads(out)["token"]
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = tmp_path / "api.log"
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "fluxora_webhooks", "api"),
-            env={**env, "WEBHOOK_API_PORT": str(port)},
+            env={**env, "WEBHOOK_API_PORT": str(port), "WEBHOOK_METRICS_PORT": str(metrics_port)},
             stdout=sink,
             stderr=asyncio.subprocess.STDOUT,
         )
@@ -101,6 +117,15 @@ async def test_the_api_command_serves_and_stops_on_sigterm(
             "reachable": False,
             "error": "REDIS_URL is not set",
         }
+        # Its requests on WEBHOOK_METRICS_PORT, set here; no dispatcher's series (it has
+        # none), and nothing on its own port, which says nothing without a token.
+        text = await scrape(metrics_port)
+        assert api_requests(text, "/api/v1/stats", 200) == 1, text
+        assert "fluxora_api_request_duration_seconds_bucket" in text
+        assert "fluxora_webhook_deliveries" not in text and token not in text
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                assert resp.status == 404
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 15) == 0
@@ -118,7 +143,7 @@ async def test_run_serves_the_api_beside_its_workers(
     )
     assert code == 0, out
     token = json.loads(out)["token"]
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     env = dispatcher_env(
         with_plain_parameters(database_url),
         redis_url,
@@ -126,11 +151,18 @@ async def test_run_serves_the_api_beside_its_workers(
         redis_prefix,
         WEBHOOK_WORKERS="2",
         WEBHOOK_API_PORT=str(port),
+        WEBHOOK_METRICS_PORT=str(metrics_port),
     )
     proc = await start_dispatcher(env, tmp_path / "run.log")
     try:
         stats = await wait_for_api(f"http://127.0.0.1:{port}", token)
         assert stats["redis"] == {"configured": True, "reachable": True, "error": None}
+        # The API's series on the run's metrics port, once (the supervisor serves the
+        # API; the workers' files hold none of them), beside the dispatchers'.
+        text = await scrape(metrics_port)
+        assert text.count("# HELP fluxora_api_requests_total ") == 1, text
+        assert api_requests(text, "/api/v1/stats", 200) == 1, text
+        assert "fluxora_webhook_workers" in text
     finally:
         started = time.monotonic()
         proc.terminate()

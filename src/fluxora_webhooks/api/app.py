@@ -27,6 +27,7 @@ from ..pgtypes import SESSION_SETTINGS_SQL, read_far_timestamps, session_name
 from ..settings import API_RATE_LIMIT, Settings
 from . import errors
 from .deps import FAILED_AUTH_PER_S, ApiState, FailureThrottle
+from .measured import ROUTED, Measured
 from .ratelimit import RateLimit
 
 log = logging.getLogger("fluxora_webhooks.api")
@@ -173,7 +174,9 @@ class Guard:
         reading = _READING.set(scope.get("method") in ("GET", "HEAD"))
         if head:
             # HEAD is answered as GET without the body (RFC 9110): the routes declare GET.
-            scope = {**scope, "method": "GET"}
+            # A scope of its own (the server reads the method in its own to send no body),
+            # where Measured, around this, finds the route chosen.
+            scope[ROUTED] = scope = {**scope, "method": "GET"}
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         received = 0
         started = False
@@ -367,6 +370,8 @@ def create_app(config: ApiConfig) -> FastAPI:
     # Inside the Guard: a 429 carries the security headers too.
     app.add_middleware(RateLimit, limit=config.rate_limit, html_error=render.error_page)
     app.add_middleware(Guard, html_error=render.error_page, body_timeout_s=config.body_timeout_s)
+    # Outermost: the Guard's 413s and 500s are answers too.
+    app.add_middleware(Measured, prefix=API_PREFIX)
     _require_token_for_openapi(app)
     _install_probes(app)
     return app

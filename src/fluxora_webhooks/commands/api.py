@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import ConfigError
 from .common import check_database, engines, run_async
@@ -72,7 +73,13 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
-        await server.start()
+        web = await _serve_metrics(settings) if "WEBHOOK_METRICS_PORT" in env else None
+        try:
+            await server.start()
+        except BaseException:
+            if web is not None:
+                await web.cleanup()
+            raise
         if settings.log_format == "text":
             # With LOG_FORMAT=json every line is a JSON record (a container's log collector
             # reads standard output and error as one stream): the record above says it.
@@ -81,6 +88,34 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             await stop.wait()
         finally:
             await server.stop()
+            if web is not None:
+                await web.cleanup()
         return 0
 
     return run_async(main())
+
+
+async def _serve_metrics(settings: Any) -> Any:
+    """The API's request series on WEBHOOK_METRICS_HOST:WEBHOOK_METRICS_PORT, only when
+    WEBHOOK_METRICS_PORT is set (``run``'s default port is often taken by a ``run`` beside
+    it); not on the API's own port, which says nothing about the deployment without a token.
+    0 turns it off, as for ``run``."""
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    from .. import metrics
+    from ..service import serve_health
+
+    if not settings.metrics_port:
+        return None
+    metrics.without_created_series()
+    registry = CollectorRegistry()
+    for own in (metrics.BUILD_INFO, metrics.API_REQUESTS, metrics.API_REQUEST_DURATION):
+        registry.register(own)
+
+    async def scrape(request: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    runner, _ = await serve_health(settings, metrics=scrape)
+    return runner
