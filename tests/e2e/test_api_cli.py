@@ -123,9 +123,11 @@ async def test_the_api_command_serves_and_stops_on_sigterm(
         assert api_requests(text, "/api/v1/stats", 200) == 1, text
         assert "fluxora_api_request_duration_seconds_bucket" in text
         assert "fluxora_webhook_deliveries" not in text and token not in text
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                assert resp.status == 404
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            assert resp.status == 404
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 15) == 0
