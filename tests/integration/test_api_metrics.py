@@ -56,7 +56,7 @@ async def test_each_answer_is_counted_by_its_route_template_and_status(database_
             assert r.status == 413
         unauthenticated = await api.get("/api/v1/endpoints", token=None)
         assert unauthenticated.status == 401
-        statuses = []
+        statuses: list[int] = []
         while not statuses or statuses[-1] != 429:
             statuses.append((await api.get("/api/v1/endpoints", token="acme")).status)
             assert len(statuses) < 20, statuses
