@@ -218,6 +218,34 @@ def open_headers(stored: Any, endpoint_id: str, keys: Keyring) -> Any:
     return out
 
 
+def locked_values(endpoint: Endpoint, keys: Keyring) -> list[tuple[str, SecretLocked]]:
+    """Why a process holding ``keys`` cannot send to ``endpoint``: each stored value a
+    request needs that none of ``keys`` opens (its secret, its previous secret while that
+    still signs, its client certificate's key, a credential header's value), as the
+    dispatcher reads them (targets). Empty: nothing locked. Each is the value's name
+    (``its secret``) and why it does not open (its key id, never the value)."""
+    needed: list[tuple[str | None, str]] = [
+        (endpoint.secret, "its secret"),
+        (endpoint.client_key, "its client certificate's private key"),
+    ]
+    until = endpoint.previous_until
+    if until is not None and until > datetime.now(UTC):
+        needed.append((endpoint.secret_previous, "its previous secret (still signing)"))
+    needed += [
+        (value, f"the value of its header {name}")
+        for name, value in endpoint.headers.items()
+        if credential_header(name)
+    ]
+    found: list[tuple[str, SecretLocked]] = []
+    for stored, what in needed:
+        if stored and is_sealed(stored):
+            try:
+                keys.open(stored, endpoint.id, what)
+            except SecretLocked as exc:
+                found.append((what, exc))
+    return found
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One registered endpoint. ``secret`` never appears in :meth:`as_json` or ``repr``.
@@ -739,6 +767,17 @@ def keep_previous_ms(text: str, name: str = "keep_previous") -> int:
     return 0 if keep == "0" else parse_duration_ms(keep, name, high_ms=MAX_KEEP_PREVIOUS_MS)
 
 
+def _unreadable(stored: str | None, endpoint_id: str, keys: Keyring) -> bool:
+    """Whether ``stored`` is sealed and no key of ``keys`` opens it."""
+    if not stored or not is_sealed(stored):
+        return False
+    try:
+        keys.open(stored, endpoint_id)
+    except SecretLocked:
+        return True
+    return False
+
+
 async def rotate_secret(
     conn: psycopg.AsyncConnection[Any],
     endpoint_id: str,
@@ -752,7 +791,8 @@ async def rotate_secret(
     ``keep_previous_ms``. Returns the endpoint and the new secret, shown this once. The
     new secret is stored sealed as :func:`create` stores one; the old one moves to
     ``secret_previous`` as it was stored (a sealed value is bound to the endpoint, not to
-    its column)."""
+    its column), unless it is kept no time and none of ``keys`` (configured) opens it: a
+    lost key's secret, then dropped."""
     current = await get(conn, endpoint_id, tenant=tenant)
     if current.builtin:
         if endpoint_id == DEFAULT_ID:
@@ -765,15 +805,19 @@ async def rotate_secret(
     if not 0 <= keep_previous_ms <= MAX_KEEP_PREVIOUS_MS:
         raise ConfigError("keep_previous", "must be from 0 to 30 days")
     chosen = check_secret(secret) if secret is not None else new_secret()
+    keyring = keys or environ_keyring()
     row = await _one(
         conn,
         "endpoint_rotate",
         {
             "id": endpoint_id,
-            "secret": (keys or environ_keyring()).seal(
-                chosen, endpoint_id, replacing=current.secret
-            ),
+            "secret": keyring.seal(chosen, endpoint_id, replacing=current.secret),
             "keep_ms": keep_previous_ms,
+            # A lost key's secret replaced at once (docs/security.md): not kept as the
+            # previous one, where `secrets encrypt|decrypt` would still find it unreadable.
+            "drop_previous": keep_previous_ms == 0
+            and keyring.configured
+            and _unreadable(current.secret, endpoint_id, keyring),
             **_scope(tenant),
         },
     )

@@ -10,6 +10,7 @@ import html as markup
 import ipaddress
 import re
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from fluxora_webhooks import deliveries, tokens
 from fluxora_webhooks.metrics import DEAD_LETTER_REASONS
+from fluxora_webhooks.secretbox import keyring_from_env, new_key
 from tests.support.api import Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
 from tests.support.receiver import Receiver
@@ -561,3 +563,113 @@ async def test_a_custom_headers_credential_is_never_on_a_page_and_the_form_keeps
         database_url, "SELECT headers FROM webhook_endpoints WHERE id = %s", (endpoint_id,)
     )
     assert stored == {"Authorization": "Bearer page-s3cr3t-value", "X-Team": "ops"}
+
+
+# -- what keeps an endpoint from being sent to ----------------------------------------------
+
+
+async def test_a_certificate_that_expired_while_set_is_shown_expired(
+    api: Api, portal: Portal, database_url: str
+) -> None:
+    """An endpoint's client certificate past its expiry (it expired while set: the API
+    refuses an expired one) is said to have expired, not to be 'valid until' a past day."""
+    import trustme
+
+    client_ca = trustme.CA()
+    current = client_ca.issue_cert("bank-customer.example")
+    made = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": "https://a.example.com/hook",
+            "tenant": "acme",
+            "client_certificate": {
+                "certificate": current.cert_chain_pems[0].bytes().decode(),
+                "private_key": current.private_key_pem.bytes().decode(),
+            },
+        },
+    )
+    assert made.status == 201, made.text
+    endpoint_id = made.body["id"]
+    await portal.sign_in("acme")
+    _, html, _ = await portal.get(f"/endpoints/{endpoint_id}")
+    assert "valid until 3000-01-01" in field(html, "client-certificate")
+    assert 'id="certificate-expired"' not in html
+    now = datetime.now(UTC)
+    lapsed = client_ca.issue_cert(
+        "bank-customer.example",
+        not_before=now - timedelta(days=30),
+        not_after=now - timedelta(days=1),
+    )
+    await execute(
+        database_url,
+        "UPDATE webhook_endpoints SET client_cert = %s WHERE id = %s",
+        (lapsed.cert_chain_pems[0].bytes().decode(), endpoint_id),
+    )
+    _, html, _ = await portal.get(f"/endpoints/{endpoint_id}")
+    shown = field(html, "client-certificate")
+    assert f"expired on {(now - timedelta(days=1)):%Y-%m-%d}" in shown, shown
+    assert "valid until" not in shown and 'id="certificate-expired"' in html
+
+
+async def test_a_locked_endpoint_says_which_value_no_key_opens_and_how_to_free_it(
+    api: Api, portal: Portal, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint whose secret and credential header are sealed with a key this server
+    does not have: its page says it cannot be sent to, naming each value (and to an admin
+    the key id), with the way out (a rotation with no time for the old secret, the header
+    typed again); the list marks it. Once given new values, nothing is said."""
+    lost, here = new_key(), new_key()
+    monkeypatch.setenv("WEBHOOK_ENCRYPTION_KEY", lost)
+    locked = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": "https://a.example.com/hook",
+            "tenant": "acme",
+            "headers": {"Authorization": "Bearer locked-s3cr3t-value"},
+        },
+    )
+    assert locked.status == 201, locked.text
+    locked_id = locked.body["id"]
+    monkeypatch.setenv("WEBHOOK_ENCRYPTION_KEY", here)  # the lost key is gone
+    fine_id = await add_endpoint(api, "https://b.example.com/hook")
+    lost_id = keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": lost}).current
+    assert lost_id is not None
+
+    await portal.sign_in("acme")
+    _, html, _ = await portal.get(f"/endpoints/{locked_id}")
+    notice = markup.unescape(re.sub(r"<[^>]+>", "", html.split('id="locked"', 1)[1]))
+    notice = notice.split("</section>", 1)[0]
+    assert "It cannot be sent to" in notice and "its secret" in notice
+    assert "the value of its header Authorization" in notice
+    assert "WEBHOOK_ENCRYPTION_KEY" not in notice  # a tenant is not told the operator's settings
+    assert f'href="/endpoints/{locked_id}/rotate?keep_previous=0"' in html
+    assert f'href="/endpoints/{locked_id}/edit"' in html and "locked-s3cr3t-value" not in html
+    _, html, _ = await portal.get("/endpoints")
+    assert f'href="/endpoints/{locked_id}#locked"' in html
+    assert f'href="/endpoints/{fine_id}#locked"' not in html
+    _, html, _ = await portal.get(f"/endpoints/{fine_id}")
+    assert 'id="locked"' not in html
+
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
+        admin = Portal(api, session)
+        await admin.sign_in("admin")
+        _, html, _ = await admin.get(f"/endpoints/{locked_id}")
+        assert f"encrypted with key {lost_id.id}" in html and "WEBHOOK_ENCRYPTION_KEY" in html
+
+    # Freed: a new secret (the old one kept signing no time) and the header typed again.
+    rotated = await api.post(
+        f"/api/v1/endpoints/{locked_id}/rotate-secret", json={"keep_previous": "0"}
+    )
+    assert rotated.status == 200, rotated.text
+    _, html, _ = await portal.get(f"/endpoints/{locked_id}")
+    assert "its secret" not in html.split('id="locked"', 1)[1].split("</section>", 1)[0]
+    changed = await api.call(
+        "PATCH",
+        f"/api/v1/endpoints/{locked_id}",
+        json={"headers": {"Authorization": "Bearer new-value"}},
+    )
+    assert changed.status == 200, changed.text
+    _, html, _ = await portal.get(f"/endpoints/{locked_id}")
+    assert 'id="locked"' not in html
+    _, html, _ = await portal.get("/endpoints")
+    assert f'href="/endpoints/{locked_id}#locked"' not in html

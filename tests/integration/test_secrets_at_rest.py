@@ -249,3 +249,36 @@ async def test_a_rotation_by_a_process_without_the_key_keeps_the_old_secret_and_
     assert keys.current is not None
     sealed, previous, _ = await stored(database_url, endpoint.id)
     assert sealed.startswith(f"fxenc:v1:{keys.current.id}:") and previous == column
+
+
+async def test_a_lost_keys_secret_rotated_with_no_time_is_gone_and_encrypt_succeeds(
+    database_url: str, receiver: Receiver
+) -> None:
+    """The documented way out of a lost key (`rotate-secret --keep-previous 0`) replaces
+    the secret no key opens: it is not kept as the previous one, so `secrets encrypt`
+    finds nothing unreadable afterwards (it named that previous secret and exited 1 for
+    good); a rotation that keeps the old one a while still keeps it."""
+    lost, here = keyring(new_key()), keyring(new_key())
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = await endpoints.create(
+            conn, url=receiver.url, tenant="lost", allowed_networks=LOOPBACK, keys=lost
+        )
+        kept, _ = await endpoints.create(
+            conn, url=receiver.url, tenant="lost", allowed_networks=LOOPBACK, keys=lost
+        )
+        _, rotated = await endpoints.rotate_secret(conn, endpoint.id, keep_previous_ms=0, keys=here)
+        await endpoints.rotate_secret(conn, kept.id, keep_previous_ms=3_600_000, keys=here)
+        done = await endpoints.reseal_secrets(conn, here)
+    _, previous, _ = await stored(database_url, endpoint.id)
+    assert previous is None
+    _, kept_previous, _ = await stored(database_url, kept.id)
+    assert kept_previous is not None and kept_previous.startswith("fxenc:")
+    assert [e for e, _, _ in done.unreadable] == [kept.id], done.unreadable
+    await enqueue_many(database_url, 1, tenant="lost")
+    settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=here)
+    async with running_dispatcher(settings, database_url):
+        await receiver.wait_for(1)
+    # Only the freed one is sent to: the other's old secret, still signing, opens nowhere.
+    (hit,) = receiver.received
+    verify(hit.body, hit.headers, rotated, scheme="fluxora")
+    verify(hit.body, hit.headers, rotated, scheme="standard")

@@ -56,8 +56,10 @@ SET stream_seq = NULL
 WHERE endpoint_id = %(id)s AND NOT processed AND stream_seq IS NOT NULL;
 
 -- name: endpoint_rotate
+-- %(drop_previous)s: the old secret is not kept (a rotation with no time for it of a
+-- secret no key of the rotating process opens: it could neither sign nor be masked).
 UPDATE webhook_endpoints
-SET secret_previous = secret,
+SET secret_previous = CASE WHEN %(drop_previous)s THEN NULL ELSE secret END,
     previous_until = now() + %(keep_ms)s * interval '1 millisecond',
     secret = %(secret)s,
     updated_at = now()

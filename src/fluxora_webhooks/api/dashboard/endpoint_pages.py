@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from ... import deliveries, endpoints
 from ...errors import ConfigError
-from ...settings import retry_rps
+from ...settings import environ_keyring, retry_rps
 from ..deps import api_state
 from ..pagination import decode, encode
 from ..routes.endpoints import audit
@@ -68,6 +68,7 @@ async def endpoint_list(
             conn, [e.id for e in shown], tenant=who.tenant, window_ms=WINDOW_MS
         )
     redis = await with_breakers(state, health, detail=who.tenant is None)
+    keys = environ_keyring()
     following = None
     if len(listed) > PAGE and shown:
         following = "/endpoints?" + urlencode({"cursor": encode("endpoints", shown[-1].id)})
@@ -79,6 +80,7 @@ async def endpoint_list(
         "endpoints.html",
         who,
         endpoints=[e.as_json() for e in shown],
+        locked={e.id for e in shown if endpoints.locked_values(e, keys)},
         health={h["id"]: h for h in health},
         redis=redis,
         result=result,
@@ -113,6 +115,7 @@ async def _endpoint_view(
     **context: Any,
 ) -> HTMLResponse:
     state = api_state(request)
+    keys = environ_keyring()
     async with state.connection() as conn:
         endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
         # Its own health, wherever it is among the endpoints.
@@ -128,6 +131,9 @@ async def _endpoint_view(
         endpoint=endpoint.as_json(),
         health=found[0] if found else None,
         redis=redis,
+        # What no key of this server opens: the dispatchers, which need the same keys,
+        # hold its deliveries (docs/security.md, "A value no configured key opens").
+        locked=[(what, str(why)) for what, why in endpoints.locked_values(endpoint, keys)],
         default_rps=retry_rps(os.environ),
         disabled_why=DISABLED_WHY,
         **context,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -42,6 +42,14 @@ def _when(value: str | datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
 
+def _past(value: str | datetime | None) -> bool:
+    """Whether a time (with its offset, as the API gives them) has passed."""
+    if value is None:
+        return False
+    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return moment <= datetime.now(UTC)
+
+
 def _ms(value: float | None) -> str:
     if value is None:
         return "-"
@@ -56,7 +64,7 @@ def _json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
 
 
-env.filters.update(when=_when, ms=_ms, pct=_pct, pretty_json=_json)
+env.filters.update(when=_when, past=_past, ms=_ms, pct=_pct, pretty_json=_json)
 env.globals.update(version=__version__)
 
 
