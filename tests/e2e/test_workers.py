@@ -5,6 +5,7 @@ all on SIGTERM; it refuses to start when their connections would not fit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -42,6 +43,10 @@ def _workers(supervisor: DispatcherProcess) -> set[int]:
     return live
 
 
+async def _said(log: str, words: str, times: int) -> bool:
+    return log.count(words) >= times
+
+
 def _sent_to(pid: int, receiver: Receiver) -> bool:
     """Whether the process holds a (keep-alive) connection to the consumer: it sent to it."""
     return any(
@@ -53,10 +58,18 @@ def _sent_to(pid: int, receiver: Receiver) -> bool:
 async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothing(
     database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
 ) -> None:
-    delay = {"s": 0.02}
+    delay: dict[str, float | None] = {"s": 0.02}
+    # Set once both workers said they stop: the requests in flight are answered only then
+    # (bounded below the request timeout), so none ends before the signal reached its
+    # worker however loaded the machine is.
+    release = asyncio.Event()
 
     async def respond(r: Received) -> web.Response:
-        await asyncio.sleep(delay["s"])
+        if delay["s"] is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(release.wait(), 4.0)
+        else:
+            await asyncio.sleep(delay["s"])
         return web.Response(status=200)
 
     receiver.respond = respond
@@ -117,13 +130,19 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
         assert total(samples, "fluxora_webhook_outbox_pending") == 0
 
         # SIGTERM while both workers have batches in flight: both drain, exit 0.
-        delay["s"] = 1.0
+        delay["s"] = None
         before = len(receiver.received)
         await enqueue_many(database_url, 40)
         in_flight = 2 * 2 * 5  # workers x claim loops x batch
         await receiver.wait_for(before + in_flight, timeout=10)
         assert await delivered(database_url) == 300, "the batches were not all in flight"
         supervisor.terminate()
+        await wait_until(
+            lambda: _said(supervisor.log(), "stopping on SIGTERM: finishing the in-flight", 2),
+            timeout=10,
+            what="both workers stopping",
+        )
+        release.set()
         code = await supervisor.wait(5 + 5 + 10)
     finally:
         await stop_processes([supervisor])
