@@ -37,7 +37,7 @@ import psycopg.errors
 from psycopg_pool import PoolTimeout
 
 from . import metrics
-from .delivery import EGRESS, AttemptResult
+from .delivery import EGRESS, EGRESS_HELD, AttemptResult
 from .endpoints import DEFAULT_ID
 from .errors import NotFoundError
 from .gate import Admission
@@ -134,11 +134,13 @@ def recorded_endpoint(row: Claimed) -> str | None:
     return DEFAULT_ID if row.is_event else None
 
 
-def deferral(row: Claimed, delay_ms: int) -> Completion:
-    """``row`` back in the outbox, due again in ``delay_ms`` (at least 1), no attempt spent."""
+def deferral(row: Claimed, delay_ms: int, why: str | None = None) -> Completion:
+    """``row`` back in the outbox, due again in ``delay_ms`` (at least 1), no attempt spent;
+    ``why``: what it says while it waits (its row's error), none for a passing deferral."""
     return Completion(
-        row.id, Outcome.DEFERRED, delay_ms=max(1, delay_ms), endpoint_id=recorded_endpoint(row)
-    )
+        row.id, Outcome.DEFERRED, delay_ms=max(1, delay_ms), error=why,
+        endpoint_id=recorded_endpoint(row),
+    )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -419,7 +421,7 @@ class Batch:
                 if self.d.egress.since is not None and target.url.startswith("https:"):
                     held = self.d.egress.wait_ms()  # the proxy fails: one probe at a time
                     if held is not None:
-                        self.completions.append(deferral(row, held))
+                        self.completions.append(deferral(row, held, EGRESS_HELD))
                         self.d.egress.remember(row.id, row.partition_at)
                         continue
                 wait = self.d.capacity_wait_s(target)
@@ -703,8 +705,8 @@ def outcome_of(
         dispatcher.egress.remember(row.id, row.partition_at)
         dispatcher.log_decision(row, send.target, result, decision)
         held = Completion(
-            row.id, Outcome.DEFERRED, delay_ms=decision.delay_ms, endpoint_id=endpoint_id,
-            lease=lease,
+            row.id, Outcome.DEFERRED, delay_ms=decision.delay_ms, error=EGRESS_HELD,
+            endpoint_id=endpoint_id, lease=lease,
         )  # fmt: skip
         return held, decision
     if gone_retried(dispatcher.policy, row, send.target, result):

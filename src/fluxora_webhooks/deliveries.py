@@ -397,6 +397,8 @@ async def get_delivery(
         "event_type": first["event_type"],
         "status": status,
         "dead_letter_reason": reason,
+        # A pending row's error is what holds it (complete_held), never an attempt's.
+        "wait_reason": None if current["processed"] else current["error"],
         "attempt_count": len(attempts),
         "created_at": _iso(first["enqueued_at"]),
         "last_attempt_at": attempts[-1]["at"] if attempts else None,

@@ -47,6 +47,12 @@ class AttemptResult:
 # (httpclient.EgressFailed): held for its retry delay without using up the attempt, and
 # counted against no endpoint (batch.outcome_of).
 EGRESS = "egress"
+# What such a held delivery says while it waits (its row's error until it is sent: the
+# API's wait_reason, the dashboard's "why it waits"). Tenants read it: no address.
+EGRESS_HELD = (
+    "held: this service's egress proxy failed, so no consumer was asked and no attempt is"
+    " used; it is sent when the proxy answers again"
+)
 
 
 def classify_status(status: int) -> Kind:

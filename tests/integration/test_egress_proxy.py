@@ -15,10 +15,13 @@ from typing import Any
 import psycopg
 import pytest
 import trustme
+from psycopg.rows import tuple_row
 
 from fluxora_webhooks import endpoints, enqueue
+from fluxora_webhooks.api.dashboard.delivery_pages import why_it_waits_or_ended
 from fluxora_webhooks.connector import SafeResolver
-from fluxora_webhooks.delivery import attempt
+from fluxora_webhooks.deliveries import get_delivery
+from fluxora_webhooks.delivery import EGRESS_HELD, attempt
 from fluxora_webhooks.errors import EndpointError
 from fluxora_webhooks.httpclient import HttpClient
 from fluxora_webhooks.retry import Kind
@@ -373,6 +376,12 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
             (endpoint.id,),
         )
         assert sorted(attempts) == [(1, False), (1, False)], run.log()
+        # What a user reading a held delivery is told (the API, the dashboard's page).
+        held = await _deliveries_of(database_url, endpoint.id)
+        assert [d["wait_reason"] for d in held] == [EGRESS_HELD] * 2, run.log()
+        assert [d["status"] for d in held] == ["pending"] * 2
+        assert why_it_waits_or_ended(held[0]) == EGRESS_HELD
+        assert str(proxy.port) not in EGRESS_HELD and "proxy failed" in EGRESS_HELD
         async with proxy:
 
             async def delivered() -> bool:
@@ -388,6 +397,9 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
         (endpoint.id,),
     )
     assert outcomes == [("delivered", 1), ("delivered", 1)], run.log()
+    done = await _deliveries_of(database_url, endpoint.id)
+    assert [(d["status"], d["wait_reason"]) for d in done] == [("delivered", None)] * 2
+    assert [a["error"] for d in done for a in d["attempts"]] == [None, None]
     assert [r.headers["x-fluxora-attempt"] for r in consumer.requests] == ["1", "1"]
     assert await rows(database_url, "SELECT count(*) FROM webhook_dead_letter") == [(0,)]
     assert "the egress proxy failed" in run.log()
@@ -396,3 +408,15 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
     assert f"https through the proxy 127.0.0.1:{proxy.port})" in run.log()  # at start-up
     assert "circuit breaker" not in run.log()
     assert PASSWORD not in run.log()
+
+
+async def _deliveries_of(database_url: str, endpoint_id: str) -> list[dict[str, Any]]:
+    """Each delivery of the endpoint as the API and the dashboard read it."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        conn.row_factory = tuple_row
+        cur = await conn.execute(
+            "SELECT DISTINCT delivery_id::text FROM webhook_outbox WHERE endpoint_id = %s",
+            (endpoint_id,),
+        )
+        ids = sorted(str(row[0]) for row in await cur.fetchall())
+        return [await get_delivery(conn, delivery_id) for delivery_id in ids]

@@ -230,6 +230,12 @@ class DeliveryDetail(Delivery):
         description="why a dead-lettered delivery ended (as `dlq list` says: max_attempts,"
         " http_4xx, endpoint_removed, ...); null otherwise"
     )
+    wait_reason: str | None = Field(
+        default=None,
+        description="why a pending delivery is held with no attempt used (this service's"
+        " egress proxy failed, so no consumer was asked): it is sent when that ends; null"
+        " otherwise",
+    )
     payload: Any
     attempts: list[Attempt] = Field(
         description="the requests sent (a dead letter made when its endpoint was removed is"

@@ -92,6 +92,8 @@ def why_it_waits_or_ended(delivery: Mapping[str, Any]) -> str | None:
         return why_it_ended(delivery)
     if delivery["status"] == "parked":
         return f"waiting: {PARKED}"
+    if delivery.get("wait_reason"):
+        return str(delivery["wait_reason"])
     return None
 
 
