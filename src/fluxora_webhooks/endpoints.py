@@ -791,8 +791,9 @@ async def rotate_secret(
     ``keep_previous_ms``. Returns the endpoint and the new secret, shown this once. The
     new secret is stored sealed as :func:`create` stores one; the old one moves to
     ``secret_previous`` as it was stored (a sealed value is bound to the endpoint, not to
-    its column), unless it is kept no time and none of ``keys`` (configured) opens it: a
-    lost key's secret, then dropped."""
+    its column), unless none of ``keys`` (configured) opens it: a lost key's secret could
+    not sign, and kept a while it would hold the endpoint that while; it is dropped at once,
+    whatever ``keep_previous_ms`` asked (``Endpoint.previous_until`` says so)."""
     current = await get(conn, endpoint_id, tenant=tenant)
     if current.builtin:
         if endpoint_id == DEFAULT_ID:
@@ -814,9 +815,9 @@ async def rotate_secret(
             "secret": keyring.seal(chosen, endpoint_id, replacing=current.secret),
             "keep_ms": keep_previous_ms,
             # A lost key's secret replaced at once (docs/security.md): not kept as the
-            # previous one, where `secrets encrypt|decrypt` would still find it unreadable.
-            "drop_previous": keep_previous_ms == 0
-            and keyring.configured
+            # previous one, where it would hold the endpoint (it cannot sign) and
+            # `secrets encrypt|decrypt` would still find it unreadable.
+            "drop_previous": keyring.configured
             and _unreadable(current.secret, endpoint_id, keyring),
             **_scope(tenant),
         },

@@ -7,6 +7,7 @@ key rotation opens the previous key's values; a secret no key opens holds its de
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -251,34 +252,43 @@ async def test_a_rotation_by_a_process_without_the_key_keeps_the_old_secret_and_
     assert sealed.startswith(f"fxenc:v1:{keys.current.id}:") and previous == column
 
 
-async def test_a_lost_keys_secret_rotated_with_no_time_is_gone_and_encrypt_succeeds(
-    database_url: str, receiver: Receiver
+@pytest.mark.parametrize("keep_ms", [0, 3_600_000], ids=["no-time", "an-hour"])
+async def test_a_lost_keys_secret_rotated_is_gone_and_encrypt_succeeds(
+    database_url: str, receiver: Receiver, keep_ms: int
 ) -> None:
-    """The documented way out of a lost key (`rotate-secret --keep-previous 0`) replaces
-    the secret no key opens: it is not kept as the previous one, so `secrets encrypt`
-    finds nothing unreadable afterwards (it named that previous secret and exited 1 for
-    good); a rotation that keeps the old one a while still keeps it."""
+    """The documented way out of a lost key (`rotate-secret`) replaces the secret no key
+    opens: it is not kept as the previous one, whatever time it was asked to keep it (it
+    cannot sign: kept an hour, it held the endpoint that hour), so the endpoint is sent
+    to at once with the new secret alone and `secrets encrypt` finds nothing unreadable
+    (it named that previous secret and exited 1 for good). A secret the keys open is kept
+    as asked."""
     lost, here = keyring(new_key()), keyring(new_key())
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         endpoint, _ = await endpoints.create(
             conn, url=receiver.url, tenant="lost", allowed_networks=LOOPBACK, keys=lost
         )
-        kept, _ = await endpoints.create(
-            conn, url=receiver.url, tenant="lost", allowed_networks=LOOPBACK, keys=lost
+        readable, _ = await endpoints.create(
+            conn, url=receiver.url, tenant="other", allowed_networks=LOOPBACK, keys=here
         )
-        _, rotated = await endpoints.rotate_secret(conn, endpoint.id, keep_previous_ms=0, keys=here)
-        await endpoints.rotate_secret(conn, kept.id, keep_previous_ms=3_600_000, keys=here)
+        freed, rotated = await endpoints.rotate_secret(
+            conn, endpoint.id, keep_previous_ms=keep_ms, keys=here
+        )
+        kept, _ = await endpoints.rotate_secret(
+            conn, readable.id, keep_previous_ms=3_600_000, keys=here
+        )
         done = await endpoints.reseal_secrets(conn, here)
     _, previous, _ = await stored(database_url, endpoint.id)
     assert previous is None
-    _, kept_previous, _ = await stored(database_url, kept.id)
+    assert freed.previous_until is not None and freed.previous_until <= datetime.now(UTC)
+    _, kept_previous, _ = await stored(database_url, readable.id)
     assert kept_previous is not None and kept_previous.startswith("fxenc:")
-    assert [e for e, _, _ in done.unreadable] == [kept.id], done.unreadable
+    assert kept.previous_until is not None and kept.previous_until > datetime.now(UTC)
+    assert done.unreadable == [], done.unreadable
     await enqueue_many(database_url, 1, tenant="lost")
     settings = make_settings("", allowed_networks=LOOPBACK, encryption_keys=here)
     async with running_dispatcher(settings, database_url):
         await receiver.wait_for(1)
-    # Only the freed one is sent to: the other's old secret, still signing, opens nowhere.
     (hit,) = receiver.received
     verify(hit.body, hit.headers, rotated, scheme="fluxora")
     verify(hit.body, hit.headers, rotated, scheme="standard")
+    assert hit.headers["webhook-signature"].count("v1,") == 1  # the new secret's alone

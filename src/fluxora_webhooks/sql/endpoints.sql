@@ -56,11 +56,12 @@ SET stream_seq = NULL
 WHERE endpoint_id = %(id)s AND NOT processed AND stream_seq IS NOT NULL;
 
 -- name: endpoint_rotate
--- %(drop_previous)s: the old secret is not kept (a rotation with no time for it of a
--- secret no key of the rotating process opens: it could neither sign nor be masked).
+-- %(drop_previous)s: the old secret is not kept, whatever %(keep_ms)s asked (a secret no
+-- key of the rotating process opens: it could neither sign nor be masked).
 UPDATE webhook_endpoints
 SET secret_previous = CASE WHEN %(drop_previous)s THEN NULL ELSE secret END,
-    previous_until = now() + %(keep_ms)s * interval '1 millisecond',
+    previous_until = CASE WHEN %(drop_previous)s THEN now()
+                          ELSE now() + %(keep_ms)s * interval '1 millisecond' END,
     secret = %(secret)s,
     updated_at = now()
 WHERE id = %(id)s AND (NOT %(scoped)s OR tenant = %(tenant)s)
