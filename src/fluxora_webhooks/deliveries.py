@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -26,10 +27,12 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from .endpoints import DEFAULT_ID, OPERATOR_TENANT, check_event_type
+from .endpoints import DEFAULT_ID, OPERATOR_TENANT, Endpoint, check_event_type
+from .endpoints import get as get_endpoint
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
 from .outbox import enqueue_with_context, promote_after_commit
 from .queries import query
+from .secretbox import Keyring, SecretLocked
 from .tracing import delivery_trace_id, traceparent_header
 
 STATUSES = ("pending", "retrying", "parked", "delivered", "dead_letter")
@@ -118,12 +121,20 @@ def request_hash(tenant: str, stream_id: str, event_type: str, payload: Any) -> 
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+# What differs when an event's key names another request.
+EVENT_DIFFERS = "its stream_id, event_type or payload differ; use a new key per event"
+
+
 async def answered_before(
-    conn: psycopg.AsyncConnection[Any], tenant: str, key: str, digest: str = ""
+    conn: psycopg.AsyncConnection[Any],
+    tenant: str,
+    key: str,
+    digest: str = "",
+    differs: str = EVENT_DIFFERS,
 ) -> dict[str, Any] | None:
     """The first answer to the request ``key`` names, or None (no live key); raises
     :class:`IdempotencyKeyReused` when the key names another request (its ``digest``
-    differs; a dashboard form's one-time key has none)."""
+    differs; a dashboard form's one-time key has none), saying what may differ."""
     found = await _rows(
         conn, "idempotency_find", {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S}
     )
@@ -132,8 +143,7 @@ async def answered_before(
     if found[0]["request_hash"] != digest:
         raise IdempotencyKeyReused(
             f"this Idempotency-Key was used in the last {IDEMPOTENCY_TTL_S // 3600} hours"
-            " with another request (its stream_id, event_type or payload differ); use a new"
-            " key per event"
+            f" with another request ({differs})"
         )
     answer: dict[str, Any] = found[0]["response"]
     return answer
@@ -160,6 +170,65 @@ async def keep_answer(
         },
     )
     return bool(taken)
+
+
+# An endpoint's key is kept apart from an event's of the same tenant and text.
+ENDPOINT_KEY_PREFIX = "endpoint:"
+ENDPOINT_DIFFERS = "its url, event types or another field differ; use a new key per endpoint"
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def endpoint_request_hash(tenant: str, fields: Mapping[str, Any]) -> str:
+    """What an endpoint creation's idempotency key is bound to: its tenant and fields as
+    canonical JSON, hashed (a secret or a key in them is never kept: only this digest)."""
+    canonical = json.dumps(
+        [tenant, dict(fields)], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+    return _sha256(canonical)
+
+
+async def create_endpoint_once(
+    conn: psycopg.AsyncConnection[Any],
+    tenant: str,
+    idempotency_key: str,
+    digest: str,
+    create: Callable[[], Awaitable[tuple[Endpoint, str]]],
+    *,
+    scope: str | None,
+    keys: Keyring,
+) -> tuple[Endpoint, str | None, bool]:
+    """``create()`` at most once per key and tenant within :data:`IDEMPOTENCY_TTL_S`, also
+    when two requests arrive at once: returns the endpoint, its secret and whether it was
+    created before. A repeated request gets the endpoint as it is now and its secret while
+    it is the one created then (opened with ``keys``; None once rotated); an endpoint
+    removed since is :class:`NotFoundError`. The key keeps the endpoint's id and a digest
+    of its secret, never the secret."""
+    key = ENDPOINT_KEY_PREFIX + idempotency_key
+    try:
+        async with conn.transaction():
+            before = await answered_before(conn, tenant, key, digest, ENDPOINT_DIFFERS)
+            if before is None:
+                endpoint, secret = await create()
+                kept = {"endpoint_id": endpoint.id, "secret_sha256": _sha256(secret)}
+                if await keep_answer(conn, tenant, key, kept, digest):
+                    return endpoint, secret, False
+                raise _KeyTaken
+    except _KeyTaken:
+        before = await answered_before(conn, tenant, key, digest, ENDPOINT_DIFFERS)
+        if before is None:  # expired in between: a day-long request, not a case to serve
+            raise ConflictError("the Idempotency-Key's request could not be read back") from None
+    endpoint = await get_endpoint(conn, str(before["endpoint_id"]), tenant=scope)
+    try:
+        current = keys.open(endpoint.secret, endpoint.id) if endpoint.secret else ""
+    except SecretLocked:
+        current = ""
+    same = bool(current) and hmac.compare_digest(
+        _sha256(current), str(before.get("secret_sha256", ""))
+    )
+    return endpoint, current if same else None, True
 
 
 async def enqueue_event(

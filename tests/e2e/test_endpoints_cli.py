@@ -231,3 +231,33 @@ async def test_a_tenants_text_cannot_drive_the_operators_terminal(database_url: 
     # --json carries the text as it is stored (JSON escapes it).
     code, as_json = await cli(env, "endpoints", "show", made["id"], "--json")
     assert code == 0 and as_json["description"] == hostile, as_json
+
+
+async def test_add_with_an_idempotency_key_adds_once(database_url: str) -> None:
+    """A script that runs `endpoints add` again (it did not see the first run's answer)
+    with the same key gets the endpoint the first run added, with its secret while it was
+    not rotated, not a second endpoint; other options with the key are refused."""
+    env = command_env(DATABASE_URL=database_url)
+    add = ("endpoints", "add", "--url", "https://hooks.acme.example/in", "--tenant", "acme")
+    key = ("--idempotency-key", "provision-acme-1")
+    code, first = await cli(env, *add, *key, "--json")
+    assert code == 0, first
+    code, again = await cli(env, *add, *key, "--json")
+    assert code == 0, again
+    assert again["id"] == first["id"] and again["secret"] == first["secret"]
+    assert again["replayed"] is True and "replayed" not in first
+    count = "SELECT count(*) FROM webhook_endpoints WHERE tenant = 'acme'"
+    assert await scalar(database_url, count) == 1
+    code, out = await run_command(*add, *key, env=env)  # as a person reads it
+    assert code == 0 and f"added before with this key: {first['id']}" in out, out
+    assert first["secret"] in out
+    code, out = await run_command(*add, "--description", "other", *key, env=env)
+    assert code == 1 and "another request" in out and "url, event types" in out, out
+    assert await scalar(database_url, count) == 1
+    code, _ = await cli(env, "endpoints", "rotate-secret", first["id"], "--json")
+    assert code == 0
+    code, out = await run_command(*add, *key, env=env)
+    assert code == 0 and "rotated since; not shown again" in out, out
+    assert first["secret"] not in out
+    code, out = await run_command(*add, "--idempotency-key", "two words", env=env)
+    assert code == 2 and "--idempotency-key" in out and "visible ASCII" in out, out

@@ -225,3 +225,89 @@ async def test_a_bad_key_is_a_validation_error_naming_the_header(
     assert reply.error_code == "validation_error"
     assert "idempotency-key" in reply.body["error"]["message"].lower()
     assert await events(database_url) == 0
+
+
+# -- POST /api/v1/endpoints ---------------------------------------------------------------
+
+
+async def endpoint_count(database_url: str) -> int:
+    count: int = await scalar(
+        database_url, "SELECT count(*) FROM webhook_endpoints WHERE tenant IS NOT NULL"
+    )
+    return count
+
+
+async def test_a_retried_endpoint_creation_gets_the_first_endpoint_and_its_secret(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    """A client whose create timed out retries with its key: the endpoint it made, with its
+    secret (the one chance to read it), not a second endpoint with a secret of its own."""
+    body = {"url": receiver.url, "event_types": ["order.*"], "description": "billing"}
+    key = {"Idempotency-Key": "create-billing-1"}
+    first = await api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+    assert first.status == 201, first.text
+    assert "idempotent-replayed" not in first.headers
+    again = await api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+    assert again.status == 201, again.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.body["id"] == first.body["id"]
+    assert again.body["secret"] == first.body["secret"] and first.body["secret"]
+    assert await endpoint_count(database_url) == 1
+    # The same key's text for an event of the tenant is another key.
+    sent = await api.post("/api/v1/events", token="acme", json=BODY, headers=key)
+    assert sent.status == 202 and "idempotent-replayed" not in sent.headers
+    # Another field is another request: refused, nothing made.
+    other = await api.post(
+        "/api/v1/endpoints", token="acme", json={**body, "description": "other"}, headers=key
+    )
+    assert other.status == 422 and other.error_code == "idempotency_key_reused", other.text
+    assert "another request" in other.body["error"]["message"]
+    assert "url, event types" in other.body["error"]["message"]
+    assert await endpoint_count(database_url) == 1
+    # Another tenant's same key is its own.
+    bolt = await api.post("/api/v1/endpoints", token="bolt", json=body, headers=key)
+    assert bolt.status == 201 and "idempotent-replayed" not in bolt.headers, bolt.text
+    assert bolt.body["id"] != first.body["id"]
+    assert await endpoint_count(database_url) == 2
+    # No secret is kept with the key.
+    kept = await scalar(
+        database_url,
+        "SELECT string_agg(response::text, ' ') FROM webhook_idempotency_keys",
+    )
+    assert first.body["secret"] not in kept and bolt.body["secret"] not in kept
+
+
+async def test_a_replayed_creation_after_a_rotation_or_a_removal(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    body = {"url": receiver.url}
+    key = {"Idempotency-Key": "create-then-rotate"}
+    first = await api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+    assert first.status == 201, first.text
+    endpoint_id = first.body["id"]
+    rotated = await api.post(f"/api/v1/endpoints/{endpoint_id}/rotate-secret", token="acme")
+    assert rotated.status == 200, rotated.text
+    again = await api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+    assert again.status == 201 and again.headers.get("idempotent-replayed") == "true"
+    assert again.body["id"] == endpoint_id
+    assert again.body["secret"] is None  # not the rotated one: it was shown at its rotation
+    removed = await api.call("DELETE", f"/api/v1/endpoints/{endpoint_id}", token="acme")
+    assert removed.status in (200, 204), removed.text
+    gone = await api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+    assert gone.status == 404, gone.text
+    assert await endpoint_count(database_url) == 0  # not made again
+
+
+async def test_creations_with_one_key_at_once_make_one_endpoint(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    body = {"url": receiver.url}
+    key = {"Idempotency-Key": "create-at-once"}
+    answers = await asyncio.gather(
+        *(api.post("/api/v1/endpoints", token="acme", json=body, headers=key) for _ in range(5))
+    )
+    assert [a.status for a in answers] == [201] * 5, [a.text for a in answers]
+    assert len({a.body["id"] for a in answers}) == 1
+    assert len({a.body["secret"] for a in answers}) == 1
+    assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 4
+    assert await endpoint_count(database_url) == 1

@@ -146,7 +146,10 @@ class Endpoint(BaseModel):
 
 
 class EndpointCreated(Endpoint):
-    secret: str = Field(description="shown this once")
+    secret: str | None = Field(
+        description="shown this once; null only in a replayed answer (Idempotency-Key) after"
+        " the secret was rotated"
+    )
 
 
 class RotateIn(_In):

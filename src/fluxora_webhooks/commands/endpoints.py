@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +43,13 @@ def _options(p: argparse.ArgumentParser, *, creating: bool) -> None:
     if creating:
         p.add_argument("--tenant", default="", help="the tenant (default: the default tenant)")
         p.add_argument("--secret", help="the signing secret (default: a new whsec_ secret)")
+        p.add_argument(
+            "--idempotency-key",
+            type=_idempotency_key,
+            metavar="KEY",
+            help="run again with the same key and options within 24 hours: the endpoint the"
+            " first run added, not a second one (its secret while not rotated since)",
+        )
     p.add_argument(
         "--events",
         type=_events,
@@ -163,21 +171,40 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     async def main() -> int:
         async with connect(database_url) as conn:
             if action == "add":
-                endpoint, secret = await endpoints.create(
-                    conn,
-                    url=args.url,
-                    tenant=args.tenant,
-                    event_types=["*"] if args.events is None else args.events,
-                    secret=args.secret,
-                    description=args.description or "",
-                    headers=dict(args.header or []),
-                    rate_limit=args.rate_limit,
-                    ordered=bool(args.ordered),
-                    allowed_networks=allowed,
-                    keys=keys,
-                    client_cert=client_cert,
-                )
-                _print_created(endpoint.as_json(), secret, args.json)
+                assert keys is not None
+
+                async def create() -> tuple[endpoints.Endpoint, str]:
+                    return await endpoints.create(
+                        conn,
+                        url=args.url,
+                        tenant=args.tenant,
+                        event_types=["*"] if args.events is None else args.events,
+                        secret=args.secret,
+                        description=args.description or "",
+                        headers=dict(args.header or []),
+                        rate_limit=args.rate_limit,
+                        ordered=bool(args.ordered),
+                        allowed_networks=allowed,
+                        keys=keys,
+                        client_cert=client_cert,
+                    )
+
+                if args.idempotency_key is None:
+                    endpoint, secret = await create()
+                    _print_created(endpoint.as_json(), secret, args.json)
+                else:
+                    from ..deliveries import create_endpoint_once, endpoint_request_hash
+
+                    endpoint, shown, before = await create_endpoint_once(
+                        conn,
+                        endpoints.check_tenant(args.tenant, "--tenant"),
+                        args.idempotency_key,
+                        endpoint_request_hash(args.tenant, _add_fields(args, client_cert)),
+                        create,
+                        scope=None,
+                        keys=keys,
+                    )
+                    _print_created(endpoint.as_json(), shown, args.json, before=before)
             elif action == "list":
                 _print_list(await _all(conn, args.tenant), args.json)
             elif action in ("show", "disable", "enable"):
@@ -289,12 +316,25 @@ def _confirm(endpoint_id: str) -> bool:
     return confirm(question, yes=False)
 
 
-def _print_created(endpoint: dict[str, Any], secret: str, as_json: bool) -> None:
+def _print_created(
+    endpoint: dict[str, Any], secret: str | None, as_json: bool, *, before: bool = False
+) -> None:
     if as_json:
-        print(json.dumps({**endpoint, "secret": secret}))
+        print(json.dumps({**endpoint, "secret": secret, **({"replayed": True} if before else {})}))
         return
-    print(f"created {endpoint['id']} for tenant {endpoint['tenant']!r}: {endpoint['url']}")
-    print(f"signing secret (shown once): {secret}")
+    said = "added before with this key:" if before else "created"
+    print(f"{said} {endpoint['id']} for tenant {endpoint['tenant']!r}: {endpoint['url']}")
+    if secret is None:
+        print("signing secret: rotated since; not shown again")
+    else:
+        print(f"signing secret (shown once): {secret}")
+
+
+def _idempotency_key(text: str) -> str:
+    """1 to 255 visible ASCII characters, as the API's Idempotency-Key."""
+    if not re.fullmatch(r"[!-~]{1,255}", text):
+        raise argparse.ArgumentTypeError("must be 1 to 255 visible ASCII characters")
+    return text
 
 
 def _print_one(endpoint: dict[str, Any], as_json: bool) -> None:
@@ -337,3 +377,18 @@ def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
             )
         )
     console(width=200 if not sys.stdout.isatty() else None).print(table)
+
+
+def _add_fields(args: argparse.Namespace, client_cert: Any) -> dict[str, Any]:
+    """What `add --idempotency-key` binds its key to: every option that makes the endpoint
+    (a secret and a client certificate's key only through the key's digest)."""
+    return {
+        "url": args.url,
+        "event_types": ["*"] if args.events is None else args.events,
+        "secret": args.secret,
+        "description": args.description or "",
+        "headers": dict(args.header or []),
+        "rate_limit": args.rate_limit,
+        "ordered": bool(args.ordered),
+        "client_certificate": None if client_cert is None else [client_cert.chain, client_cert.key],
+    }

@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query, Request, Response
+from fastapi import APIRouter, Body, Header, Query, Request, Response
 from pydantic import WithJsonSchema
 
-from ... import endpoints
+from ... import deliveries, endpoints
+from ...settings import environ_keyring
 from ..deps import Conn, Reader, Writer, api_state, scoped
 from ..models import (
     ClientCertificateIn,
@@ -25,6 +26,7 @@ from ..models import (
     Secret,
 )
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, Cursor, Limit, decode, page
+from .events import IDEMPOTENCY_KEY
 
 log = logging.getLogger("fluxora_webhooks.api")
 # A built-in endpoint (default, operator) is the service's configuration, not the API's.
@@ -78,21 +80,73 @@ async def list_endpoints(
     response_model=EndpointCreated,
     summary="Create an endpoint",
     responses={
+        201: {
+            "headers": {
+                "Idempotent-Replayed": {
+                    "description": "`true` when the answer is the first one again (an"
+                    " Idempotency-Key seen before); absent otherwise",
+                    "required": False,
+                    "schema": {"type": "string", "enum": ["true"]},
+                }
+            }
+        },
         409: {
             "model": ErrorBody,
             "description": "`endpoint_limit`: the tenant token's tenant has as many endpoints"
             " as it may",
-        }
+        },
+        422: {
+            "model": ErrorBody,
+            "description": "invalid body or header (`validation_error`), or the"
+            " Idempotency-Key was used with another request (`idempotency_key_reused`)",
+        },
     },
 )
 async def create_endpoint(
-    request: Request, who: Writer, conn: Conn, body: EndpointIn
+    request: Request,
+    who: Writer,
+    conn: Conn,
+    body: EndpointIn,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            pattern=IDEMPOTENCY_KEY,
+            description="1-255 visible ASCII characters. The same key and request within 24"
+            " hours create nothing and answer with the endpoint the first one created (with"
+            " `Idempotent-Replayed: true`; its `secret` while it has not been rotated, else"
+            " null), also when both arrive at once; the same key with another request is 422"
+            " `idempotency_key_reused`. Keys are per tenant",
+        ),
+    ] = None,
 ) -> dict[str, Any]:
     tenant = scoped(who, body.tenant)
+    tenant = tenant if tenant is not None else ""
+    if idempotency_key is None:
+        endpoint, secret = await _create(request, who, conn, body, tenant)
+        return {**endpoint.as_json(), "secret": secret}
+    digest = deliveries.endpoint_request_hash(tenant, body.model_dump(mode="json"))
+    endpoint, shown, replayed = await deliveries.create_endpoint_once(
+        conn,
+        tenant,
+        idempotency_key,
+        digest,
+        lambda: _create(request, who, conn, body, tenant),
+        scope=tenant if who.tenant is not None else None,
+        keys=environ_keyring(),
+    )
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return {**endpoint.as_json(), "secret": shown}
+
+
+async def _create(
+    request: Request, who: Any, conn: Any, body: EndpointIn, tenant: str
+) -> tuple[endpoints.Endpoint, str]:
     endpoint, secret = await endpoints.create(
         conn,
         url=body.url,
-        tenant=tenant if tenant is not None else "",
+        tenant=tenant,
         event_types=body.event_types,
         secret=body.secret,
         description=body.description,
@@ -121,7 +175,7 @@ async def create_endpoint(
         else f" (client certificate sha256 {certificate.get('fingerprint_sha256')})",
         who=who.name,
     )
-    return {**endpoint.as_json(), "secret": secret}
+    return endpoint, secret
 
 
 @router.get("/{endpoint_id}", response_model=Endpoint, summary="Show an endpoint")
