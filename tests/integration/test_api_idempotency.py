@@ -37,9 +37,11 @@ async def api(database_url: str, redis_url: str, prefix: str) -> AsyncIterator[A
 
 
 async def events(database_url: str) -> int:
-    count: int = await scalar(
-        database_url, "SELECT count(*) FROM webhook_outbox WHERE event_id IS NULL"
-    )
+    return await counted(database_url, "webhook_outbox WHERE event_id IS NULL")
+
+
+async def counted(database_url: str, rows: str) -> int:
+    count: int = await scalar(database_url, f"SELECT count(*) FROM {rows}")
     return count
 
 
@@ -231,10 +233,7 @@ async def test_a_bad_key_is_a_validation_error_naming_the_header(
 
 
 async def endpoint_count(database_url: str) -> int:
-    count: int = await scalar(
-        database_url, "SELECT count(*) FROM webhook_endpoints WHERE tenant IS NOT NULL"
-    )
-    return count
+    return await counted(database_url, "webhook_endpoints WHERE tenant IS NOT NULL")
 
 
 async def test_a_retried_endpoint_creation_gets_the_first_endpoint_and_its_secret(

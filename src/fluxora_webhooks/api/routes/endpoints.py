@@ -26,7 +26,7 @@ from ..models import (
     Secret,
 )
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, Cursor, Limit, decode, page
-from .events import IDEMPOTENCY_KEY
+from .events import IDEMPOTENCY_KEY, KEY_REUSED, REPLAYED
 
 log = logging.getLogger("fluxora_webhooks.api")
 # A built-in endpoint (default, operator) is the service's configuration, not the API's.
@@ -80,26 +80,13 @@ async def list_endpoints(
     response_model=EndpointCreated,
     summary="Create an endpoint",
     responses={
-        201: {
-            "headers": {
-                "Idempotent-Replayed": {
-                    "description": "`true` when the answer is the first one again (an"
-                    " Idempotency-Key seen before); absent otherwise",
-                    "required": False,
-                    "schema": {"type": "string", "enum": ["true"]},
-                }
-            }
-        },
+        201: REPLAYED,
         409: {
             "model": ErrorBody,
             "description": "`endpoint_limit`: the tenant token's tenant has as many endpoints"
             " as it may",
         },
-        422: {
-            "model": ErrorBody,
-            "description": "invalid body or header (`validation_error`), or the"
-            " Idempotency-Key was used with another request (`idempotency_key_reused`)",
-        },
+        422: KEY_REUSED,
     },
 )
 async def create_endpoint(

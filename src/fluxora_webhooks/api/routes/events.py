@@ -29,6 +29,22 @@ router = APIRouter(
 
 # A key: 1 to 255 visible ASCII characters (a UUID, a hash, the producer's own id).
 IDEMPOTENCY_KEY = r"^[!-~]{1,255}$"
+# What a keyed request's answers document (an enqueue's, an endpoint creation's).
+REPLAYED: dict[str, Any] = {
+    "headers": {
+        "Idempotent-Replayed": {
+            "description": "`true` when the answer is the first one again (an"
+            " Idempotency-Key seen before); absent otherwise",
+            "required": False,
+            "schema": {"type": "string", "enum": ["true"]},
+        }
+    }
+}
+KEY_REUSED: dict[str, Any] = {
+    "model": ErrorBody,
+    "description": "invalid body or header (`validation_error`), or the"
+    " Idempotency-Key was used with another request (`idempotency_key_reused`)",
+}
 TRACESTATE_HELP = (
     "W3C tracestate, passed on with a valid traceparent (repeated headers are one list,"
     " combined in their order, as W3C says)"
@@ -50,23 +66,7 @@ TRACESTATE_PARAMETER = {
     status_code=202,
     response_model=EventAccepted,
     summary="Enqueue an event",
-    responses={
-        202: {
-            "headers": {
-                "Idempotent-Replayed": {
-                    "description": "`true` when the answer is the first one again (an"
-                    " Idempotency-Key seen before); absent otherwise",
-                    "required": False,
-                    "schema": {"type": "string", "enum": ["true"]},
-                }
-            }
-        },
-        422: {
-            "model": ErrorBody,
-            "description": "invalid body or header (`validation_error`), or the"
-            " Idempotency-Key was used with another request (`idempotency_key_reused`)",
-        },
-    },
+    responses={202: REPLAYED, 422: KEY_REUSED},
     openapi_extra={"parameters": [TRACESTATE_PARAMETER]},
 )
 async def enqueue_event(
