@@ -79,6 +79,9 @@ class ClientTls:
 
     fingerprint: str
     context: ssl.SSLContext = field(repr=False, compare=False)
+    # The certificate's end of validity: a consumer that checks it refuses it after, and an
+    # attempt that fails then says so (dispatcher._attempt).
+    not_after: datetime | None = field(default=None, compare=False)
 
 
 def split_pem(text: str) -> tuple[str, str | None]:
@@ -309,7 +312,7 @@ def load(chain: str, key: str) -> ClientTls:
 
     context = ssl.create_default_context()
     _load_into(context, chain, key)
-    return ClientTls(_fingerprint(certs), context)
+    return ClientTls(_fingerprint(certs), context, certs[0].not_valid_after_utc)
 
 
 def _load_into(context: ssl.SSLContext, chain: str, key: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -24,7 +25,7 @@ import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
@@ -818,6 +819,8 @@ class Dispatcher:
                 clock=self._clock,
                 secrets=target.secret_texts,
             )
+            if target.tls is not None and result.reason in ("connection_error", "network_error"):
+                result = _expired_certificate_said(result, target.tls)
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
             result = AttemptResult(
@@ -1233,3 +1236,13 @@ def make_client(
     return HttpClient(
         resolver, ssl_context=context, proxy=settings.proxy, no_proxy=settings.no_proxy
     )
+
+
+def _expired_certificate_said(result: AttemptResult, tls: ClientTls) -> AttemptResult:
+    """An attempt with no HTTP answer from a consumer the endpoint presents an expired
+    client certificate to: its error says so (a consumer that checks certificates ends
+    the handshake with an alert that reads as a connection reset or a closed connection)."""
+    if tls.not_after is None or tls.not_after > datetime.now(UTC):
+        return result
+    said = f" (its client certificate expired on {tls.not_after.isoformat()})"
+    return dataclasses.replace(result, error=(result.error or "") + said)

@@ -596,3 +596,39 @@ async def _refused(api: Api, path: str, body: dict[str, str], field: str, words:
     assert (put.status, put.error_code) == (422, "validation_error"), put.text
     assert put.body["error"]["message"].startswith(f"{field}: "), put.text
     assert words in put.body["error"]["message"], put.text
+
+
+async def test_an_attempt_refused_for_a_certificate_that_expired_while_set_says_so(
+    database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    ca: trustme.CA,
+    client_ca: trustme.CA,
+    tmp_path: Path,
+) -> None:
+    """A certificate set while valid expires (written here by SQL: the API and the CLI
+    refuse an expired one): the consumer ends the handshake with an alert, which reads as
+    a connection closed or reset; the attempt's error names the expiry."""
+    expired = client_ca.issue_cert(
+        "bank-customer.example", not_after=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+    )
+    chain, key = _pem(expired)
+    leaf = ca.issue_cert("localhost", "127.0.0.1")
+    with TlsConsumer(leaf, mode="mtls", client_ca=client_ca) as consumer:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute(
+                "INSERT INTO webhook_endpoints (id, tenant, url, secret, client_cert, client_key)"
+                " VALUES ('ep_expired', %s, %s, 'a-secret-written-by-sql-0123456789', %s, %s)",
+                (TENANT, consumer.url("localhost", "/hook"), chain, key),
+            )
+        env = dispatcher_env(
+            database_url, redis_url, "", redis_prefix,
+            SSL_CERT_FILE=str(ca_file(ca, tmp_path)), WEBHOOK_POLL_INTERVAL_MS="200",
+            WEBHOOK_ALLOWED_NETWORKS="127.0.0.0/8", WEBHOOK_MAX_ATTEMPTS="1",
+        )  # fmt: skip
+        await _deliver_in_rounds(database_url, env, tmp_path / "run.log", 1, 1)
+        assert consumer.requests == []
+    ((error,),) = await rows(
+        database_url, "SELECT last_error FROM webhook_dead_letter WHERE endpoint_id = 'ep_expired'"
+    )
+    assert error.endswith("(its client certificate expired on 2020-01-01T00:00:00+00:00)"), error
