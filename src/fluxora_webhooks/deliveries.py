@@ -209,6 +209,10 @@ async def create_endpoint_once(
     key = ENDPOINT_KEY_PREFIX + idempotency_key
     try:
         async with conn.transaction():
+            # Requests with the key one at a time: the next finds the first one's key (a
+            # second creation, rolled back on the key, could meet the tenant's cap and
+            # answer 409 endpoint_limit instead of the first one's endpoint).
+            await conn.execute(query("idempotency_lock"), {"tenant": tenant, "key": key})
             before = await answered_before(conn, tenant, key, digest, ENDPOINT_DIFFERS)
             if before is None:
                 endpoint, secret = await create()
@@ -466,8 +470,9 @@ async def get_delivery(
         "event_type": first["event_type"],
         "status": status,
         "dead_letter_reason": reason,
-        # A pending row's error is what holds it (complete_held), never an attempt's.
-        "wait_reason": None if current["processed"] else current["error"],
+        # A pending row's error is what holds it (complete_held), never an attempt's; a
+        # parked one waits for its endpoint, whatever held it before (its status says so).
+        "wait_reason": None if current["processed"] or status == "parked" else current["error"],
         "attempt_count": len(attempts),
         "created_at": _iso(first["enqueued_at"]),
         "last_attempt_at": attempts[-1]["at"] if attempts else None,

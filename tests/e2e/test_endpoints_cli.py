@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from fluxora_webhooks import secretbox
 from tests.support.dispatch import scalar
 from tests.support.procs import command_env, run_command, run_json
 
@@ -261,3 +262,20 @@ async def test_add_with_an_idempotency_key_adds_once(database_url: str) -> None:
     assert first["secret"] not in out
     code, out = await run_command(*add, "--idempotency-key", "two words", env=env)
     assert code == 2 and "--idempotency-key" in out and "visible ASCII" in out, out
+
+
+async def test_add_again_without_the_key_that_sealed_its_secret(database_url: str) -> None:
+    """`endpoints add --idempotency-key` run again where WEBHOOK_ENCRYPTION_KEY is not set
+    cannot show a secret sealed with it: it says so, not that it was rotated."""
+    key_text = secretbox.new_key()
+    sealed = command_env(DATABASE_URL=database_url, WEBHOOK_ENCRYPTION_KEY=key_text)
+    add = ("endpoints", "add", "--url", "https://hooks.acme.example/in", "--tenant", "acme")
+    key = ("--idempotency-key", "provision-sealed")
+    code, first = await cli(sealed, *add, *key, "--json")
+    assert code == 0 and first["secret"], first
+    code, out = await run_command(*add, *key, env=command_env(DATABASE_URL=database_url))
+    assert code == 0 and f"added before with this key: {first['id']}" in out, out
+    assert "rotated" not in out and "encrypted with a key this process does not have" in out
+    assert first["secret"] not in out
+    code, out = await run_command(*add, *key, env=sealed)  # with the key: shown again
+    assert code == 0 and first["secret"] in out, out

@@ -310,3 +310,71 @@ async def test_creations_with_one_key_at_once_make_one_endpoint(
     assert len({a.body["secret"] for a in answers}) == 1
     assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 4
     assert await endpoint_count(database_url) == 1
+
+
+async def test_creations_with_one_key_at_once_a_place_below_the_tenants_cap(
+    database_url: str, redis_url: str, prefix: str, receiver: Receiver
+) -> None:
+    """The tenant has room for one more endpoint: requests with one key at once all get the
+    endpoint the first one made, none a 409 endpoint_limit (the cap counted by a second
+    creation that waited for the first)."""
+    async with serving(database_url, redis_url, prefix, max_endpoints_per_tenant=2) as api:
+        made = await api.post("/api/v1/endpoints", token="acme", json={"url": receiver.url})
+        assert made.status == 201, made.text
+        body = {"url": receiver.url, "description": "the second"}
+        key = {"Idempotency-Key": "create-at-the-cap"}
+        # The tenant's creations held a moment (as another creation of it would): the
+        # requests are all in before the first one creates.
+        async with await psycopg.AsyncConnection.connect(database_url) as holder:
+            await holder.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended('acme', 8512097725384027151))"
+            )
+            sent = [
+                asyncio.ensure_future(
+                    api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+                )
+                for _ in range(6)
+            ]
+
+            async def pool_waiting() -> bool:  # the API's pool holds 4 connections
+                waiting: int = await scalar(
+                    database_url,
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                )
+                return waiting == 4
+
+            await wait_until(pool_waiting, what="four requests waiting to create")
+            await holder.rollback()
+            answers = await asyncio.gather(*sent)
+    assert [a.status for a in answers] == [201] * 6, [a.text for a in answers]
+    assert len({a.body["id"] for a in answers}) == 1
+    assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 5
+    assert await endpoint_count(database_url) == 2
+
+
+async def test_a_tenants_token_and_an_admin_naming_the_tenant_send_one_creation(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    """The key is bound to the tenant the request is for, not to how it was named: an admin
+    retrying a tenant's creation for it (or the tenant retrying an admin's) gets that
+    endpoint, not 422 idempotency_key_reused."""
+    body = {"url": receiver.url}
+    key = {"Idempotency-Key": "create-for-acme"}
+    first = await api.post("/api/v1/endpoints", token="acme", json=body, headers=key)
+    assert first.status == 201, first.text
+    admin = await api.post(
+        "/api/v1/endpoints", token="admin", json={**body, "tenant": "acme"}, headers=key
+    )
+    assert admin.status == 201, admin.text
+    assert admin.headers.get("idempotent-replayed") == "true"
+    assert admin.body["id"] == first.body["id"]
+    # The default tenant, named or not, is one request too.
+    unnamed = await api.post("/api/v1/endpoints", token="admin", json=body, headers=key)
+    named = await api.post(
+        "/api/v1/endpoints", token="admin", json={**body, "tenant": ""}, headers=key
+    )
+    assert unnamed.status == named.status == 201, (unnamed.text, named.text)
+    assert named.headers.get("idempotent-replayed") == "true"
+    assert named.body["id"] == unnamed.body["id"] != first.body["id"]
+    assert await endpoint_count(database_url) == 2

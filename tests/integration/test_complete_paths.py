@@ -5,12 +5,15 @@ size is part of its text, not a parameter PostgreSQL plans for each time)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import psycopg
 import pytest
 
 from fluxora_webhooks import endpoints, partitions
+from fluxora_webhooks.deliveries import get_delivery
+from fluxora_webhooks.delivery import EGRESS_HELD
 from fluxora_webhooks.outbox import (
     Claimed,
     Completion,
@@ -286,6 +289,61 @@ async def test_an_endpoint_batch_is_recorded_with_its_endpoint(database_url: str
         assert recorded.processed == 4
         found = await _written(conn, [r.id for r in rows])
         assert {(f[0], f[2], f[3], f[4]) for f in found} == {(True, "delivered", endpoint.id, 204)}
+
+
+async def _wait_reasons(
+    conn: psycopg.AsyncConnection[Any], endpoint_id: str
+) -> list[tuple[str, str | None]]:
+    """Each delivery of the endpoint's (status, wait_reason), as the API reads them."""
+    cur = await conn.execute(
+        "SELECT DISTINCT delivery_id::text FROM webhook_outbox WHERE endpoint_id = %s",
+        (endpoint_id,),
+    )
+    ids = sorted(str(r[0]) for r in await cur.fetchall())
+    found = [await get_delivery(conn, i) for i in ids]
+    return [(d["status"], d["wait_reason"]) for d in found]
+
+
+async def _held_by_the_proxy(conn: psycopg.AsyncConnection[Any]) -> list[Claimed]:
+    """Claim every due row and hold it as an egress proxy's outage does (due again at once)."""
+    async with conn.transaction():
+        rows = await claim_due(conn, 10)
+        held = [Completion(r.id, Outcome.DEFERRED, delay_ms=1, error=EGRESS_HELD) for r in rows]
+        await complete(conn, held, {r.id: r.partition_at for r in rows})
+    await asyncio.sleep(0.01)
+    return rows
+
+
+async def test_a_held_deliverys_wait_reason_goes_when_it_is_parked(database_url: str) -> None:
+    """A delivery held by the egress proxy says so; parked since (its endpoint disabled, by
+    the next claim or by the disabling itself), it says nothing of the proxy: its status
+    says why it waits; due again, nothing old either."""
+    async with await _connect(database_url) as conn:
+        endpoint, _ = await endpoints.create(conn, url="https://example.com/h", tenant="acme")
+        await conn.execute(
+            "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, endpoint_id)"
+            " SELECT 'acme', 's' || g, 'e', '{}'::jsonb, %s FROM generate_series(1, 2) g",
+            (endpoint.id,),
+        )
+        rows = await _held_by_the_proxy(conn)
+        assert len(rows) == 2
+        assert await _wait_reasons(conn, endpoint.id) == [("pending", EGRESS_HELD)] * 2
+        # Parked by the next claim's completion (its endpoint found disabled).
+        async with conn.transaction():
+            rows = await claim_due(conn, 10)
+            parked = [Completion(r.id, Outcome.PARKED) for r in rows]
+            await complete(conn, parked, {r.id: r.partition_at for r in rows})
+        assert await _wait_reasons(conn, endpoint.id) == [("parked", None)] * 2
+        await conn.execute(
+            "UPDATE webhook_outbox SET hold = NULL, created_at = now() WHERE endpoint_id = %s",
+            (endpoint.id,),
+        )
+        # Parked by the disabling itself, then due again when it is enabled.
+        await _held_by_the_proxy(conn)
+        await endpoints.disable(conn, endpoint.id)
+        assert await _wait_reasons(conn, endpoint.id) == [("parked", None)] * 2
+        await endpoints.enable(conn, endpoint.id)
+        assert await _wait_reasons(conn, endpoint.id) == [("pending", None)] * 2
 
 
 @pytest.mark.parametrize("outcome", [Outcome.DELIVERED, Outcome.RETRY], ids=str)

@@ -204,7 +204,17 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                         scope=None,
                         keys=keys,
                     )
-                    _print_created(endpoint.as_json(), shown, args.json, before=before)
+                    # Not shown: rotated since, or sealed with a key this process lacks.
+                    locked = (
+                        before
+                        and shown is None
+                        and any(
+                            w == "its secret" for w, _ in endpoints.locked_values(endpoint, keys)
+                        )
+                    )
+                    _print_created(
+                        endpoint.as_json(), shown, args.json, before=before, locked=locked
+                    )
             elif action == "list":
                 _print_list(await _all(conn, args.tenant), args.json)
             elif action in ("show", "disable", "enable"):
@@ -317,14 +327,24 @@ def _confirm(endpoint_id: str) -> bool:
 
 
 def _print_created(
-    endpoint: dict[str, Any], secret: str | None, as_json: bool, *, before: bool = False
+    endpoint: dict[str, Any],
+    secret: str | None,
+    as_json: bool,
+    *,
+    before: bool = False,
+    locked: bool = False,
 ) -> None:
     if as_json:
         print(json.dumps({**endpoint, "secret": secret, **({"replayed": True} if before else {})}))
         return
     said = "added before with this key:" if before else "created"
     print(f"{said} {endpoint['id']} for tenant {endpoint['tenant']!r}: {endpoint['url']}")
-    if secret is None:
+    if locked:
+        print(
+            "signing secret: not shown: it is stored encrypted with a key this process does"
+            " not have (run again with the service's WEBHOOK_ENCRYPTION_KEY)"
+        )
+    elif secret is None:
         print("signing secret: rotated since; not shown again")
     else:
         print(f"signing secret (shown once): {secret}")

@@ -17,6 +17,12 @@ FROM webhook_idempotency_keys
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND created_at > now() - make_interval(secs => %(ttl_s)s);
 
+-- name: idempotency_lock
+-- One request per key and tenant at a time, until its transaction ends (an endpoint's
+-- creation: the requests after the first find its key and answer with its endpoint, not
+-- make one of their own that the tenant's cap may refuse).
+SELECT pg_advisory_xact_lock(hashtextextended(%(tenant)s || chr(31) || %(key)s, 2404968131));
+
 -- name: idempotency_keep
 -- Takes the key for the event of this transaction: a new row, or one whose key expired
 -- (replaced). No row comes back when a live one holds it, committed by a request that ran

@@ -105,9 +105,10 @@ RETURNING *;
 -- name: endpoint_park
 -- A disabled endpoint's pending deliveries are parked: kept, not due, no attempt consumed.
 -- A row a batch holds (SKIP LOCKED) is parked by that batch's completion (its retry row
--- is inserted parked) or at its next claim; a leased row in flight finishes first.
+-- is inserted parked) or at its next claim; a leased row in flight finishes first. What
+-- held it before (an egress outage's wait reason) no longer does: it goes.
 UPDATE webhook_outbox
-SET hold = 'parked', created_at = 'infinity'
+SET hold = 'parked', created_at = 'infinity', error = NULL
 WHERE (id, partition_at) IN (
     SELECT id, partition_at FROM webhook_outbox
     WHERE endpoint_id = %(id)s AND NOT processed AND lease IS NULL

@@ -236,8 +236,9 @@ held AS (
         hold = CASE WHEN r.outcome = 'parked' THEN 'parked' ELSE o.hold END,
         deferrals = o.deferrals + (r.outcome = 'deferred')::int,
         -- What a deferred row says while it waits (an egress proxy's outage), none for a
-        -- passing deferral: a pending row's error is never an attempt's.
-        error = CASE WHEN r.outcome = 'deferred' THEN r.error ELSE o.error END,
+        -- passing deferral, a parked row (its endpoint's state says why) or a leased one
+        -- (in flight): a pending row's error is never an attempt's.
+        error = CASE WHEN r.outcome = 'deferred' THEN r.error END,
         lease = CASE WHEN r.outcome = 'leased' THEN r.lease END,
         endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id)
     FROM r

@@ -112,7 +112,10 @@ async def create_endpoint(
     if idempotency_key is None:
         endpoint, secret = await _create(request, who, conn, body, tenant)
         return {**endpoint.as_json(), "secret": secret}
-    digest = deliveries.endpoint_request_hash(tenant, body.model_dump(mode="json"))
+    # The tenant as resolved, not as written: a tenant's token (no tenant in the body) and an
+    # admin naming that tenant send the same request.
+    fields = body.model_dump(mode="json", exclude={"tenant"})
+    digest = deliveries.endpoint_request_hash(tenant, fields)
     endpoint, shown, replayed = await deliveries.create_endpoint_once(
         conn,
         tenant,
