@@ -205,7 +205,8 @@ async def create_endpoint_once(
     created before. A repeated request gets the endpoint as it is now and its secret while
     it is the one created then (opened with ``keys``; None once rotated); an endpoint
     removed since is :class:`NotFoundError`. The key keeps the endpoint's id and a digest
-    of its secret, never the secret."""
+    of its secret as stored (sealed, when it is): never the secret, nor a digest of it that
+    a weak secret could be guessed from (re-sealed since, it is not shown again either)."""
     key = ENDPOINT_KEY_PREFIX + idempotency_key
     try:
         async with conn.transaction():
@@ -216,7 +217,8 @@ async def create_endpoint_once(
             before = await answered_before(conn, tenant, key, digest, ENDPOINT_DIFFERS)
             if before is None:
                 endpoint, secret = await create()
-                kept = {"endpoint_id": endpoint.id, "secret_sha256": _sha256(secret)}
+                stored = _sha256(endpoint.secret or "")
+                kept = {"endpoint_id": endpoint.id, "stored_sha256": stored}
                 if await keep_answer(conn, tenant, key, kept, digest):
                     return endpoint, secret, False
                 raise _KeyTaken
@@ -225,14 +227,14 @@ async def create_endpoint_once(
         if before is None:  # expired in between: a day-long request, not a case to serve
             raise ConflictError("the Idempotency-Key's request could not be read back") from None
     endpoint = await get_endpoint(conn, str(before["endpoint_id"]), tenant=scope)
+    if not endpoint.secret or not hmac.compare_digest(
+        _sha256(endpoint.secret), str(before.get("stored_sha256", ""))
+    ):
+        return endpoint, None, True  # rotated (or re-sealed) since
     try:
-        current = keys.open(endpoint.secret, endpoint.id) if endpoint.secret else ""
+        return endpoint, keys.open(endpoint.secret, endpoint.id), True
     except SecretLocked:
-        current = ""
-    same = bool(current) and hmac.compare_digest(
-        _sha256(current), str(before.get("secret_sha256", ""))
-    )
-    return endpoint, current if same else None, True
+        return endpoint, None, True
 
 
 async def enqueue_event(

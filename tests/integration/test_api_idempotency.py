@@ -6,7 +6,9 @@ and live 24 hours. Real API server, real PostgreSQL, a real dispatcher and recei
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +18,9 @@ import pytest
 import pytest_asyncio
 from psycopg.types.json import Jsonb
 
-from fluxora_webhooks.deliveries import request_hash
+from fluxora_webhooks import endpoints
+from fluxora_webhooks.deliveries import create_endpoint_once, request_hash
+from fluxora_webhooks.secretbox import keyring_from_env, new_key
 from tests.support.api import LOOPBACK, Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
 from tests.support.receiver import Receiver
@@ -378,3 +382,32 @@ async def test_a_tenants_token_and_an_admin_naming_the_tenant_send_one_creation(
     assert named.headers.get("idempotent-replayed") == "true"
     assert named.body["id"] == unnamed.body["id"] != first.body["id"]
     assert await endpoint_count(database_url) == 2
+
+
+async def test_a_sealed_secrets_key_keeps_no_digest_a_guess_could_be_checked_against(
+    database_url: str, receiver: Receiver
+) -> None:
+    """With secrets sealed at rest, what the key keeps is a digest of the sealed value: a
+    dump of the keys' table gives no way to check a guessed (weak) secret."""
+    keys = keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": new_key()})
+    weak = "whsec_" + base64.b64encode(b"password-password-passwd").decode()
+
+    async def create() -> tuple[endpoints.Endpoint, str]:
+        return await endpoints.create(
+            conn, url=receiver.url, tenant="acme", secret=weak, allowed_networks=LOOPBACK,
+            keys=keys,
+        )  # fmt: skip
+
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        answers = [
+            await create_endpoint_once(
+                conn, "acme", "weak-1", "digest", create, scope=None, keys=keys
+            )
+            for _ in range(2)
+        ]
+    assert [(e.id, secret, before) for e, secret, before in answers] == [
+        (answers[0][0].id, weak, False),
+        (answers[0][0].id, weak, True),
+    ]
+    kept = await scalar(database_url, "SELECT response::text FROM webhook_idempotency_keys")
+    assert weak not in kept and hashlib.sha256(weak.encode()).hexdigest() not in kept
