@@ -30,11 +30,18 @@ Sections (``--only`` picks some):
   timeout), the others getting their share of the same traffic: the healthy endpoints'
   throughput (the best of two bursts each) and commit-to-receipt latency, the latter
   measured while the hanging endpoints' backlog is still there.
+- ``burst``: cross-tenant head-of-line blocking. Tenant B (one endpoint) enqueues a steady
+  ``burst_rate`` events/s, each its own transaction carrying its commit time: its
+  commit-to-receipt latency alone (``burst_alone_seconds``), then while tenant A (its own
+  endpoint on the same receiver) has just enqueued ``burst_events`` events in one
+  transaction, from A's commit until A's backlog is drained (A's last receipt); A's drain
+  time and rate. B's events committed while A's insert was still open are kept apart.
 
 Endpoints are registered through the Python API (``fluxora_webhooks.endpoints.create``).
 It prints one table, saves ``benchmarks/results/many-<timestamp>.json``. Databases are
-named ``bench_many_*`` and dropped at the end; Redis keys carry a prefix of their own and
-are deleted.
+named ``bench_many_*`` (``--db-prefix``) and dropped at the end; Redis keys carry a prefix
+of their own and are deleted. ``--ports LO-HI``: the receiver and the dispatchers' metrics
+ports from that range (default: any free port).
 
 ``ManyBench.sections(...)`` runs sections against a receiver someone else started (the
 main benchmark, for one): pass its URL, its child process and the children registry.
@@ -72,7 +79,7 @@ from procs import Child, Children, CpuMeter, process_tree
 HERE = Path(__file__).resolve().parent
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "ordered_head", "isolation")
+SECTIONS = ("raw", "fanout", "fanout_latency", "ordered", "ordered_head", "isolation", "burst")
 
 # Targets (issues 12, 13, 16).
 FANOUT_RAW_MIN = 0.6
@@ -116,12 +123,32 @@ class Preset:
     head_seconds: float = 10.0
     head_fail_s: float = 1.0
     ordered_rounds: int = 3  # ordered section: alternating bursts, the best of each
+    # burst: tenant A's events in one transaction; tenant B's steady rate beside them, and
+    # how long B runs alone first.
+    burst_events: int = 50_000
+    burst_rate: int = 20
+    burst_alone_seconds: float = 5.0
+    burst_analyze: bool = False  # ANALYZE the outbox right after A's commit
 
 
 PRESETS = {
     "full": Preset(30_000, (16, 64, 128), 100, 1000, 10, 200, 10.0, 1000, 20, 20, 2000, 400, 10.0),
     "quick": Preset(
-        15_000, (64,), 100, 300, 10, 200, 5.0, 1000, 10, 20, 500, 400, 5.0, head_seconds=5.0
+        15_000,
+        (64,),
+        100,
+        300,
+        10,
+        200,
+        5.0,
+        1000,
+        10,
+        20,
+        500,
+        400,
+        5.0,
+        head_seconds=5.0,
+        burst_events=20_000,
     ),
     # Every section, seconds; a short timeout so the hanging endpoint's requests end.
     "tiny": Preset(
@@ -144,6 +171,8 @@ PRESETS = {
         head_seconds=1.0,
         ordered_rounds=1,
         head_fail_s=0.2,
+        burst_events=2000,
+        burst_alone_seconds=1.0,
     ),
 }
 
@@ -180,6 +209,8 @@ class ManyBench(Plumbing):
         overrides: dict[str, str] | None = None,
         children: Children | None = None,
         tmp: Path | None = None,
+        db_prefix: str = "bench_many_",
+        ports: tuple[int, int] | None = None,
     ) -> None:
         self.preset = preset
         self.admin_url = admin_url
@@ -190,6 +221,8 @@ class ManyBench(Plumbing):
         self.tmp = tmp or Path(tempfile.mkdtemp(prefix="fluxora-many-"))
         self.children = children or Children(self.tmp)
         self.databases: list[str] = []
+        self.db_prefix = db_prefix
+        self.ports = ports  # (lowest, highest) for the receiver and metrics; None: any
         self.receiver_url = ""
         self.receiver: Child | None = None
         self.database_url = ""
@@ -207,7 +240,7 @@ class ManyBench(Plumbing):
         return self.database_url
 
     async def create_database(self, suffix: str) -> str:
-        name = f"bench_many_{suffix}_{self.run_id}"
+        name = f"{self.db_prefix}{suffix}_{self.run_id}"
         async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as c:
             await c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         self.databases.append(name)
@@ -215,8 +248,25 @@ class ManyBench(Plumbing):
         await self.migrate(url)
         return url
 
+    def free_port(self) -> int:
+        """A port nothing listens on: any (the system's pick), or one of ``--ports``."""
+        if self.ports is None:
+            return free_port()
+        import socket
+
+        lo, hi = self.ports
+        for port in range(lo, hi + 1):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise RuntimeError(f"no free port in {lo}-{hi}")
+
     async def start_receiver(self) -> None:
-        receiver = await self.children.script("receiver", "receiver.py", "--port", "0")
+        wanted = "0" if self.ports is None else str(self.free_port())
+        receiver = await self.children.script("receiver", "receiver.py", "--port", wanted)
         port = int((await receiver.wait_for_line("PORT ", 15)).split()[1])
         self.receiver_url = f"http://127.0.0.1:{port}"
         self.receiver = receiver
@@ -269,7 +319,7 @@ class ManyBench(Plumbing):
     async def start_dispatcher(
         self, database_url: str, tag: str, extra: dict[str, str] | None = None
     ) -> Child:
-        port = free_port()
+        port = self.free_port()
         env = self.dispatcher_env(database_url, port, extra or {})
         child = await self.children.spawn(
             f"many-{tag}", [sys.executable, "-m", "fluxora_webhooks", "run"], env
@@ -736,6 +786,207 @@ class ManyBench(Plumbing):
         )
         return out
 
+    async def section_burst(self) -> dict[str, Any]:
+        """Cross-tenant head-of-line blocking: tenant B's steady events (each its own
+        transaction carrying its commit time) alone, then while tenant A's burst of
+        ``burst_events`` (one transaction) drains to a fast endpoint of its own; B's
+        commit-to-receipt latency in both, A's drain time (commit to its last receipt).
+
+        B's endpoint is on an ``/ordered...`` path of the receiver (the endpoint itself is
+        unordered, every event a stream of its own) for the receiver's two latency lists:
+        events marked ``watch`` (committed after A's commit) are recorded apart from the
+        others (committed before A's insert began, or while it was still open)."""
+        p = self.preset
+        url = await self.database()
+        b_path, a_path = "/ordered/burst-b", "/burst/a"
+        b_ids = await self.add_endpoints(url, "burst-b", [b_path])
+        a_ids = await self.add_endpoints(url, "burst-a", [a_path])
+        await self.truncate(url)
+        await self.dispatcher()
+        out: dict[str, Any] = {
+            "a_events": p.burst_events,
+            "b_rate": p.burst_rate,
+            "analyze_after_commit": p.burst_analyze,
+        }
+
+        async def outbox_scans() -> dict[str, Any]:
+            """The outbox's scans so far, and whether autovacuum (its ANALYZE) is on: right
+            after a bulk insert the planner's statistics may not know the new rows yet."""
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+                await c.execute("SELECT pg_stat_clear_snapshot()")
+                cur = await c.execute(
+                    "SELECT seq_scan, seq_tup_read, idx_scan, current_setting('autovacuum'),"
+                    " last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL"
+                    " FROM pg_stat_user_tables WHERE relid = 'webhook_outbox'::regclass"
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                keys = ("seq_scan", "seq_tup_read", "idx_scan", "autovacuum", "analyzed")
+                return dict(zip(keys, row, strict=True))
+
+        async def wait_path(path: str, n: int, timeout: float) -> dict[str, Any]:
+            deadline = time.monotonic() + timeout
+            while True:
+                stats = await self.stats()
+                if stats["paths"].get(path, 0) >= n:
+                    return stats
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{path}: {stats['paths'].get(path, 0)} of {n} receipts")
+                await asyncio.sleep(0.02)
+
+        # Warm-up: one event each, so both endpoints have their connections.
+        await self.reset()
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            for tenant in ("burst-a", "burst-b"):
+                await conn.execute(
+                    "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                    " VALUES (%s, 'warm', 'bench.event', '{\"stream\": \"warm\", \"seq\": 0}')",
+                    (tenant,),
+                )
+        await wait_path(a_path, 1, 30)
+        await wait_path(b_path, 1, 30)
+
+        state = {"watch": False, "stop": False, "sent": 0}
+
+        async def produce(seconds: float | None) -> None:
+            """B's steady events, until ``seconds`` or ``state["stop"]``."""
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await conn.execute("SELECT 1")
+                start = time.perf_counter() + 0.05
+                i = 0
+                while not state["stop"]:
+                    if seconds is not None and i >= int(p.burst_rate * seconds):
+                        return
+                    delay = start + i / p.burst_rate - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                        if state["stop"]:
+                            return
+                    watch = bool(state["watch"])
+                    seq = state["sent"]
+                    event = {"stream": f"b-{seq}", "seq": seq, "t0": time.time()}
+                    if watch:
+                        event["watch"] = True
+                    await conn.execute(
+                        "INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload)"
+                        " VALUES ('burst-b', %s, 'bench.latency', %s::jsonb)",
+                        (f"b-{seq}", json.dumps(event)),
+                    )
+                    state["sent"] += 1
+                    i += 1
+
+        def summary(values: list[float]) -> dict[str, Any]:
+            lat = sorted(values)
+            return {
+                "events": len(lat),
+                "p50_ms": percentile(lat, 50),
+                "p99_ms": percentile(lat, 99),
+                "max_ms": lat[-1] if lat else float("nan"),
+            }
+
+        # (a) B alone.
+        await self.reset()
+        await produce(p.burst_alone_seconds)
+        stats = await wait_path(b_path, state["sent"], 60)
+        out["b_alone"] = summary(stats["latencies_ms"])
+        self.log(
+            "burst: B alone p50 {p50_ms:.2f} ms, p99 {p99_ms:.2f} ms, max {max_ms:.1f} ms".format(
+                **out["b_alone"]
+            )
+        )
+
+        # (b) A's burst, B going on beside it.
+        await self.reset()
+        state["sent"] = 0
+        scans_before = await outbox_scans()
+        producer = asyncio.create_task(produce(None))
+        try:
+            began = time.time()
+            await self.insert_events(url, "burst-a", p.burst_events)
+            committed = time.time()
+            state["watch"] = True
+            if p.burst_analyze:
+                async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+                    await c.execute("ANALYZE webhook_outbox")
+            # Slow drains are what this measures: wait long (20 deliveries/s at worst).
+            timeout = max(600.0, p.burst_events / 20)
+            deadline = time.monotonic() + timeout
+            while True:
+                stats = await self.stats()
+                if stats["paths"].get(a_path, 0) >= p.burst_events:
+                    break
+                if time.monotonic() > deadline or producer.done():
+                    raise RuntimeError(
+                        f"A's burst: {stats['paths'].get(a_path, 0)} of {p.burst_events}"
+                        f" receipts in {timeout:.0f}s"
+                    )
+                await asyncio.sleep(0.02)
+            # The last receipt seen up to this poll (A's last one, or a B receipt within
+            # the poll's 20 ms after it).
+            drained = stats["last"]
+        finally:
+            state["stop"] = True
+            await producer
+        stats = await wait_path(b_path, state["sent"], 300)
+        await asyncio.sleep(1)  # table statistics are flushed about once a second
+        scans_after = await outbox_scans()
+        out["autovacuum"] = scans_after["autovacuum"]
+        out["outbox_analyzed"] = scans_after["analyzed"]
+        for key in ("seq_scan", "seq_tup_read", "idx_scan"):
+            out[f"outbox_{key}_during"] = scans_after[key] - scans_before[key]
+        drain_s = drained - committed
+        out["a_insert_s"] = round(committed - began, 3)
+        out["a_drain_s"] = round(drain_s, 3)
+        out["a_rate"] = p.burst_events / drain_s if drain_s > 0 else float("nan")
+        out["a_received"] = stats["paths"].get(a_path, 0)
+        out["b_during"] = summary(stats["watched_ms"])
+        out["b_during_insert"] = summary(stats["latencies_ms"])  # committed before A's commit
+        out["b_sent"] = state["sent"]
+        out["b_received"] = stats["paths"].get(b_path, 0)
+        # B's deliveries as the database recorded them (processed_at, the batch's completion,
+        # a little after the receipt), each against its commit time relative to A's commit:
+        # when in A's drain B's events waited how long.
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT (payload->>'t0')::float8 - %s,"
+                " EXTRACT(EPOCH FROM processed_at) - (payload->>'t0')::float8"
+                " FROM webhook_outbox WHERE endpoint_id = ANY(%s) AND outcome = 'delivered'"
+                " AND payload ? 't0' ORDER BY 1",
+                (committed, b_ids),
+            )
+            timeline = [(float(a), float(b)) for a, b in await cur.fetchall()]
+            out["b_timeline_s"] = [[round(a, 3), round(b, 3)] for a, b in timeline]
+            # The first delivery of a B event committed after A's commit, from A's commit:
+            # against A's last delivery, whether B got anything through A's backlog.
+            after = [a + b for a, b in timeline if a >= 0]
+            out["b_during_first_delivered_s"] = round(min(after), 3) if after else None
+            cur = await conn.execute(
+                "SELECT EXTRACT(EPOCH FROM min(processed_at)) - %s,"
+                " EXTRACT(EPOCH FROM max(processed_at)) - %s, count(*)"
+                " FROM webhook_outbox WHERE endpoint_id = ANY(%s) AND outcome = 'delivered'"
+                " AND stream_id <> 'warm'",
+                (committed, committed, a_ids),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            out["a_db_first_s"], out["a_db_last_s"], out["a_db_delivered"] = (
+                float(row[0]) if row[0] is not None else None,
+                float(row[1]) if row[1] is not None else None,
+                int(row[2]),
+            )
+        self.log(
+            "burst: A's {n:,} drained in {d:.2f} s ({r:,.0f}/s); B during it p50 {p50:.1f} ms,"
+            " p99 {p99:.1f} ms, max {mx:.1f} ms".format(
+                n=p.burst_events,
+                d=drain_s,
+                r=out["a_rate"],
+                p50=out["b_during"]["p50_ms"],
+                p99=out["b_during"]["p99_ms"],
+                mx=out["b_during"]["max_ms"],
+            )
+        )
+        return out
+
     # -- the run ---------------------------------------------------------------------
 
     async def sections(
@@ -948,6 +1199,48 @@ def render_table(out: dict[str, Any]) -> str:
                     note,
                 )
             )
+    burst = out.get("burst")
+    if burst:
+        b_label = f"tenant B at {burst['b_rate']} events/s"
+        a_label = f"tenant A's {burst['a_events']:,} events in one transaction"
+        for key, label in (
+            ("b_alone", "alone"),
+            ("b_during", f"beside {a_label}, from its commit until drained"),
+            ("b_during_insert", f"beside {a_label}, committed while it was open"),
+        ):
+            r = burst[key]
+            rows.append(
+                (
+                    f"{b_label}, {label}",
+                    f"p50 {_n(r['p50_ms'], 2)} ms, p99 {_n(r['p99_ms'], 2)} ms",
+                    "",
+                    f"max {_n(r['max_ms'], 1)} ms, {r['events']} events",
+                )
+            )
+        drained = f"drained in {_n(burst['a_drain_s'], 2)} s"
+        drained += f" (its insert took {_n(burst['a_insert_s'], 2)} s)"
+        if burst.get("analyze_after_commit"):
+            drained += ", ANALYZE right after its commit"
+        if "outbox_seq_scan_during" in burst:
+            drained += (
+                f"; {burst['outbox_seq_scan_during']:,} sequential scans of the outbox"
+                f" ({burst['outbox_seq_tup_read_during']:,} rows), autovacuum"
+                f" {burst['autovacuum']}"
+            )
+        if burst.get("b_during_first_delivered_s") is not None:
+            drained += (
+                f"; B's first event after A's commit delivered at"
+                f" {_n(burst['b_during_first_delivered_s'], 2)} s, A's last at"
+                f" {_n(burst['a_db_last_s'], 2)} s (database times)"
+            )
+        rows.append(
+            (
+                f"{a_label} to a fast endpoint, commit to last receipt",
+                f"{_n(burst['a_rate'])} deliveries/s",
+                vs_raw(burst["a_rate"]),
+                drained,
+            )
+        )
     lines = ["| measurement | result | x raw | notes |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     lines += ["", "| target | measured | bound | met |", "|---|---|---|---|"]
@@ -975,6 +1268,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="events/s of the fanout_latency section (the target is at 200; a slower"
         " machine that cannot keep up with that is compared at a rate it can)",
     )
+    parser.add_argument(
+        "--burst-events",
+        type=int,
+        help="the burst section's tenant A events (in one transaction)",
+    )
+    parser.add_argument(
+        "--burst-analyze",
+        action="store_true",
+        help="the burst section: ANALYZE the outbox right after tenant A's commit",
+    )
+    parser.add_argument(
+        "--db-prefix",
+        default="bench_many_",
+        help="the names of the databases made (and dropped) here start with this",
+    )
+    parser.add_argument(
+        "--ports",
+        metavar="LO-HI",
+        help="take the receiver's and the dispatchers' metrics ports from this range",
+    )
     return parser
 
 
@@ -996,11 +1309,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     preset = with_isolation(PRESETS[mode], args.isolation)
     if args.latency_rate:
         preset = dataclasses.replace(preset, latency_rate=args.latency_rate)
+    if args.burst_events:
+        preset = dataclasses.replace(preset, burst_events=args.burst_events)
+    if args.burst_analyze:
+        preset = dataclasses.replace(preset, burst_analyze=True)
+    ports = None
+    if args.ports:
+        lo, _, hi = args.ports.partition("-")
+        ports = (int(lo), int(hi or lo))
     bench = ManyBench(
         preset,
         admin_url=args.database_url or DEFAULT_PG,
         redis_url=args.redis_url or DEFAULT_REDIS,
         overrides=dict(item.split("=", 1) for item in args.set),
+        db_prefix=args.db_prefix,
+        ports=ports,
     )
     names = args.only.split(",") if args.only else list(SECTIONS)
     meta: dict[str, Any] = {
