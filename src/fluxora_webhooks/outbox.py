@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -435,8 +437,46 @@ async def claim_due(
     params: dict[str, Any] = {"since": since}
     if after is not None:
         params["after_at"], params["after_id"] = after
+    started = time.monotonic()
     cur = await conn.execute(_claim_sql(name, batch=batch, resumed=after is not None), params)
-    return [_claimed(r, routable=r[16] is not False) for r in await cur.fetchall()]
+    rows = [_claimed(r, routable=r[16] is not False) for r in await cur.fetchall()]
+    await _replan_if_stale(conn, full=len(rows) == batch, took_s=time.monotonic() - started)
+    return rows
+
+
+# Prepared statements keep the plan made when they were first run: made while the outbox
+# was nearly empty, the claim's is a scan of the whole table and a sort, and it stays so
+# as a burst grows the table, until an ANALYZE (autovacuum's, up to a minute later; never
+# where autovacuum is off) invalidates it: a burst of 20,000 drained at 740 a second
+# instead of thousands. A connection whose claims of full batches keep taking long
+# deallocates its statements, which are planned again for the table as it is now.
+SLOW_CLAIM_S = 0.005
+SLOW_CLAIMS_TO_REPLAN = 3
+REPLAN_EVERY_S = 30.0
+_slow_claims: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], list[float]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _replan_if_stale(
+    conn: psycopg.AsyncConnection[Any], *, full: bool, took_s: float
+) -> None:
+    state = _slow_claims.get(conn)
+    if not (full and took_s > SLOW_CLAIM_S):
+        if state is not None:
+            state[0] = 0
+        return
+    if state is None:
+        state = _slow_claims[conn] = [0, float("-inf")]  # slow claims in a row, last replan
+    state[0] += 1
+    now = time.monotonic()
+    if state[0] >= SLOW_CLAIMS_TO_REPLAN and now - state[1] >= REPLAN_EVERY_S:
+        state[:] = [0, now]
+        await conn.execute("DEALLOCATE ALL")  # psycopg forgets its own statements too
+        log.debug(
+            "claims of full batches took over %.0f ms: statements planned again",
+            SLOW_CLAIM_S * 1000,
+        )
 
 
 def _claimed(r: Sequence[Any], *, routable: bool = True) -> Claimed:

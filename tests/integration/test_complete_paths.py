@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fluxora_webhooks import endpoints, partitions
+from fluxora_webhooks import endpoints, outbox, partitions
 from fluxora_webhooks.deliveries import get_delivery
 from fluxora_webhooks.delivery import EGRESS_HELD
 from fluxora_webhooks.outbox import (
@@ -248,9 +248,10 @@ async def test_a_row_completed_meanwhile_is_not_written_again(database_url: str)
         assert found[0][2] == "dead_letter"
 
 
-async def test_the_claim_keeps_one_plan(database_url: str) -> None:
+async def test_the_claim_keeps_one_plan(database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Executed as the dispatcher executes it (prepared by psycopg after a few runs), the
     claim is planned once: PostgreSQL's generic plan, not a custom plan per batch."""
+    monkeypatch.setattr(outbox, "SLOW_CLAIM_S", 60.0)  # no replan on a loaded machine
     async with await _connect(database_url) as conn:
         await _events(conn, 200)
         for _ in range(15):
@@ -374,3 +375,38 @@ async def test_a_batch_is_recorded_by_key_beside_a_backlog_the_statistics_miss(
     updates = [n for n in plan.all if n.get("Operation") == "Update"]
     assert updates, "no update in the plan"
     plan.check(uses={"webhook_outbox_pkey"}, max_examined=100)
+
+
+async def _claim_plan(conn: psycopg.AsyncConnection[Any]) -> str:
+    """The plan the connection's prepared claim runs with (its generic plan)."""
+    cur = await conn.execute(
+        "SELECT name FROM pg_prepared_statements WHERE statement LIKE '%%FOR UPDATE SKIP LOCKED%%'"
+    )
+    (name,) = await cur.fetchone() or ("",)
+    assert name, "the claim is not prepared"
+    cur = await conn.execute(f"EXPLAIN EXECUTE {name}")
+    return "\n".join(str(r[0]) for r in await cur.fetchall())
+
+
+async def test_a_claim_planned_on_a_nearly_empty_outbox_is_planned_again_for_a_burst(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim prepared while the outbox held a few rows scans the table and sorts it;
+    after a burst, once claims of full batches keep taking long (every one here), the
+    connection's statements are planned again: the claim reads the due rows' index."""
+    async with await _connect(database_url) as conn:
+        for _ in range(8):  # prepared (psycopg) and planned on a table of one row
+            await _events(conn, 1)
+            async with conn.transaction():
+                rows = await claim_due(conn, 10)
+                await complete(conn, _delivered(rows), {r.id: r.partition_at for r in rows})
+        assert "Seq Scan on webhook_outbox" in await _claim_plan(conn)
+        await _events(conn, 20_000)
+        monkeypatch.setattr(outbox, "SLOW_CLAIM_S", 0.0, raising=False)
+        for _ in range(3 + 8):  # past SLOW_CLAIMS_TO_REPLAN, then prepared again
+            async with conn.transaction():
+                rows = await claim_due(conn, 10)
+                assert len(rows) == 10
+                await complete(conn, _delivered(rows), {r.id: r.partition_at for r in rows})
+        plan = await _claim_plan(conn)
+    assert "webhook_outbox_due_idx" in plan and "Seq Scan on webhook_outbox" not in plan, plan
