@@ -445,11 +445,12 @@ async def claim_due(
 
 
 # Prepared statements keep the plan made when they were first run: made while the outbox
-# was nearly empty, the claim's is a scan of the whole table and a sort, and it stays so
-# as a burst grows the table, until an ANALYZE (autovacuum's, up to a minute later; never
-# where autovacuum is off) invalidates it: a burst of 20,000 drained at 740 a second
-# instead of thousands. A connection whose claims of full batches keep taking long
-# deallocates its statements, which are planned again for the table as it is now.
+# was nearly empty, the claim's is a scan of the whole table and a sort and complete_batch
+# joins every row of the table to its batch, and they stay so as a burst grows the table,
+# until an ANALYZE (autovacuum's, up to a minute later; never where autovacuum is off)
+# invalidates them: a burst of 20,000 drained at 84 a second. A connection whose claims of
+# full batches keep taking long deallocates its statements, which are planned again for
+# the table as it is (868 a second; docs/performance.md, "Bursts and other tenants").
 SLOW_CLAIM_S = 0.005
 SLOW_CLAIMS_TO_REPLAN = 3
 REPLAN_EVERY_S = 30.0

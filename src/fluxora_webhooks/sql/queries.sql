@@ -175,8 +175,7 @@ ev AS (
     SELECT o.id, o.tenant, o.stream_id, o.event_type, o.payload, o.enqueued_at, o.traceparent,
            o.tracestate, o.delivery_id
     FROM r JOIN webhook_outbox o ON o.id = r.id AND o.partition_at = r.partition_at
-    WHERE r.id = ANY(%(route)s::bigint[]) AND o.id = ANY(%(route)s::bigint[])
-      AND o.endpoint_id IS NULL
+    WHERE r.id = ANY(%(route)s::bigint[]) AND o.endpoint_id IS NULL
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
 ),
 routed AS (
@@ -214,11 +213,6 @@ done AS (
     -- read all of them (webhook_outbox_endpoint_pending_idx) to find the batch's, on every
     -- batch, as long as the backlog; so the rows are found by their key, one probe each.
     WHERE o.id = r.id AND o.partition_at = r.partition_at
-      -- The batch's ids again, on the outbox's side: a plan made while the outbox was
-      -- nearly empty (a generic plan, kept until the table is analyzed) scans it whole
-      -- and joins every row to r; with this, such a scan keeps only the batch's rows
-      -- (a burst of 20,000 went from 84 to thousands a second before an ANALYZE).
-      AND o.id = ANY(%(ids)s::bigint[])
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
       AND r.outcome IN ('delivered', 'retry', 'dead_letter', 'routed')
       AND o.processed IS FALSE AND (r.lease IS NULL OR o.lease = r.lease)
@@ -249,7 +243,6 @@ held AS (
         endpoint_id = COALESCE(o.endpoint_id, r.endpoint_id)
     FROM r
     WHERE o.id = r.id AND o.partition_at = r.partition_at
-      AND o.id = ANY(%(ids)s::bigint[])  -- as in complete_done
       AND o.partition_at BETWEEN %(part_lo)s AND %(part_hi)s
       AND r.outcome IN ('deferred', 'parked', 'leased') AND o.processed IS FALSE
       AND (r.outcome = 'leased' OR r.lease IS NULL OR o.lease = r.lease)
