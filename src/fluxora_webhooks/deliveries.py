@@ -172,6 +172,8 @@ async def keep_answer(
     return bool(taken)
 
 
+# An idempotency key: 1 to 255 visible ASCII characters (a UUID, a hash, the client's id).
+IDEMPOTENCY_KEY = r"^[!-~]{1,255}$"
 # An endpoint's key is kept apart from an event's of the same tenant and text.
 ENDPOINT_KEY_PREFIX = "endpoint:"
 ENDPOINT_DIFFERS = "its url, event types or another field differ; use a new key per endpoint"

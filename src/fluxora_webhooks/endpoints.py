@@ -236,14 +236,22 @@ def locked_values(endpoint: Endpoint, keys: Keyring) -> list[tuple[str, SecretLo
         for name, value in endpoint.headers.items()
         if credential_header(name)
     ]
-    found: list[tuple[str, SecretLocked]] = []
-    for stored, what in needed:
-        if stored and is_sealed(stored):
-            try:
-                keys.open(stored, endpoint.id, what)
-            except SecretLocked as exc:
-                found.append((what, exc))
-    return found
+    found = [(what, unopenable(stored, endpoint.id, keys, what)) for stored, what in needed]
+    return [(what, why) for what, why in found if why is not None]
+
+
+def unopenable(
+    stored: str | None, endpoint_id: str, keys: Keyring, what: str = "its secret"
+) -> SecretLocked | None:
+    """Why none of ``keys`` opens ``stored`` (sealed), naming it ``what``; None when it
+    opens or is not sealed."""
+    if not stored or not is_sealed(stored):
+        return None
+    try:
+        keys.open(stored, endpoint_id, what)
+    except SecretLocked as exc:
+        return exc
+    return None
 
 
 @dataclass(frozen=True)
@@ -767,17 +775,6 @@ def keep_previous_ms(text: str, name: str = "keep_previous") -> int:
     return 0 if keep == "0" else parse_duration_ms(keep, name, high_ms=MAX_KEEP_PREVIOUS_MS)
 
 
-def _unreadable(stored: str | None, endpoint_id: str, keys: Keyring) -> bool:
-    """Whether ``stored`` is sealed and no key of ``keys`` opens it."""
-    if not stored or not is_sealed(stored):
-        return False
-    try:
-        keys.open(stored, endpoint_id)
-    except SecretLocked:
-        return True
-    return False
-
-
 async def rotate_secret(
     conn: psycopg.AsyncConnection[Any],
     endpoint_id: str,
@@ -818,7 +815,7 @@ async def rotate_secret(
             # previous one, where it would hold the endpoint (it cannot sign) and
             # `secrets encrypt|decrypt` would still find it unreadable.
             "drop_previous": keyring.configured
-            and _unreadable(current.secret, endpoint_id, keyring),
+            and unopenable(current.secret, endpoint_id, keyring) is not None,
             **_scope(tenant),
         },
     )

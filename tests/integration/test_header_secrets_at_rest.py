@@ -17,12 +17,14 @@ from aiohttp import web
 from fluxora_webhooks import endpoints
 from fluxora_webhooks.endpoints import HIDDEN_HEADER_VALUE, Changes
 from fluxora_webhooks.errors import ConfigError
-from fluxora_webhooks.secretbox import Keyring, keyring_from_env, new_key
+from fluxora_webhooks.secretbox import new_key
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import (
     deferred,
+    due_now,
     enqueue_many,
+    keyring,
     make_settings,
     rows,
     running_dispatcher,
@@ -35,10 +37,6 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "hdr-bearer-token-0123456789abcdef"
 PLAIN_SQL_SECRET = "plain-secret-written-by-sql-0123456789"
-
-
-def keyring(current: str) -> Keyring:
-    return keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": current})
 
 
 async def stored_headers(database_url: str, endpoint_id: str) -> tuple[dict[str, Any], str]:
@@ -262,11 +260,7 @@ async def test_a_header_no_key_opens_holds_its_deliveries(
     assert said and all(right.current.id in t and "Authorization" in t for t in said), said
     assert not any(TOKEN in r.getMessage() for r in caplog.records)
     # With the key, the held delivery goes with the plain value, its attempt unused.
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "UPDATE webhook_outbox SET created_at = now() WHERE endpoint_id = %s AND NOT processed",
-            (locked.id,),
-        )
+    await due_now(database_url, locked.id)
     async with running_dispatcher(
         make_settings("", allowed_networks=LOOPBACK, encryption_keys=right), database_url
     ):

@@ -13,12 +13,14 @@ import psycopg
 import pytest
 
 from fluxora_webhooks import endpoints
-from fluxora_webhooks.secretbox import NO_KEYS, Keyring, keyring_from_env, new_key
+from fluxora_webhooks.secretbox import NO_KEYS, new_key
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import (
     deferred,
+    due_now,
     enqueue_many,
+    keyring,
     make_settings,
     rows,
     running_dispatcher,
@@ -30,15 +32,6 @@ from tests.support.receiver import Receiver
 pytestmark = pytest.mark.integration
 
 PLAIN_SQL_SECRET = "plain-secret-written-by-sql-0123456789"
-
-
-def keyring(current: str | None, previous: str | None = None) -> Keyring:
-    env = {}
-    if current is not None:
-        env["WEBHOOK_ENCRYPTION_KEY"] = current
-    if previous is not None:
-        env["WEBHOOK_ENCRYPTION_KEY_PREVIOUS"] = previous
-    return keyring_from_env(env)
 
 
 async def stored(database_url: str, endpoint_id: str) -> tuple[str, str | None, str]:
@@ -201,11 +194,7 @@ async def test_a_secret_no_key_opens_holds_its_deliveries_and_names_the_key(
     assert said and all(right.current.id in text for text in said), said
     assert not any(secret in r.getMessage() for r in caplog.records)
     # With the key, the held delivery goes (made due now: it waits its deferral otherwise).
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute(
-            "UPDATE webhook_outbox SET created_at = now() WHERE endpoint_id = %s AND NOT processed",
-            (locked.id,),
-        )
+    await due_now(database_url, locked.id)
     async with running_dispatcher(
         make_settings("", allowed_networks=LOOPBACK, encryption_keys=right), database_url
     ):

@@ -14,6 +14,7 @@ import psycopg
 from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.gate import DeliveryGate
 from fluxora_webhooks.retry import RetryPolicy
+from fluxora_webhooks.secretbox import Keyring, keyring_from_env
 from fluxora_webhooks.settings import Settings
 
 SECRET = b"test-secret-that-is-long-enough-0123456789"
@@ -101,6 +102,25 @@ async def pending(database_url: str) -> int:
     return int(
         await scalar(database_url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed")
     )
+
+
+def keyring(current: str | None, previous: str | None = None) -> Keyring:
+    """The keys a process with WEBHOOK_ENCRYPTION_KEY (and _PREVIOUS) set holds."""
+    env = {}
+    if current is not None:
+        env["WEBHOOK_ENCRYPTION_KEY"] = current
+    if previous is not None:
+        env["WEBHOOK_ENCRYPTION_KEY_PREVIOUS"] = previous
+    return keyring_from_env(env)
+
+
+async def due_now(database_url: str, endpoint_id: str) -> None:
+    """The endpoint's waiting deliveries made due now (they wait out a deferral otherwise)."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "UPDATE webhook_outbox SET created_at = now() WHERE endpoint_id = %s AND NOT processed",
+            (endpoint_id,),
+        )
 
 
 async def deferred(database_url: str, endpoint_id: str) -> int:

@@ -172,22 +172,13 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         async with connect(database_url) as conn:
             if action == "add":
                 assert keys is not None
+                fields = _add_fields(args)
 
                 async def create() -> tuple[endpoints.Endpoint, str]:
                     return await endpoints.create(
-                        conn,
-                        url=args.url,
-                        tenant=args.tenant,
-                        event_types=["*"] if args.events is None else args.events,
-                        secret=args.secret,
-                        description=args.description or "",
-                        headers=dict(args.header or []),
-                        rate_limit=args.rate_limit,
-                        ordered=bool(args.ordered),
-                        allowed_networks=allowed,
-                        keys=keys,
-                        client_cert=client_cert,
-                    )
+                        conn, tenant=args.tenant, allowed_networks=allowed, keys=keys,
+                        client_cert=client_cert, **fields,
+                    )  # fmt: skip
 
                 if args.idempotency_key is None:
                     endpoint, secret = await create()
@@ -195,22 +186,19 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 else:
                     from ..deliveries import create_endpoint_once, endpoint_request_hash
 
+                    pair = None if client_cert is None else [client_cert.chain, client_cert.key]
                     endpoint, shown, before = await create_endpoint_once(
                         conn,
                         endpoints.check_tenant(args.tenant, "--tenant"),
                         args.idempotency_key,
-                        endpoint_request_hash(args.tenant, _add_fields(args, client_cert)),
+                        endpoint_request_hash(args.tenant, {**fields, "client_certificate": pair}),
                         create,
                         scope=None,
                         keys=keys,
                     )
                     # Not shown: rotated since, or sealed with a key this process lacks.
-                    locked = (
-                        before
-                        and shown is None
-                        and any(
-                            w == "its secret" for w, _ in endpoints.locked_values(endpoint, keys)
-                        )
+                    locked = shown is None and (
+                        endpoints.unopenable(endpoint.secret, endpoint.id, keys) is not None
                     )
                     _print_created(
                         endpoint.as_json(), shown, args.json, before=before, locked=locked
@@ -352,7 +340,9 @@ def _print_created(
 
 def _idempotency_key(text: str) -> str:
     """1 to 255 visible ASCII characters, as the API's Idempotency-Key."""
-    if not re.fullmatch(r"[!-~]{1,255}", text):
+    from ..deliveries import IDEMPOTENCY_KEY
+
+    if not re.fullmatch(IDEMPOTENCY_KEY, text):
         raise argparse.ArgumentTypeError("must be 1 to 255 visible ASCII characters")
     return text
 
@@ -399,9 +389,10 @@ def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
     console(width=200 if not sys.stdout.isatty() else None).print(table)
 
 
-def _add_fields(args: argparse.Namespace, client_cert: Any) -> dict[str, Any]:
-    """What `add --idempotency-key` binds its key to: every option that makes the endpoint
-    (a secret and a client certificate's key only through the key's digest)."""
+def _add_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """What `add` makes the endpoint of, as endpoints.create takes it; with the client
+    certificate, what `add --idempotency-key` binds its key to (a secret and a key only
+    through the key's digest)."""
     return {
         "url": args.url,
         "event_types": ["*"] if args.events is None else args.events,
@@ -410,5 +401,4 @@ def _add_fields(args: argparse.Namespace, client_cert: Any) -> dict[str, Any]:
         "headers": dict(args.header or []),
         "rate_limit": args.rate_limit,
         "ordered": bool(args.ordered),
-        "client_certificate": None if client_cert is None else [client_cert.chain, client_cert.key],
     }

@@ -26,7 +26,7 @@ from ..models import (
     Secret,
 )
 from ..pagination import DEFAULT_LIMIT, MAX_LIMIT, Cursor, Limit, decode, page
-from .events import IDEMPOTENCY_KEY, KEY_REUSED, REPLAYED
+from .events import KEY_REUSED, REPLAYED
 
 log = logging.getLogger("fluxora_webhooks.api")
 # A built-in endpoint (default, operator) is the service's configuration, not the API's.
@@ -98,7 +98,7 @@ async def create_endpoint(
     idempotency_key: Annotated[
         str | None,
         Header(
-            pattern=IDEMPOTENCY_KEY,
+            pattern=deliveries.IDEMPOTENCY_KEY,
             description="1-255 visible ASCII characters. The same key and request within 24"
             " hours create nothing and answer with the endpoint the first one created (with"
             " `Idempotent-Replayed: true`; its `secret` while it has not been rotated, else"

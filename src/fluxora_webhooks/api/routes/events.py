@@ -27,8 +27,6 @@ router = APIRouter(
 )
 
 
-# A key: 1 to 255 visible ASCII characters (a UUID, a hash, the producer's own id).
-IDEMPOTENCY_KEY = r"^[!-~]{1,255}$"
 # What a keyed request's answers document (an enqueue's, an endpoint creation's).
 REPLAYED: dict[str, Any] = {
     "headers": {
@@ -77,7 +75,7 @@ async def enqueue_event(
     idempotency_key: Annotated[
         str | None,
         Header(
-            pattern=IDEMPOTENCY_KEY,
+            pattern=deliveries.IDEMPOTENCY_KEY,
             description="1-255 visible ASCII characters. The same key and request within 24"
             " hours enqueue nothing and return the first answer again (with"
             " `Idempotent-Replayed: true`), also when both arrive at once; the same key with"
