@@ -27,6 +27,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from .delivery import EGRESS_HELD
 from .endpoints import DEFAULT_ID, OPERATOR_TENANT, Endpoint, check_event_type
 from .endpoints import get as get_endpoint
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
@@ -568,7 +569,9 @@ async def stats(
     check_window(window_ms)
     _check_limit(endpoints_limit)
     scope = _scope(tenant)
-    backlog = (await _rows(conn, "stats_backlog", {**scope, "cap": STATS_COUNT_CAP}))[0]
+    backlog = (
+        await _rows(conn, "stats_backlog", {**scope, "cap": STATS_COUNT_CAP, "held": EGRESS_HELD})
+    )[0]
     outcomes = await _rows(conn, "stats_outcomes", {**scope, "window_ms": window_ms})
     health = await _health_rows(
         conn, scope, window_ms, limit=endpoints_limit + 1, after=endpoints_after
@@ -581,6 +584,7 @@ async def stats(
             "pending": int(backlog["pending"]),
             "due": int(backlog["due"]),
             "parked": int(backlog["parked"]),
+            "egress_held": int(backlog["egress_held"]),
             "oldest_due_age_seconds": round(max(0.0, float(backlog["oldest_due_age_s"] or 0)), 3),
             "capped_at": STATS_COUNT_CAP,
         },

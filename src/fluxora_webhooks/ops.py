@@ -17,6 +17,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import metrics, partitions
+from .delivery import EGRESS_HELD
 from .endpoints import OPERATOR_TENANT
 from .logs import scrub
 from .migrations import check_schema
@@ -83,6 +84,17 @@ async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_CO
         capped=capped,
         cap=cap,
     )
+
+
+async def read_egress_held(conn: psycopg.AsyncConnection[Any], cap: int) -> int:
+    """How many deliveries (up to ``cap``) wait because the egress proxy failed: their
+    row says :data:`~.delivery.EGRESS_HELD` until they are sent."""
+    cur = await conn.execute(
+        query("egress_held"), {"held": EGRESS_HELD, "scoped": False, "tenant": "", "cap": cap}
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def set_backlog_gauges(backlog: Backlog) -> None:
@@ -254,6 +266,7 @@ async def read_status(
     async with await open_session(database_url, autocommit=True, connect_timeout=10) as conn:
         await check_schema(conn)
         backlog = await read_backlog(conn, STATUS_COUNT_CAP)
+        held = await read_egress_held(conn, STATUS_COUNT_CAP)
         recent = await read_recent_outcomes(conn, minutes * 60_000)
         health = await read_endpoint_health(conn, endpoints)
         errors = await read_last_errors(conn, [e.id for e in health.worst])
@@ -270,6 +283,8 @@ async def read_status(
                 None if backlog.next_due_in_s is None else round(backlog.next_due_in_s, 3)
             ),
             "estimated": backlog.capped,
+            # Held by an outage of the egress proxy (WEBHOOK_PROXY_URL): no consumer asked.
+            "egress_held": held,
         },
         "dead_letters": {"waiting": backlog.dead_letters},
         "recent": {

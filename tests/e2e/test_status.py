@@ -96,6 +96,7 @@ async def test_status_shows_backlog_recent_outcomes_and_the_breaker(
     status: dict[str, Any] = json.loads(out)
     backlog = status["backlog"]
     assert (backlog["pending"], backlog["due_now"], backlog["estimated"]) == (7, 4, False)
+    assert backlog["egress_held"] == 0
     assert 115 <= backlog["oldest_due_age_seconds"] < 300
     assert 3000 < backlog["next_due_in_seconds"] <= 3600
     assert status["dead_letters"] == {"waiting": 2}

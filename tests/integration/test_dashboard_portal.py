@@ -21,6 +21,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from fluxora_webhooks import deliveries, tokens
+from fluxora_webhooks.delivery import EGRESS_HELD
 from fluxora_webhooks.metrics import DEAD_LETTER_REASONS
 from fluxora_webhooks.secretbox import keyring_from_env, new_key
 from tests.support.api import Api, serving
@@ -413,6 +414,69 @@ async def test_a_parked_delivery_says_it_waits_for_its_endpoint(
     waits = "its endpoint is disabled; it is sent when the endpoint is enabled"
     assert field(html, "why") == f"waiting: {waits}"
     assert field(html, "no-attempts") == f"Not attempted yet: {waits}."
+
+
+async def test_deliveries_an_egress_outage_holds_are_counted_in_the_stats_and_overview(
+    api: Api, portal: Portal, database_url: str
+) -> None:
+    """A delivery held by an egress proxy's outage keeps EGRESS_HELD as its row's error
+    until it is sent (the dispatcher's part: test_egress_proxy). The stats count them per
+    scope, held for later or due again and not claimed yet; neither a retry waiting for
+    another reason nor a parked delivery is counted; the overview says how many and why."""
+    acme = await add_endpoint(api, "https://a.example.com/hook")
+    bolt = await add_endpoint(api, "https://b.example.com/hook", tenant="bolt")
+    held = [await pending_delivery(database_url, acme) for _ in range(3)]
+    held.append(await pending_delivery(database_url, bolt, tenant="bolt"))
+    for delivery_id, due in zip(held, ("1 minute", "1 hour", "-1 second", "1 minute"), strict=True):
+        await execute(
+            database_url,
+            "UPDATE webhook_outbox SET created_at = now() + %s::interval, error = %s"
+            " WHERE delivery_id = %s",
+            (due, EGRESS_HELD, delivery_id),
+        )
+    retry = await pending_delivery(database_url, acme)
+    await execute(
+        database_url,
+        "UPDATE webhook_outbox SET created_at = now() + interval '1 minute',"
+        " error = 'HTTP 503' WHERE delivery_id = %s",
+        (retry,),
+    )
+    parked = await add_endpoint(api, "https://a.example.com/parked")
+    await pending_delivery(database_url, parked)
+    assert (await api.post(f"/api/v1/endpoints/{parked}/disable")).status == 200
+
+    for token, count in {"admin": 4, "acme": 3, "bolt": 1, "default": 0}.items():
+        stats = await api.get("/api/v1/stats", token=token)
+        assert stats.status == 200 and stats.body["backlog"]["egress_held"] == count, token
+    reply = await api.get("/api/v1/stats", params={"tenant": "bolt"})
+    assert reply.body["backlog"]["egress_held"] == 1
+
+    why = (
+        "this service's egress proxy failed, so no consumer was asked and no attempt is"
+        " used; they are sent when it answers again."
+    )
+    await portal.sign_in("acme")
+    _, html, _ = await portal.get("/")
+    assert field(html, "egress-held") == f"3 deliveries are held: {why}"
+    assert 'href="/deliveries?status=pending">3 deliveries are held</a>' in html
+    await portal.sign_in("bolt")
+    _, html, _ = await portal.get("/")
+    assert field(html, "egress-held") == f"1 delivery is held: {why}"
+    await portal.sign_in("default")
+    _, html, _ = await portal.get("/")
+    assert 'id="egress-held"' not in html
+
+    # Sent, they are held no longer (the dispatcher marks the row processed).
+    await execute(
+        database_url,
+        "UPDATE webhook_outbox SET processed = true, processed_at = now(),"
+        " outcome = 'delivered', error = NULL WHERE delivery_id = ANY(%s::uuid[])",
+        (held,),
+    )
+    await portal.sign_in("admin")
+    _, html, _ = await portal.get("/")
+    assert 'id="egress-held"' not in html
+    assert (await api.get("/api/v1/stats")).body["backlog"]["egress_held"] == 0
 
 
 async def test_every_dead_letter_reason_has_words_of_its_own(

@@ -19,11 +19,13 @@ from psycopg.rows import tuple_row
 
 from fluxora_webhooks import endpoints, enqueue
 from fluxora_webhooks.api.dashboard.delivery_pages import why_it_waits_or_ended
+from fluxora_webhooks.commands.status import render
 from fluxora_webhooks.connector import SafeResolver
 from fluxora_webhooks.deliveries import get_delivery
 from fluxora_webhooks.delivery import EGRESS_HELD, attempt
 from fluxora_webhooks.errors import EndpointError
 from fluxora_webhooks.httpclient import HttpClient
+from fluxora_webhooks.ops import read_status
 from fluxora_webhooks.retry import Kind
 from fluxora_webhooks.settings import NO_PROXY_DEFAULT, parse_proxy_url
 from fluxora_webhooks.signing import verify
@@ -327,6 +329,7 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
     ca: trustme.CA,
     consumer: TlsConsumer,
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The proxy is down for longer than WEBHOOK_DISABLE_AFTER: no consumer was asked, so
     the endpoint stays enabled with no failure streak, its breaker (opened by one failure
@@ -382,6 +385,8 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
         assert [d["status"] for d in held] == ["pending"] * 2
         assert why_it_waits_or_ended(held[0]) == EGRESS_HELD
         assert str(proxy.port) not in EGRESS_HELD and "proxy failed" in EGRESS_HELD
+        # What an operator's `status` says of them.
+        assert await _status_of_held(database_url, capsys) == (2, [HELD_LINE % 2])
         async with proxy:
 
             async def delivered() -> bool:
@@ -397,6 +402,7 @@ async def test_a_proxy_outage_holds_deliveries_and_disables_no_endpoint(
         (endpoint.id,),
     )
     assert outcomes == [("delivered", 1), ("delivered", 1)], run.log()
+    assert await _status_of_held(database_url, capsys) == (0, [])
     done = await _deliveries_of(database_url, endpoint.id)
     assert [(d["status"], d["wait_reason"]) for d in done] == [("delivered", None)] * 2
     assert [a["error"] for d in done for a in d["attempts"]] == [None, None]
@@ -420,3 +426,22 @@ async def _deliveries_of(database_url: str, endpoint_id: str) -> list[dict[str, 
         )
         ids = sorted(str(row[0]) for row in await cur.fetchall())
         return [await get_delivery(conn, delivery_id) for delivery_id in ids]
+
+
+HELD_LINE = (
+    "%d deliveries held: the egress proxy (WEBHOOK_PROXY_URL) failed, so no consumer was"
+    " asked and no attempt is used; they are sent when it answers again"
+)
+
+
+async def _status_of_held(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, list[str]]:
+    """What `status` counts as held by the proxy (--json), and its lines that say so."""
+    capsys.readouterr()
+    snapshot = await read_status(
+        database_url, minutes=15, webhook_url=None, redis_url=None, endpoints=0
+    )
+    render(snapshot)
+    lines = capsys.readouterr().out.splitlines()
+    return snapshot["backlog"]["egress_held"], [x for x in lines if "deliveries held" in x]

@@ -516,7 +516,7 @@ def test_status_says_refused_not_unreachable(capsys: pytest.CaptureFixture[str])
     snapshot: dict[str, Any] = {
         "at": "2026-01-05T10:12:03+00:00",
         "backlog": {"pending": 0, "due_now": 0, "oldest_due_age_seconds": 0,
-                    "next_due_in_seconds": None, "estimated": False},
+                    "next_due_in_seconds": None, "estimated": False, "egress_held": 0},
         "dead_letters": {"waiting": 0},
         "recent": {"minutes": 15, "attempts": {}, "duration_ms": {}},
         "endpoints": None,

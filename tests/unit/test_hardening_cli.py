@@ -124,6 +124,7 @@ def test_status_shows_a_redis_error_as_data(capsys: pytest.CaptureFixture[str]) 
             "oldest_due_age_seconds": 0,
             "next_due_in_seconds": None,
             "estimated": False,
+            "egress_held": 0,
         },
         "dead_letters": {"waiting": 0},
         "recent": {"minutes": 15, "attempts": dict.fromkeys(RECORDED_OUTCOMES, 0),

@@ -272,6 +272,11 @@ class Backlog(BaseModel):
     pending: int
     due: int
     parked: int
+    egress_held: int = Field(
+        description="deliveries held because this service's egress proxy failed (no"
+        " consumer was asked, no attempt used): sent when it answers again; each one's"
+        " `wait_reason` says so"
+    )
     oldest_due_age_seconds: float
     capped_at: int
 

@@ -1,7 +1,8 @@
 """``fluxora-webhooks status``: what the outbox and the consumer look like right now.
 
 From PostgreSQL: the backlog (pending rows, rows due now, the age of the oldest due row,
-when the next row falls due), dead letters waiting, the attempts of the last minutes
+when the next row falls due, the deliveries an egress proxy's outage holds), dead letters
+waiting, the attempts of the last minutes
 by outcome (from ``processed_at`` and ``outcome``), and the worst endpoints (disabled by
 the dispatcher, failing longest, largest backlog: pending and parked deliveries, failure
 streak, state and last error). From Redis, when ``WEBHOOK_URL`` names
@@ -176,6 +177,13 @@ def render(snapshot: dict[str, Any]) -> None:
     console.print(table)
     if estimated:
         console.print(f"(more than {STATUS_COUNT_CAP:,} rows: counts are estimates)")
+    held = backlog["egress_held"]
+    if held:
+        console.print(
+            f"{_count(held, held >= STATUS_COUNT_CAP)} deliveries held: the egress proxy"
+            " (WEBHOOK_PROXY_URL) failed, so no consumer was asked and no attempt is used;"
+            " they are sent when it answers again"
+        )
 
     recent = snapshot["recent"]
     table = Table(title=f"Attempts in the last {recent['minutes']} min", title_justify="left")

@@ -342,6 +342,9 @@ SELECT
      FROM webhook_outbox
      WHERE NOT processed AND created_at <= now()
        AND (NOT %(scoped)s OR tenant = %(tenant)s)) AS oldest_due_age_s,
+    (
+        -- use: egress_held
+    ) AS egress_held,
     x.waiting AS dead_letters,
     x.of_removed AS dead_letters_of_removed
 FROM (
@@ -357,6 +360,19 @@ FROM (
         LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
     ) y
 ) x;
+
+-- name: egress_held
+-- The scope's deliveries held by an outage of this service's egress proxy, counted up to
+-- the cap: pending rows whose error is the held words (%(held)s, delivery.EGRESS_HELD,
+-- written by complete_held and replaced when the row is sent), due later or due again and
+-- not claimed yet. Parked and waiting rows (due at 'infinity') are left out by the index
+-- (webhook_outbox_due_idx); the rest are read.
+SELECT count(*) FROM (
+    SELECT 1 FROM webhook_outbox
+    WHERE NOT processed AND created_at < 'infinity' AND error = %(held)s
+      AND (NOT %(scoped)s OR tenant = %(tenant)s)
+    LIMIT %(cap)s
+) h
 
 -- name: stats_outcomes
 -- Attempts completed within the window, by outcome (webhook_outbox_processed_at_idx).
