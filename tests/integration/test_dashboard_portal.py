@@ -479,6 +479,35 @@ async def test_deliveries_an_egress_outage_holds_are_counted_in_the_stats_and_ov
     assert (await api.get("/api/v1/stats")).body["backlog"]["egress_held"] == 0
 
 
+async def test_a_tenants_search_naming_another_tenant_is_refused_not_answered_as_its_own(
+    api: Api, portal: Portal, database_url: str
+) -> None:
+    """As the API answers a tenant token naming another tenant 403 (tenant_forbidden), the
+    portal says so, where it showed the tenant's own deliveries under the other's name."""
+    acme = await add_endpoint(api, "https://a.example.com/hook")
+    mine = await pending_delivery(database_url, acme)
+    refused = (
+        "this sign-in acts for its own tenant only: another tenant's deliveries cannot be"
+        " searched from it"
+    )
+    await portal.sign_in("acme")
+    for query in ("tenant=bolt", "default_tenant=1", "tenant=bolt&status=pending"):
+        status, html, _ = await portal.get(f"/deliveries?{query}")
+        assert status == 403 and field(html, "error") == refused, query
+        assert mine not in html
+    for query in ("tenant=acme", "tenant=", "status=pending"):
+        status, html, _ = await portal.get(f"/deliveries?{query}")
+        assert status == 200 and mine in html, query
+    await portal.sign_in("default")  # the default tenant's own: its filter is its own
+    status, html, _ = await portal.get("/deliveries?default_tenant=1")
+    assert status == 200 and mine not in html
+    await portal.sign_in("admin")
+    status, html, _ = await portal.get("/deliveries?tenant=acme")
+    assert status == 200 and mine in html
+    status, html, _ = await portal.get("/deliveries?tenant=bolt")
+    assert status == 200 and mine not in html
+
+
 async def test_every_dead_letter_reason_has_words_of_its_own(
     api: Api, portal: Portal, database_url: str
 ) -> None:

@@ -15,7 +15,7 @@ from ... import deliveries
 from ...errors import NotFoundError
 from ..deps import api_state
 from ..pagination import decode_int, encode
-from .render import Viewer, posted, render, viewer
+from .render import Forbidden, Viewer, posted, render, viewer
 
 router = APIRouter(include_in_schema=False)
 
@@ -126,6 +126,15 @@ async def search(
     if status not in (None, *deliveries.STATUSES):
         status = None
     tenant_filter = None  # a tenant's portal is scoped to it anyway
+    if who.tenant is not None and (
+        wanted["tenant"] not in ("", who.tenant)
+        or (query.get("default_tenant") == "1" and who.tenant != "")
+    ):
+        # As the API's tenant_forbidden: another tenant's list is not shown as this one's.
+        raise Forbidden(
+            "this sign-in acts for its own tenant only: another tenant's deliveries cannot"
+            " be searched from it"
+        )
     if who.tenant is None and query.get("default_tenant") == "1":
         tenant_filter = ""
     elif who.tenant is None and wanted["tenant"]:
