@@ -28,7 +28,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from .delivery import EGRESS_HELD
-from .endpoints import DEFAULT_ID, OPERATOR_TENANT, Endpoint, check_event_type
+from .endpoints import DEFAULT_ID, OPERATOR_TENANT, ClientCert, Endpoint, check_event_type
 from .endpoints import get as get_endpoint
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
 from .outbox import enqueue_with_context, promote_after_commit
@@ -184,11 +184,32 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def endpoint_request_hash(tenant: str, fields: Mapping[str, Any]) -> str:
-    """What an endpoint creation's idempotency key is bound to: its tenant and fields as
-    canonical JSON, hashed (a secret or a key in them is never kept: only this digest)."""
+# What endpoints.create makes an endpoint of, with its default: one creation's request,
+# whoever sends it (the API's body, `endpoints add`'s options).
+CREATION_FIELDS: Mapping[str, Any] = {
+    "url": None,
+    "event_types": ["*"],
+    "secret": None,
+    "description": "",
+    "headers": {},
+    "rate_limit": None,
+    "ordered": False,
+}
+
+
+def endpoint_request_hash(
+    tenant: str, fields: Mapping[str, Any], client_cert: ClientCert | None
+) -> str:
+    """What an endpoint creation's idempotency key is bound to: its tenant, its fields
+    (:data:`CREATION_FIELDS`) and its client certificate's PEM texts as canonical JSON,
+    hashed (a secret or a key in them is never kept: only this digest). The API and
+    `endpoints add` send one creation alike: a key used by both is one request."""
+    request = {**CREATION_FIELDS, **fields}
+    request["client_certificate"] = (
+        None if client_cert is None else [client_cert.chain.strip(), client_cert.key.strip()]
+    )
     canonical = json.dumps(
-        [tenant, dict(fields)], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        [tenant, request], sort_keys=True, separators=(",", ":"), ensure_ascii=False
     )
     return _sha256(canonical)
 

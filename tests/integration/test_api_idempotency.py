@@ -11,11 +11,13 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 import pytest_asyncio
+import trustme
 from psycopg.types.json import Jsonb
 
 from fluxora_webhooks import endpoints
@@ -23,6 +25,7 @@ from fluxora_webhooks.deliveries import create_endpoint_once, request_hash
 from fluxora_webhooks.secretbox import keyring_from_env, new_key
 from tests.support.api import LOOPBACK, Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
+from tests.support.procs import command_env, run_json
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -411,3 +414,50 @@ async def test_a_sealed_secrets_key_keeps_no_digest_a_guess_could_be_checked_aga
     ]
     kept = await scalar(database_url, "SELECT response::text FROM webhook_idempotency_keys")
     assert weak not in kept and hashlib.sha256(weak.encode()).hexdigest() not in kept
+
+
+async def test_one_creation_through_the_cli_and_the_api_shares_its_key(
+    api: Api, database_url: str, tmp_path: Path
+) -> None:
+    """A provisioning script that ran `endpoints add --idempotency-key` and retries through
+    the API (or the other way round) sends one request, a client certificate included (a
+    file for the CLI, JSON fields for the API): it gets the endpoint made first, not 422
+    for a request shaped differently by the other side."""
+    env = command_env(DATABASE_URL=database_url)
+    issued = trustme.CA().issue_cert("acme-dispatcher.example")
+    certificate = issued.cert_chain_pems[0].bytes().decode()
+    private_key = issued.private_key_pem.bytes().decode()
+    (tmp_path / "client.pem").write_text(certificate + private_key)
+    url = "https://hooks.acme.example/in"
+    fields: dict[str, Any] = {
+        "url": url,
+        "event_types": ["order.*", "invoice.paid"],
+        "description": "billing",
+        "headers": {"X-Team": "payments"},
+        "rate_limit": 5,
+        "client_certificate": {"certificate": certificate, "private_key": private_key},
+    }
+    cli_add = (
+        "endpoints", "add", "--tenant", "acme", "--url", url,
+        "--events", "order.*,invoice.paid", "--description", "billing",
+        "--header", "X-Team=payments", "--rate-limit", "5",
+        "--client-cert", str(tmp_path / "client.pem"), "--json",
+    )  # fmt: skip
+    code, made = await run_json(*cli_add, "--idempotency-key", "provision-1", env=env)
+    assert code == 0, made
+    key = {"Idempotency-Key": "provision-1"}
+    again = await api.post("/api/v1/endpoints", token="acme", json=fields, headers=key)
+    assert again.status == 201 and again.headers.get("idempotent-replayed") == "true", again.text
+    assert again.body["id"] == made["id"] and again.body["secret"] == made["secret"]
+    for changed in ({"ordered": True}, {"client_certificate": None}):
+        other = {**fields, **changed}
+        refused = await api.post("/api/v1/endpoints", token="acme", json=other, headers=key)
+        assert refused.status == 422 and refused.error_code == "idempotency_key_reused", changed
+
+    key = {"Idempotency-Key": "provision-2"}
+    first = await api.post("/api/v1/endpoints", json={**fields, "tenant": "acme"}, headers=key)
+    assert first.status == 201, first.text
+    code, replayed = await run_json(*cli_add, "--idempotency-key", "provision-2", env=env)
+    assert code == 0 and replayed["replayed"] is True, replayed
+    assert replayed["id"] == first.body["id"] and replayed["secret"] == first.body["secret"]
+    assert await endpoint_count(database_url) == 2

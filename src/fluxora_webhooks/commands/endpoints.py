@@ -186,12 +186,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 else:
                     from ..deliveries import create_endpoint_once, endpoint_request_hash
 
-                    pair = None if client_cert is None else [client_cert.chain, client_cert.key]
                     endpoint, shown, before = await create_endpoint_once(
                         conn,
                         endpoints.check_tenant(args.tenant, "--tenant"),
                         args.idempotency_key,
-                        endpoint_request_hash(args.tenant, {**fields, "client_certificate": pair}),
+                        endpoint_request_hash(args.tenant, fields, client_cert),
                         create,
                         scope=None,
                         keys=keys,

@@ -109,19 +109,29 @@ async def create_endpoint(
 ) -> dict[str, Any]:
     tenant = scoped(who, body.tenant)
     tenant = tenant if tenant is not None else ""
+    given = body.client_certificate
+    client_cert = (
+        None
+        if given is None
+        else endpoints.ClientCert(
+            given.certificate,
+            given.private_key,
+            ("client_certificate.certificate", "client_certificate.private_key"),
+        )
+    )
     if idempotency_key is None:
-        endpoint, secret = await _create(request, who, conn, body, tenant)
+        endpoint, secret = await _create(request, who, conn, body, tenant, client_cert)
         return {**endpoint.as_json(), "secret": secret}
     # The tenant as resolved, not as written: a tenant's token (no tenant in the body) and an
     # admin naming that tenant send the same request.
-    fields = body.model_dump(mode="json", exclude={"tenant"})
-    digest = deliveries.endpoint_request_hash(tenant, fields)
+    fields = body.model_dump(mode="json", exclude={"tenant", "client_certificate"})
+    digest = deliveries.endpoint_request_hash(tenant, fields, client_cert)
     endpoint, shown, replayed = await deliveries.create_endpoint_once(
         conn,
         tenant,
         idempotency_key,
         digest,
-        lambda: _create(request, who, conn, body, tenant),
+        lambda: _create(request, who, conn, body, tenant, client_cert),
         scope=tenant if who.tenant is not None else None,
         keys=environ_keyring(),
     )
@@ -131,7 +141,12 @@ async def create_endpoint(
 
 
 async def _create(
-    request: Request, who: Any, conn: Any, body: EndpointIn, tenant: str
+    request: Request,
+    who: Any,
+    conn: Any,
+    body: EndpointIn,
+    tenant: str,
+    client_cert: endpoints.ClientCert | None,
 ) -> tuple[endpoints.Endpoint, str]:
     endpoint, secret = await endpoints.create(
         conn,
@@ -147,13 +162,7 @@ async def _create(
         max_for_tenant=api_state(request).config.max_endpoints_per_tenant
         if who.tenant is not None
         else 0,
-        client_cert=None
-        if body.client_certificate is None
-        else endpoints.ClientCert(
-            body.client_certificate.certificate,
-            body.client_certificate.private_key,
-            ("client_certificate.certificate", "client_certificate.private_key"),
-        ),
+        client_cert=client_cert,
     )
     certificate = endpoint.client_certificate()  # never the key: its fingerprint
     audit(
