@@ -9,6 +9,7 @@ import asyncio
 import ipaddress
 import json
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -129,9 +130,10 @@ async def test_send_prints_the_delivery_ids_and_tail_shows_their_attempts_in_sco
         acme_lines = await lines_of(acme)
         bolt_lines = await lines_of(bolt_only)
         all_lines = await lines_of(everyone)
-        async with tail(env) as endless:  # no --limit, no --for: until SIGTERM
-            endless.terminate()
-            assert await asyncio.wait_for(endless.wait(), 30) == 0
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # no --limit, no --for
+            async with tail(env) as endless:
+                endless.send_signal(sig)
+                assert await asyncio.wait_for(endless.wait(), 30) == 0, sig
 
     received = receiver.by_delivery()
     assert [r.attempt for r in received[acme_delivery]] == [1, 2]

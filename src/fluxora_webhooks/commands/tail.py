@@ -4,8 +4,9 @@ Each attempt recorded from the start on, of one tenant and/or one endpoint when 
 scope is in the query): its time, outcome, status code, duration, endpoint, event type,
 delivery id and attempt number, and the stored error of a failed one. On a terminal, one
 coloured line each; otherwise, or with ``--json``, one JSON object per line. Runs until
-Ctrl-C or SIGTERM (exit 0), or ``--limit`` attempts, or ``--for`` seconds. It polls the
-outbox (see :mod:`fluxora_webhooks.tooling`): the dispatcher does nothing more for it.
+Ctrl-C, SIGTERM or SIGQUIT (Ctrl-\\; exit 0), or ``--limit`` attempts, or ``--for``
+seconds. It polls the outbox (see :mod:`fluxora_webhooks.tooling`): the dispatcher does
+nothing more for it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import asyncio
 import contextlib
 import json
 import math
-import signal
 import sys
 from collections.abc import Callable, Mapping
 
 from ..errors import ConfigError, NotFoundError
+from ..host import STOP_SIGNALS
 from ..settings import MAX_BIGINT
 from ..tooling import Attempt
 from .common import connect, engines, int_option, run_async
@@ -73,14 +74,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         if args.duration is not None:
             loop.call_later(args.duration, stop.set)
         try:
             return await tail(stop)
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
 
     async def tail(stop: asyncio.Event) -> int:
