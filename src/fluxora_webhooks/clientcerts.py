@@ -59,11 +59,15 @@ class Described:
     issuer: str
     not_after: datetime
     fingerprint_sha256: str  # hex, lowercase, no separators
+    # Its start of validity: one given before it (a renewal set ahead of time) is taken,
+    # and said to be not valid yet until then.
+    not_before: datetime | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
             "subject": self.subject,
             "issuer": self.issuer,
+            "not_before": None if self.not_before is None else self.not_before.isoformat(),
             "not_after": self.not_after.isoformat(),
             "fingerprint_sha256": self.fingerprint_sha256,
         }
@@ -79,9 +83,10 @@ class ClientTls:
 
     fingerprint: str
     context: ssl.SSLContext = field(repr=False, compare=False)
-    # The certificate's end of validity: a consumer that checks it refuses it after, and an
+    # The certificate's validity: a consumer that checks it refuses it outside, and an
     # attempt that fails then says so (dispatcher._attempt).
     not_after: datetime | None = field(default=None, compare=False)
+    not_before: datetime | None = field(default=None, compare=False)
 
 
 def split_pem(text: str) -> tuple[str, str | None]:
@@ -208,6 +213,7 @@ def _describe(cert: Any) -> Described:
         issuer=cert.issuer.rfc4514_string(),
         not_after=cert.not_valid_after_utc,
         fingerprint_sha256=bytes(cert.fingerprint(hashes.SHA256())).hex(),
+        not_before=cert.not_valid_before_utc,
     )
 
 
@@ -312,7 +318,9 @@ def load(chain: str, key: str) -> ClientTls:
 
     context = ssl.create_default_context()
     _load_into(context, chain, key)
-    return ClientTls(_fingerprint(certs), context, certs[0].not_valid_after_utc)
+    return ClientTls(
+        _fingerprint(certs), context, certs[0].not_valid_after_utc, certs[0].not_valid_before_utc
+    )
 
 
 def _load_into(context: ssl.SSLContext, chain: str, key: str) -> None:

@@ -820,7 +820,7 @@ class Dispatcher:
                 secrets=target.secret_texts,
             )
             if target.tls is not None and result.reason in ("connection_error", "network_error"):
-                result = _expired_certificate_said(result, target.tls)
+                result = _certificate_validity_said(result, target.tls)
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
             result = AttemptResult(
@@ -1238,11 +1238,16 @@ def make_client(
     )
 
 
-def _expired_certificate_said(result: AttemptResult, tls: ClientTls) -> AttemptResult:
+def _certificate_validity_said(result: AttemptResult, tls: ClientTls) -> AttemptResult:
     """An attempt with no HTTP answer from a consumer the endpoint presents an expired
-    client certificate to: its error says so (a consumer that checks certificates ends
-    the handshake with an alert that reads as a connection reset or a closed connection)."""
-    if tls.not_after is None or tls.not_after > datetime.now(UTC):
+    client certificate to, or one not valid yet: its error says so (a consumer that checks
+    certificates ends the handshake with an alert that reads as a connection reset or a
+    closed connection)."""
+    now = datetime.now(UTC)
+    if tls.not_after is not None and tls.not_after <= now:
+        said = f" (its client certificate expired on {tls.not_after.isoformat()})"
+    elif tls.not_before is not None and tls.not_before > now:
+        said = f" (its client certificate is not valid before {tls.not_before.isoformat()})"
+    else:
         return result
-    said = f" (its client certificate expired on {tls.not_after.isoformat()})"
     return dataclasses.replace(result, error=(result.error or "") + said)

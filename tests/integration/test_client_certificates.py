@@ -598,27 +598,40 @@ async def _refused(api: Api, path: str, body: dict[str, str], field: str, words:
     assert words in put.body["error"]["message"], put.text
 
 
-async def test_an_attempt_refused_for_a_certificate_that_expired_while_set_says_so(
+@pytest.mark.parametrize("validity", ["expired", "not_yet_valid"])
+async def test_an_attempt_refused_for_a_certificate_out_of_its_validity_says_so(
     database_url: str,
     redis_url: str,
     redis_prefix: str,
     ca: trustme.CA,
     client_ca: trustme.CA,
     tmp_path: Path,
+    validity: str,
 ) -> None:
     """A certificate set while valid expires (written here by SQL: the API and the CLI
-    refuse an expired one): the consumer ends the handshake with an alert, which reads as
-    a connection closed or reset; the attempt's error names the expiry."""
-    expired = client_ca.issue_cert(
-        "bank-customer.example", not_after=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
-    )
-    chain, key = _pem(expired)
+    refuse an expired one), or one set ahead of its validity (a renewal given early): the
+    consumer ends the handshake with an alert, which reads as a connection closed or
+    reset; the attempt's error names the expiry or the start of validity."""
+    utc = datetime.UTC
+    if validity == "expired":
+        given = client_ca.issue_cert(
+            "bank-customer.example", not_after=datetime.datetime(2020, 1, 1, tzinfo=utc)
+        )
+        said = "(its client certificate expired on 2020-01-01T00:00:00+00:00)"
+    else:
+        given = client_ca.issue_cert(
+            "bank-customer.example",
+            not_before=datetime.datetime(2999, 1, 1, tzinfo=utc),
+            not_after=datetime.datetime(3000, 1, 1, tzinfo=utc),
+        )
+        said = "(its client certificate is not valid before 2999-01-01T00:00:00+00:00)"
+    chain, key = _pem(given)
     leaf = ca.issue_cert("localhost", "127.0.0.1")
     with TlsConsumer(leaf, mode="mtls", client_ca=client_ca) as consumer:
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
             await conn.execute(
                 "INSERT INTO webhook_endpoints (id, tenant, url, secret, client_cert, client_key)"
-                " VALUES ('ep_expired', %s, %s, 'a-secret-written-by-sql-0123456789', %s, %s)",
+                " VALUES ('ep_out', %s, %s, 'a-secret-written-by-sql-0123456789', %s, %s)",
                 (TENANT, consumer.url("localhost", "/hook"), chain, key),
             )
         env = dispatcher_env(
@@ -629,6 +642,6 @@ async def test_an_attempt_refused_for_a_certificate_that_expired_while_set_says_
         await _deliver_in_rounds(database_url, env, tmp_path / "run.log", 1, 1)
         assert consumer.requests == []
     ((error,),) = await rows(
-        database_url, "SELECT last_error FROM webhook_dead_letter WHERE endpoint_id = 'ep_expired'"
+        database_url, "SELECT last_error FROM webhook_dead_letter WHERE endpoint_id = 'ep_out'"
     )
-    assert error.endswith("(its client certificate expired on 2020-01-01T00:00:00+00:00)"), error
+    assert error.endswith(said), error

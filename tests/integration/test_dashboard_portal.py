@@ -704,6 +704,40 @@ async def test_a_certificate_that_expired_while_set_is_shown_expired(
     assert "valid until" not in shown and 'id="certificate-expired"' in html
 
 
+async def test_a_certificate_given_before_its_validity_is_taken_and_shown_not_valid_yet(
+    api: Api, portal: Portal
+) -> None:
+    """A renewed client certificate set ahead of its start of validity is taken (it will
+    do from then on); the API gives its not_before, and the endpoint's page says it is not
+    valid yet, not that it is 'valid until' its end."""
+    import trustme
+
+    starts = datetime.now(UTC) + timedelta(days=10)
+    early = trustme.CA().issue_cert(
+        "bank-customer.example", not_before=starts, not_after=starts + timedelta(days=365)
+    )
+    made = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": "https://a.example.com/hook",
+            "tenant": "acme",
+            "client_certificate": {
+                "certificate": early.cert_chain_pems[0].bytes().decode(),
+                "private_key": early.private_key_pem.bytes().decode(),
+            },
+        },
+    )
+    assert made.status == 201, made.text
+    given = made.body["client_certificate"]
+    assert datetime.fromisoformat(given["not_before"]) == starts.replace(microsecond=0)
+    await portal.sign_in("acme")
+    _, html, _ = await portal.get(f"/endpoints/{made.body['id']}")
+    shown = field(html, "client-certificate")
+    assert f"not valid before {starts:%Y-%m-%d}" in shown, shown
+    assert "a consumer that checks it refuses it until then" in shown
+    assert 'id="certificate-not-yet-valid"' in html and 'id="certificate-expired"' not in html
+
+
 async def test_a_locked_endpoint_says_which_value_no_key_opens_and_how_to_free_it(
     api: Api, portal: Portal, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

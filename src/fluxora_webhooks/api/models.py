@@ -79,6 +79,9 @@ class ClientCertificateIn(_In):
 class ClientCertificate(BaseModel):
     subject: str = Field(description="RFC 4514, as in CN=acme-integration,O=Example")
     issuer: str
+    not_before: Timestamp | None = Field(
+        description="its start of validity: a consumer that checks it refuses it before"
+    )
     not_after: Timestamp
     fingerprint_sha256: str = Field(description="of the certificate (DER), hex")
 
