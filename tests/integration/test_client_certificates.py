@@ -382,6 +382,18 @@ async def test_the_cli_reads_pem_files_and_refuses_what_it_cannot_use(
     assert code == 0, out
     second = json.loads(out)["id"]
     assert json.loads(out)["client_certificate"] == made["client_certificate"]
+    # As a person reads it: one line, aligned with the other fields.
+    code, out = await run_command("endpoints", "show", second, env=env)
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if " " in line.strip()]
+    shown = dict(line.split(None, 1) for line in lines)
+    described = made["client_certificate"]
+    assert shown["client_certificate"] == (
+        f"{described['subject']}, issued by {described['issuer']}, valid until"
+        f" {described['not_after']}, sha256 {_fingerprint(cert_a)}"
+    )
+    starts = {len(line) - len(line.split(None, 1)[1]) for line in lines}
+    assert len(starts) == 1, out  # every value begins in one column
     # Replaced (refused first, changing nothing), then removed.
     code, out = await run_command(
         "endpoints", "update", second, "--client-cert", str(files["a.crt"]),

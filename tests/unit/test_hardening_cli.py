@@ -164,3 +164,30 @@ def test_a_database_out_of_resources_is_not_called_unreachable() -> None:
     assert said == "the database (DATABASE_URL) ran out of resources: out of shared memory"
     crowded = _describe_failure(psycopg.errors.TooManyConnections("too many clients"), env)
     assert crowded is not None and crowded.startswith("cannot reach the database")
+
+
+@pytest.mark.parametrize(
+    ("not_before", "not_after", "said"),
+    [
+        ("2020-01-01T00:00:00+00:00", "3000-01-01T00:00:00+00:00",
+         "valid until 3000-01-01T00:00:00+00:00"),
+        ("2019-01-01T00:00:00+00:00", "2020-01-01T00:00:00+00:00",
+         "EXPIRED on 2020-01-01T00:00:00+00:00"),
+        ("2999-01-01T00:00:00+00:00", "3000-01-01T00:00:00+00:00",
+         "NOT VALID before 2999-01-01T00:00:00+00:00 (until 3000-01-01T00:00:00+00:00)"),
+        (None, "3000-01-01T00:00:00+00:00", "valid until 3000-01-01T00:00:00+00:00"),
+    ],
+    ids=["valid", "expired", "not-yet-valid", "no-start-read"],
+)  # fmt: skip
+def test_endpoints_show_says_whether_its_client_certificate_is_valid_now(
+    capsys: pytest.CaptureFixture[str], not_before: str | None, not_after: str, said: str
+) -> None:
+    from fluxora_webhooks.commands.endpoints import _print_one
+
+    described = {"subject": "CN=a", "issuer": "CN=ca", "not_before": not_before,
+                 "not_after": not_after, "fingerprint_sha256": "ab" * 32}  # fmt: skip
+    _print_one({"id": "ep_1", "client_certificate": described}, as_json=False)
+    assert capsys.readouterr().out.splitlines() == [
+        "id                 ep_1",
+        f"client_certificate CN=a, issued by CN=ca, {said}, sha256 {'ab' * 32}",
+    ]

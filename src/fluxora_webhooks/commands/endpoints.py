@@ -350,11 +350,34 @@ def _print_one(endpoint: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(endpoint))
         return
+    width = max(map(len, endpoint), default=0)
     for key, value in endpoint.items():
-        shown = json.dumps(value) if isinstance(value, dict | list) else value
+        if key == "client_certificate" and value is not None:
+            shown: Any = _certificate_line(value)
+        else:
+            shown = json.dumps(value) if isinstance(value, dict | list) else value
         # A tenant's text (a description, a header) may hold a terminal's control
         # sequences: shown as escapes, never run by the operator's terminal.
-        print(f"{key:16} {'' if shown is None else visible(str(shown))}")
+        print(f"{key:{width}} {'' if shown is None else visible(str(shown))}")
+
+
+def _certificate_line(described: dict[str, Any]) -> str:
+    """An endpoint's client certificate in one line: whose, by whom, how long, which."""
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    not_after = datetime.fromisoformat(described["not_after"])
+    not_before = described.get("not_before")
+    if not_after <= now:
+        validity = f"EXPIRED on {described['not_after']}"
+    elif not_before is not None and datetime.fromisoformat(not_before) > now:
+        validity = f"NOT VALID before {not_before} (until {described['not_after']})"
+    else:
+        validity = f"valid until {described['not_after']}"
+    return (
+        f"{described['subject']}, issued by {described['issuer']}, {validity},"
+        f" sha256 {described['fingerprint_sha256']}"
+    )
 
 
 def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
