@@ -429,7 +429,7 @@ class Batch:
                 if wait is not None and not queue:
                     self.completions.append(deferral(row, int(wait * 1000)))
                     if target.load.slow:
-                        target.load.deferred(row.id, row.partition_at)
+                        self.d.deferred_slow(target, row.id, row.partition_at)
                     continue
                 if queue:
                     queued.add(row.id)
@@ -607,7 +607,7 @@ class Batch:
         if not send.queued:
             send.target.load.release()  # reserved by the plan, never sent
         self.completions.append(deferral(send.row, int(wait * 1000)))
-        send.target.load.deferred(send.row.id, send.row.partition_at)
+        self.d.deferred_slow(send.target, send.row.id, send.row.partition_at)
         metrics.SHARE_DEFERRED.inc()
         return True
 

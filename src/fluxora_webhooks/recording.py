@@ -352,6 +352,12 @@ class Completer:
         )
         return max(0.0, first - time.monotonic())
 
+    def ends_unknown(self) -> bool:
+        """Whether a detached request's end is guessed at its timeout for want of an
+        answer: it runs to an endpoint that has answered none yet (next_end_in_s knows no
+        better until that endpoint's first answer)."""
+        return any(send.started and send.target.load.typical_s <= 0.0 for send in self._ends)
+
     def submit(self, send: Send, result: AttemptResult | None) -> None:
         """A detached request's outcome to record (None: it was not sent, its row is put
         back due at once)."""

@@ -132,3 +132,49 @@ async def test_a_burst_to_slow_endpoints_past_the_detached_share_is_not_held_for
     # connection cap defers rows too, a twentieth of a second each.)
     assert await deferrals_per_row(database_url) > 0
     assert len({r.delivery_id for r in receiver.received}) == 32
+
+
+async def test_a_row_deferred_behind_another_endpoints_first_request_comes_back_at_its_answer(
+    database_url: str, receiver: Receiver
+) -> None:
+    """The detached requests hold their share (here one connection of two), and the one
+    holding it goes to an endpoint that has answered nothing yet, so when it ends can only
+    be guessed at its timeout. A row of another slow endpoint, one that has answered, is
+    deferred until then; it is made due again once that first request is answered, not
+    left for a timeout (a burst to several slow endpoints missed by a timeout now and
+    then: test_a_burst_to_slow_endpoints_past_the_detached_share_is_not_held_for_a_timeout)."""
+
+    async def answer(received: Received) -> web.Response:
+        await asyncio.sleep(2.0 if b'"to":"b"' in received.body.replace(b" ", b"") else 0.3)
+        return web.Response(status=200)
+
+    receiver.respond = answer
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        for tenant in ("ta", "tb"):
+            await endpoints.create(conn, url=receiver.url, tenant=tenant, allowed_networks=LOOPBACK)
+    settings = dataclasses.replace(
+        make_settings("", allowed_networks=LOOPBACK, secret=b""),
+        max_connections=2,  # the detached requests' share: 1
+        timeout_ms=TIMEOUT_MS,
+    )
+
+    async def send_to(tenant: str, to: str) -> None:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await enqueue(conn, stream_id=to, event_type="e", payload={"to": to}, tenant=tenant)
+
+    async with running_dispatcher(settings, database_url) as dispatcher:
+        await send_to("ta", "a")
+        await delivered_within(receiver, 1, 10)
+        (a,) = [t for t in dispatcher.targets.all() if t.tenant == "ta"]
+        await wait_until(lambda: _ended(a.load), what="a's request recorded as ended")
+        a.load.mark_slow()  # its requests leave their batch at once, within the share
+        await send_to("tb", "b")  # b's first request: 2 s, detached after the patience
+
+        async def share_held() -> bool:
+            return dispatcher.completer.outstanding >= 1
+
+        await wait_until(share_held, what="b's first request detached")
+        await send_to("ta", "a")  # deferred: the share is full until b's request ends
+        waited = await delivered_within(receiver, 3, TIMEOUT_MS / 4000)
+    assert waited < TIMEOUT_MS / 4000
+    assert await deferrals_per_row(database_url) > 0  # a's second row was deferred
