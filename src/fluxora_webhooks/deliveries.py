@@ -20,6 +20,7 @@ import hmac
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -33,7 +34,7 @@ from .endpoints import get as get_endpoint
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
 from .outbox import enqueue_with_context, promote_after_commit
 from .queries import query
-from .secretbox import Keyring, SecretLocked
+from .secretbox import Key, Keyring, SecretLocked
 from .tracing import delivery_trace_id, traceparent_header
 
 STATUSES = ("pending", "retrying", "parked", "delivered", "dead_letter")
@@ -130,18 +131,20 @@ async def answered_before(
     conn: psycopg.AsyncConnection[Any],
     tenant: str,
     key: str,
-    digest: str = "",
+    digest: str | Callable[[str], bool] = "",
     differs: str = EVENT_DIFFERS,
 ) -> dict[str, Any] | None:
     """The first answer to the request ``key`` names, or None (no live key); raises
     :class:`IdempotencyKeyReused` when the key names another request (its ``digest``
-    differs; a dashboard form's one-time key has none), saying what may differ."""
+    differs, or the kept one is not the request's by ``digest(kept)``; a dashboard form's
+    one-time key has none), saying what may differ."""
     found = await _rows(
         conn, "idempotency_find", {"tenant": tenant, "key": key, "ttl_s": IDEMPOTENCY_TTL_S}
     )
     if not found:
         return None
-    if found[0]["request_hash"] != digest:
+    kept = found[0]["request_hash"]
+    if not (digest(kept) if callable(digest) else kept == digest):
         raise IdempotencyKeyReused(
             f"this Idempotency-Key was used in the last {IDEMPOTENCY_TTL_S // 3600} hours"
             f" with another request ({differs})"
@@ -197,28 +200,87 @@ CREATION_FIELDS: Mapping[str, Any] = {
 }
 
 
-def endpoint_request_hash(
-    tenant: str, fields: Mapping[str, Any], client_cert: ClientCert | None
-) -> str:
+@dataclass(frozen=True)
+class EndpointRequest:
     """What an endpoint creation's idempotency key is bound to: its tenant, its fields
-    (:data:`CREATION_FIELDS`) and its client certificate's PEM texts as canonical JSON,
-    hashed (a secret or a key in them is never kept: only this digest). The API and
-    `endpoints add` send one creation alike: a key used by both is one request."""
-    request = {**CREATION_FIELDS, **fields}
-    request["client_certificate"] = (
-        None if client_cert is None else [client_cert.chain.strip(), client_cert.key.strip()]
-    )
-    canonical = json.dumps(
-        [tenant, request], sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
-    return _sha256(canonical)
+    (:data:`CREATION_FIELDS`, with their defaults) and its client certificate. The API and
+    `endpoints add` send one creation alike: a key used by both is one request.
+
+    Kept as ``<public>.<secret part>``: the SHA-256 of everything but the values that are
+    credentials (the signing secret, the headers' values, the certificate's key), and
+    those values apart: by an HMAC under a key derived from the sealing key when secrets
+    are sealed (``k<key id>:...``), so that a copy of the keys' table cannot test guesses
+    at a weak secret that the endpoints' table keeps sealed; by SHA-256 when they are
+    stored in plain anyway (``p:...``)."""
+
+    tenant: str
+    fields: Mapping[str, Any]
+    client_cert: ClientCert | None
+
+    def _parts(self) -> tuple[str, str]:
+        request = {**CREATION_FIELDS, **self.fields}
+        headers = dict(request.pop("headers") or {})
+        secret = request.pop("secret")
+        cert = self.client_cert
+        public = {
+            **request,
+            "secret_given": secret is not None,
+            "header_names": sorted(headers),
+            "certificate": None if cert is None else _pem_lines(cert.chain),
+        }
+        private = {
+            "secret": secret,
+            "header_values": [headers[name] for name in sorted(headers)],
+            "certificate_key": None if cert is None else _pem_lines(cert.key),
+        }
+        return _canonical([self.tenant, public]), _canonical(private)
+
+    def digest(self, keys: Keyring) -> str:
+        """The digest to keep: the secret part under ``keys.current`` when it seals."""
+        public, private = self._parts()
+        return f"{_sha256(public)}.{_secret_part(private, keys.current)}"
+
+    def matches(self, kept: str, keys: Keyring) -> bool:
+        """Whether ``kept`` is this request's. Its secret part under a key this process
+        does not have cannot be checked: the rest decides."""
+        public, private = self._parts()
+        kept_public, _, kept_private = kept.partition(".")
+        if not hmac.compare_digest(kept_public, _sha256(public)):
+            return False
+        kind, _, _ = kept_private.partition(":")
+        if kind == "p":
+            return hmac.compare_digest(kept_private, _secret_part(private, None))
+        opening = [k for k in (keys.current, keys.previous) if k is not None and kind == f"k{k.id}"]
+        if not opening:
+            return kind.startswith("k")  # sealed with a key this process lacks
+        return hmac.compare_digest(kept_private, _secret_part(private, opening[0]))
+
+
+_IDEMPOTENCY_LABEL = b"fluxora-webhooks idempotency key request v1"
+
+
+def _secret_part(private: str, key: Key | None) -> str:
+    if key is None:
+        return "p:" + _sha256(private)
+    derived = hmac.new(key.material, _IDEMPOTENCY_LABEL, hashlib.sha256).digest()
+    mac = hmac.new(derived, private.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return f"k{key.id}:{mac.hexdigest()}"
+
+
+def _pem_lines(text: str) -> str:
+    """PEM text as its lines, whatever the line ends and the blanks around them."""
+    return "\n".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 async def create_endpoint_once(
     conn: psycopg.AsyncConnection[Any],
     tenant: str,
     idempotency_key: str,
-    digest: str,
+    request: EndpointRequest,
     create: Callable[[], Awaitable[tuple[Endpoint, str]]],
     *,
     scope: str | None,
@@ -228,26 +290,31 @@ async def create_endpoint_once(
     when two requests arrive at once: returns the endpoint, its secret and whether it was
     created before. A repeated request gets the endpoint as it is now and its secret while
     it is the one created then (opened with ``keys``; None once rotated); an endpoint
-    removed since is :class:`NotFoundError`. The key keeps the endpoint's id and a digest
-    of its secret as stored (sealed, when it is): never the secret, nor a digest of it that
-    a weak secret could be guessed from (re-sealed since, it is not shown again either)."""
+    removed since is :class:`NotFoundError`. The key keeps the endpoint's id, a digest of
+    its secret as stored (sealed, when it is) and ``request`` as :class:`EndpointRequest`
+    keeps it: never the secret, nor a digest of it that a weak secret could be guessed
+    from while secrets are sealed (re-sealed since, it is not shown again either)."""
     key = ENDPOINT_KEY_PREFIX + idempotency_key
+
+    def same(kept: str) -> bool:
+        return request.matches(kept, keys)
+
     try:
         async with conn.transaction():
             # Requests with the key one at a time: the next finds the first one's key (a
             # second creation, rolled back on the key, could meet the tenant's cap and
             # answer 409 endpoint_limit instead of the first one's endpoint).
             await conn.execute(query("idempotency_lock"), {"tenant": tenant, "key": key})
-            before = await answered_before(conn, tenant, key, digest, ENDPOINT_DIFFERS)
+            before = await answered_before(conn, tenant, key, same, ENDPOINT_DIFFERS)
             if before is None:
                 endpoint, secret = await create()
                 stored = _sha256(endpoint.secret or "")
                 kept = {"endpoint_id": endpoint.id, "stored_sha256": stored}
-                if await keep_answer(conn, tenant, key, kept, digest):
+                if await keep_answer(conn, tenant, key, kept, request.digest(keys)):
                     return endpoint, secret, False
                 raise _KeyTaken
     except _KeyTaken:
-        before = await answered_before(conn, tenant, key, digest, ENDPOINT_DIFFERS)
+        before = await answered_before(conn, tenant, key, same, ENDPOINT_DIFFERS)
         if before is None:  # expired in between: a day-long request, not a case to serve
             raise ConflictError("the Idempotency-Key's request could not be read back") from None
     endpoint = await get_endpoint(conn, str(before["endpoint_id"]), tenant=scope)

@@ -21,7 +21,8 @@ import trustme
 from psycopg.types.json import Jsonb
 
 from fluxora_webhooks import endpoints
-from fluxora_webhooks.deliveries import create_endpoint_once, request_hash
+from fluxora_webhooks.deliveries import EndpointRequest, create_endpoint_once, request_hash
+from fluxora_webhooks.errors import IdempotencyKeyReused
 from fluxora_webhooks.secretbox import keyring_from_env, new_key
 from tests.support.api import LOOPBACK, Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
@@ -390,30 +391,47 @@ async def test_a_tenants_token_and_an_admin_naming_the_tenant_send_one_creation(
 async def test_a_sealed_secrets_key_keeps_no_digest_a_guess_could_be_checked_against(
     database_url: str, receiver: Receiver
 ) -> None:
-    """With secrets sealed at rest, what the key keeps is a digest of the sealed value: a
-    dump of the keys' table gives no way to check a guessed (weak) secret."""
+    """With secrets sealed at rest, what the key keeps can check no guess of a weak secret
+    or credential header without the sealing key: its answer keeps a digest of the sealed
+    value, its request the credentials' part under an HMAC of that key. With the key, a
+    retry with another secret or header value is still told apart."""
     keys = keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": new_key()})
     weak = "whsec_" + base64.b64encode(b"password-password-passwd").decode()
+    headers = {"Authorization": "Bearer hunter2"}
+    fields: dict[str, Any] = {"url": receiver.url, "secret": weak, "headers": headers}
 
     async def create() -> tuple[endpoints.Endpoint, str]:
         return await endpoints.create(
-            conn, url=receiver.url, tenant="acme", secret=weak, allowed_networks=LOOPBACK,
-            keys=keys,
+            conn, url=receiver.url, tenant="acme", secret=weak, headers=headers,
+            allowed_networks=LOOPBACK, keys=keys,
         )  # fmt: skip
 
+    request = EndpointRequest("acme", fields, None)
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         answers = [
             await create_endpoint_once(
-                conn, "acme", "weak-1", "digest", create, scope=None, keys=keys
+                conn, "acme", "weak-1", request, create, scope=None, keys=keys
             )
             for _ in range(2)
         ]
+        for other in ({"secret": weak + "x"}, {"headers": {"Authorization": "Bearer hunter3"}}):
+            with pytest.raises(IdempotencyKeyReused):
+                await create_endpoint_once(
+                    conn, "acme", "weak-1", EndpointRequest("acme", {**fields, **other}, None),
+                    create, scope=None, keys=keys,
+                )  # fmt: skip
     assert [(e.id, secret, before) for e, secret, before in answers] == [
         (answers[0][0].id, weak, False),
         (answers[0][0].id, weak, True),
     ]
     kept = await scalar(database_url, "SELECT response::text FROM webhook_idempotency_keys")
     assert weak not in kept and hashlib.sha256(weak.encode()).hexdigest() not in kept
+    bound = await scalar(database_url, "SELECT request_hash FROM webhook_idempotency_keys")
+    assert bound == request.digest(keys)
+    # What anyone without the key can compute from the right guesses is not what is kept.
+    assert request.digest(keyring_from_env({})) != bound
+    assert request.digest(keyring_from_env({"WEBHOOK_ENCRYPTION_KEY": new_key()})) != bound
+    assert bound.partition(".")[0] == request.digest(keyring_from_env({})).partition(".")[0]
 
 
 async def test_one_creation_through_the_cli_and_the_api_shares_its_key(
@@ -446,7 +464,13 @@ async def test_one_creation_through_the_cli_and_the_api_shares_its_key(
     code, made = await run_json(*cli_add, "--idempotency-key", "provision-1", env=env)
     assert code == 0, made
     key = {"Idempotency-Key": "provision-1"}
-    again = await api.post("/api/v1/endpoints", token="acme", json=fields, headers=key)
+    crlf = {  # the same PEM texts, as a client on another system writes them
+        "certificate": certificate.replace("\n", "\r\n"),
+        "private_key": private_key.replace("\n", "\r\n") + "\r\n",
+    }
+    again = await api.post(
+        "/api/v1/endpoints", token="acme", json={**fields, "client_certificate": crlf}, headers=key
+    )
     assert again.status == 201 and again.headers.get("idempotent-replayed") == "true", again.text
     assert again.body["id"] == made["id"] and again.body["secret"] == made["secret"]
     for changed in ({"ordered": True}, {"client_certificate": None}):

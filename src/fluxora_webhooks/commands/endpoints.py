@@ -184,13 +184,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                     endpoint, secret = await create()
                     _print_created(endpoint.as_json(), secret, args.json)
                 else:
-                    from ..deliveries import create_endpoint_once, endpoint_request_hash
+                    from ..deliveries import EndpointRequest, create_endpoint_once
 
+                    tenant = endpoints.check_tenant(args.tenant, "--tenant")
                     endpoint, shown, before = await create_endpoint_once(
                         conn,
-                        endpoints.check_tenant(args.tenant, "--tenant"),
+                        tenant,
                         args.idempotency_key,
-                        endpoint_request_hash(args.tenant, fields, client_cert),
+                        EndpointRequest(tenant, fields, client_cert),
                         create,
                         scope=None,
                         keys=keys,

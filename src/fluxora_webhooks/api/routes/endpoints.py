@@ -125,12 +125,11 @@ async def create_endpoint(
     # The tenant as resolved, not as written: a tenant's token (no tenant in the body) and an
     # admin naming that tenant send the same request.
     fields = body.model_dump(mode="json", exclude={"tenant", "client_certificate"})
-    digest = deliveries.endpoint_request_hash(tenant, fields, client_cert)
     endpoint, shown, replayed = await deliveries.create_endpoint_once(
         conn,
         tenant,
         idempotency_key,
-        digest,
+        deliveries.EndpointRequest(tenant, fields, client_cert),
         lambda: _create(request, who, conn, body, tenant, client_cert),
         scope=tenant if who.tenant is not None else None,
         keys=environ_keyring(),
