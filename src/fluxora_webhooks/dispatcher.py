@@ -843,7 +843,7 @@ class Dispatcher:
                 clock=self._clock,
                 secrets=target.secret_texts,
             )
-            if target.tls is not None and result.reason in ("connection_error", "network_error"):
+            if target.tls is not None and _after_tls_began(result):
                 result = _certificate_validity_said(result, target.tls)
         except Exception as exc:  # one bad row never takes the batch down
             log.exception("delivery %s: unexpected error building the attempt", row.delivery_id)
@@ -1260,6 +1260,16 @@ def make_client(
     return HttpClient(
         resolver, ssl_context=context, proxy=settings.proxy, no_proxy=settings.no_proxy
     )
+
+
+def _after_tls_began(result: AttemptResult) -> bool:
+    """Whether an attempt with no HTTP answer failed once TLS had begun (its handshake, or
+    the first read after it, when TLS 1.3 refuses a client certificate), where a consumer
+    refuses a certificate: not a connection refused or unreachable, which never got
+    there."""
+    if result.reason == "network_error":
+        return True
+    return result.reason == "connection_error" and "TLS" in (result.error or "")
 
 
 def _certificate_validity_said(result: AttemptResult, tls: ClientTls) -> AttemptResult:

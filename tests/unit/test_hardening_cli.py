@@ -191,3 +191,56 @@ def test_endpoints_show_says_whether_its_client_certificate_is_valid_now(
         "id                 ep_1",
         f"client_certificate CN=a, issued by CN=ca, {said}, sha256 {'ab' * 32}",
     ]
+
+
+@pytest.mark.parametrize(
+    ("held", "said"),
+    [
+        (1, "1 delivery held: the egress proxy (WEBHOOK_PROXY_URL) failed, so no consumer was"
+            " asked and no attempt is used; it is sent when it answers again"),
+        (1_000_000, "at least 1,000,000 deliveries held: the egress proxy (WEBHOOK_PROXY_URL)"
+            " failed, so no consumer was asked and no attempt is used; they are sent when it"
+            " answers again"),
+    ],
+    ids=["one", "at-the-cap"],
+)  # fmt: skip
+def test_status_says_how_many_deliveries_the_egress_proxy_holds(
+    capsys: pytest.CaptureFixture[str], held: int, said: str
+) -> None:
+    snapshot: dict[str, Any] = {
+        "at": "now",
+        "backlog": {"pending": held, "due_now": 0, "oldest_due_age_seconds": 0,
+                    "next_due_in_seconds": 5, "estimated": False, "egress_held": held},
+        "dead_letters": {"waiting": 0},
+        "recent": {"minutes": 15, "attempts": dict.fromkeys(RECORDED_OUTCOMES, 0),
+                   "duration_ms": {}, "last_at": None},
+        "endpoints": None,
+        "consumer": None,
+    }  # fmt: skip
+    status.render(snapshot)
+    assert said in capsys.readouterr().out.splitlines()
+
+
+def test_endpoints_add_says_when_its_client_certificate_is_not_valid_yet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from fluxora_webhooks.commands.endpoints import _print_created
+
+    described = {
+        "subject": "CN=a",
+        "issuer": "CN=ca",
+        "not_before": "2999-01-01T00:00:00+00:00",
+        "not_after": "3000-01-01T00:00:00+00:00",
+        "fingerprint_sha256": "ab" * 32,
+    }
+    made = {
+        "id": "ep_1",
+        "tenant": "acme",
+        "url": "https://a.example/",
+        "client_certificate": described,
+    }
+    _print_created(made, "whsec_x", as_json=False)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "client certificate: CN=a, issued by CN=ca, NOT VALID before 2999-01-01T00:00:00+00:00"
+        f" (until 3000-01-01T00:00:00+00:00), sha256 {'ab' * 32}"
+    )

@@ -10,12 +10,19 @@ import json
 import logging
 import ssl
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 
 from fluxora_webhooks import logs
+from fluxora_webhooks.clientcerts import ClientTls
 from fluxora_webhooks.delivery import AttemptResult, scrub_stored, secret_texts
-from fluxora_webhooks.dispatcher import Dispatcher, _log_fields
+from fluxora_webhooks.dispatcher import (
+    Dispatcher,
+    _after_tls_began,
+    _certificate_validity_said,
+    _log_fields,
+)
 from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.httpclient import tls_failure
 from fluxora_webhooks.outbox import Claimed, Outcome
@@ -245,3 +252,32 @@ def test_a_tls_connection_closed_after_its_handshake_is_not_called_a_failed_hand
     required.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"
     said = tls_failure(required, handshake=False)
     assert "the consumer requires a client certificate" in said, said
+
+
+@pytest.mark.parametrize(
+    ("reason", "error", "said"),
+    [
+        ("connection_error", "connection failed to https://h.example/: Connection refused", False),
+        ("connection_error", "connection failed to https://h.example/: unreachable", False),
+        ("connection_error", "connection failed to https://h.example/: TLS handshake failed:"
+         " sslv3 alert certificate expired", True),
+        ("network_error", "https://h.example/: TLS connection closed by the consumer", True),
+        ("network_error", "ConnectionResetError: [Errno 104] Connection reset by peer", True),
+        ("timeout", "timeout", False),
+    ],
+    ids=["refused", "unreachable", "handshake", "closed-after", "reset", "timeout"],
+)  # fmt: skip
+def test_an_attempt_names_its_expired_client_certificate_only_where_tls_had_begun(
+    reason: str, error: str, said: bool
+) -> None:
+    """A consumer refuses a client certificate in the TLS handshake or at the first read
+    after it: a connection refused, an unreachable address or a timeout says nothing of
+    the certificate and is not blamed on it."""
+    tls = ClientTls("ab", ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), datetime(2020, 1, 1, tzinfo=UTC))
+    result = AttemptResult(Kind.RETRYABLE, error=error, reason=reason)
+    if _after_tls_began(result):
+        result = _certificate_validity_said(result, tls)
+    expected = error + (
+        " (its client certificate expired on 2020-01-01T00:00:00+00:00)" if said else ""
+    )
+    assert result.error == expected

@@ -334,8 +334,12 @@ def _print_created(
         )
     elif secret is None:
         print("signing secret: rotated since; not shown again")
+    elif before:
+        print(f"signing secret (as first shown; shown while not rotated): {secret}")
     else:
         print(f"signing secret (shown once): {secret}")
+    if endpoint.get("client_certificate"):
+        print(f"client certificate: {_certificate_line(endpoint['client_certificate'])}")
 
 
 def _idempotency_key(text: str) -> str:

@@ -179,10 +179,13 @@ def render(snapshot: dict[str, Any]) -> None:
         console.print(f"(more than {STATUS_COUNT_CAP:,} rows: counts are estimates)")
     held = backlog["egress_held"]
     if held:
+        # Counted up to the cap: at the cap, a lower bound.
+        count = f"at least {held:,}" if held >= STATUS_COUNT_CAP else f"{held:,}"
+        one = held == 1
         console.print(
-            f"{_count(held, held >= STATUS_COUNT_CAP)} deliveries held: the egress proxy"
+            f"{count} deliver{'y' if one else 'ies'} held: the egress proxy"
             " (WEBHOOK_PROXY_URL) failed, so no consumer was asked and no attempt is used;"
-            " they are sent when it answers again"
+            f" {'it is' if one else 'they are'} sent when it answers again"
         )
 
     recent = snapshot["recent"]
