@@ -8,12 +8,13 @@ request as ours.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import time
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -112,3 +113,24 @@ def keep(results: str, prefix: str, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=1))
     print(f"saved {path}")
     return path
+
+
+@contextlib.contextmanager
+def scratch_database(admin_url: str, name: str) -> Iterator[str]:
+    """A database of its own for one benchmark on ``admin_url``'s server: dropped first if it
+    exists, yielded as a connection string, and dropped again at the end, also on error.
+    Never one of the server's own databases, nor the one ``admin_url`` names."""
+    import psycopg
+    from psycopg import sql
+
+    ident = sql.Identifier(name)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        if name in ("postgres", "template0", "template1", admin.info.dbname):
+            raise SystemExit(f"--database {name}: not a scratch database")
+        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(ident))
+        try:
+            yield psycopg.conninfo.make_conninfo(admin.info.dsn, dbname=name)
+        finally:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+            print(f"dropped {name}")

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from benchlib import PAD, keep, process_cpu_s, run
-from psycopg import sql
+from benchlib import PAD, keep, process_cpu_s, run, scratch_database
 
 from fluxora_webhooks.migrations import migrate
 
@@ -113,18 +112,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.batches < 1:
         parser.error("--rounds and --batches must be at least 1")
-    name = sql.Identifier(args.database)
-    with psycopg.connect(args.database_url, autocommit=True) as admin:
-        if args.database in ("postgres", "template0", "template1", admin.info.dbname):
-            parser.error(f"--database {args.database}: not a scratch database")
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(name))
-        url = psycopg.conninfo.make_conninfo(admin.info.dsn, dbname=args.database)
-        try:
-            out = run(measure(url, args.rounds, args.batches))
-        finally:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-            print(f"dropped {args.database}")
+    with scratch_database(args.database_url, args.database) as url:
+        out = run(measure(url, args.rounds, args.batches))
     print(f"\n{ROWS} delivery rows per transaction, {out['outbox_indexes']} outbox indexes\n")
     print("| shape | backend CPU us/row | wall us/row | WAL bytes/row | rounds (CPU) |")
     print("|---|---:|---:|---:|---|")

@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from benchlib import PAD, keep, process_cpu_s, run
-from psycopg import pq, sql
+from benchlib import PAD, keep, process_cpu_s, run, scratch_database
+from psycopg import pq
 
 from fluxora_webhooks.migrations import migrate
 from fluxora_webhooks.queries import query
@@ -631,18 +631,8 @@ def main() -> None:
     if args.rounds < 1 or args.batches < 1:
         parser.error("--rounds and --batches must be at least 1")
 
-    name = sql.Identifier(args.database)
-    with psycopg.connect(args.database_url, autocommit=True) as admin:
-        if args.database in ("postgres", "template0", "template1", admin.info.dbname):
-            parser.error(f"--database {args.database}: not a scratch database")
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(name))
-        url = psycopg.conninfo.make_conninfo(admin.info.dsn, dbname=args.database)
-        try:
-            out = run(measure_all(args, url))
-        finally:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-            print(f"dropped {args.database}")
+    with scratch_database(args.database_url, args.database) as url:
+        out = run(measure_all(args, url))
     medians = summarize(out)
     out["medians"] = medians
     print_tables(out, medians)

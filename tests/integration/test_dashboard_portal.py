@@ -660,6 +660,24 @@ async def test_a_custom_headers_credential_is_never_on_a_page_and_the_form_keeps
 # -- what keeps an endpoint from being sent to ----------------------------------------------
 
 
+async def endpoint_with_certificate(api: Api, issued: Any) -> dict[str, Any]:
+    """An endpoint of acme's that presents ``issued`` (a trustme certificate), as the API
+    answered its creation."""
+    made = await api.post(
+        "/api/v1/endpoints",
+        json={
+            "url": "https://a.example.com/hook",
+            "tenant": "acme",
+            "client_certificate": {
+                "certificate": issued.cert_chain_pems[0].bytes().decode(),
+                "private_key": issued.private_key_pem.bytes().decode(),
+            },
+        },
+    )
+    assert made.status == 201, made.text
+    return dict(made.body)
+
+
 async def test_a_certificate_that_expired_while_set_is_shown_expired(
     api: Api, portal: Portal, database_url: str
 ) -> None:
@@ -668,20 +686,8 @@ async def test_a_certificate_that_expired_while_set_is_shown_expired(
     import trustme
 
     client_ca = trustme.CA()
-    current = client_ca.issue_cert("bank-customer.example")
-    made = await api.post(
-        "/api/v1/endpoints",
-        json={
-            "url": "https://a.example.com/hook",
-            "tenant": "acme",
-            "client_certificate": {
-                "certificate": current.cert_chain_pems[0].bytes().decode(),
-                "private_key": current.private_key_pem.bytes().decode(),
-            },
-        },
-    )
-    assert made.status == 201, made.text
-    endpoint_id = made.body["id"]
+    made = await endpoint_with_certificate(api, client_ca.issue_cert("bank-customer.example"))
+    endpoint_id = made["id"]
     await portal.sign_in("acme")
     _, html, _ = await portal.get(f"/endpoints/{endpoint_id}")
     assert "valid until 3000-01-01" in field(html, "client-certificate")
@@ -715,22 +721,11 @@ async def test_a_certificate_given_before_its_validity_is_taken_and_shown_not_va
     early = trustme.CA().issue_cert(
         "bank-customer.example", not_before=starts, not_after=starts + timedelta(days=365)
     )
-    made = await api.post(
-        "/api/v1/endpoints",
-        json={
-            "url": "https://a.example.com/hook",
-            "tenant": "acme",
-            "client_certificate": {
-                "certificate": early.cert_chain_pems[0].bytes().decode(),
-                "private_key": early.private_key_pem.bytes().decode(),
-            },
-        },
-    )
-    assert made.status == 201, made.text
-    given = made.body["client_certificate"]
+    made = await endpoint_with_certificate(api, early)
+    given = made["client_certificate"]
     assert datetime.fromisoformat(given["not_before"]) == starts.replace(microsecond=0)
     await portal.sign_in("acme")
-    _, html, _ = await portal.get(f"/endpoints/{made.body['id']}")
+    _, html, _ = await portal.get(f"/endpoints/{made['id']}")
     shown = field(html, "client-certificate")
     assert f"not valid before {starts:%Y-%m-%d}" in shown, shown
     assert "a consumer that checks it refuses it until then" in shown
