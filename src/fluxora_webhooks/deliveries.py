@@ -114,13 +114,7 @@ class _KeyTaken(Exception):
 
 def request_hash(tenant: str, stream_id: str, event_type: str, payload: Any) -> str:
     """What an idempotency key is bound to: the request as canonical JSON, hashed."""
-    canonical = json.dumps(
-        [tenant, stream_id, event_type, payload],
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+    return _sha256(_canonical([tenant, stream_id, event_type, payload]))
 
 
 # What differs when an event's key names another request.
