@@ -89,6 +89,24 @@ class ClientTls:
     not_before: datetime | None = field(default=None, compare=False)
 
 
+EXPIRED = "expired"
+NOT_YET_VALID = "not yet valid"
+VALID = "valid"
+
+
+def validity(
+    not_before: datetime | None, not_after: datetime | None, now: datetime | None = None
+) -> str:
+    """Whether a certificate with these dates is EXPIRED, NOT_YET_VALID or VALID at ``now``
+    (a consumer that checks it refuses it outside them)."""
+    now = now or datetime.now(UTC)
+    if not_after is not None and not_after <= now:
+        return EXPIRED
+    if not_before is not None and not_before > now:
+        return NOT_YET_VALID
+    return VALID
+
+
 def split_pem(text: str) -> tuple[str, str | None]:
     """A PEM file's certificates and its private key, apart (None: no key in it), as one
     file holding both is read for ``WEBHOOK_TLS_CLIENT_CERT``."""
@@ -281,7 +299,7 @@ def check(
             key_name, "is a key of a kind TLS client certificates cannot use"
         ) from None
     described = _describe(leaf)
-    if described.not_after <= (now or datetime.now(UTC)):
+    if validity(None, described.not_after, now) == EXPIRED:
         raise ConfigError(
             chain_name,
             f"expired on {described.not_after.isoformat()} ({described.subject}): give a"

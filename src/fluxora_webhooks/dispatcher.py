@@ -25,7 +25,7 @@ import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TypeVar
 
 import psycopg
@@ -46,7 +46,7 @@ from .batch import (
     gone_retried,
     outage,
 )
-from .clientcerts import ClientTls
+from .clientcerts import EXPIRED, NOT_YET_VALID, ClientTls, validity
 from .connector import SafeResolver
 from .delivery import EGRESS, AttemptResult, attempt, secret_texts
 from .egress import EgressHold
@@ -67,7 +67,7 @@ from .recording import Completer, Recorder
 from .retry import Decision, Kind, RetryPolicy
 from .settings import Settings
 from .signing import Signer, standard_key
-from .targets import EARLY_ROWS, Load, Target, Targets, Turns
+from .targets import Load, Target, Targets, Turns
 from .telemetry import AttemptTracer
 from .tracing import passthrough
 from .urlpolicy import loopback_rule, validate_url
@@ -182,10 +182,6 @@ class Dispatcher:
         # When the next row deferred because the detached requests hold their share may
         # come back (slow_share_wait_s): the share frees as they end, whatever endpoint.
         self._share_turns = Turns()
-        # Rows deferred while the detached requests held their share and the first of them
-        # to end could only be guessed at its timeout (an endpoint with no answer yet):
-        # made due again at the next first answer, as Load.early's are at their own.
-        self._share_early: dict[int, datetime | None] = {}
         self._background: set[asyncio.Task[None]] = set()  # bring_forward's
         # This process's wall clock: only for a Retry-After date that comes without the
         # consumer's Date header. Due times and signed timestamps come from the database.
@@ -649,19 +645,17 @@ class Dispatcher:
         return self._paced(target.load, first, turns=self._share_turns)
 
     def deferred_slow(self, target: Target, row_id: int, partition_at: datetime | None) -> None:
-        """A slow endpoint's row was deferred: remembered to be made due again at the first
-        answer that tells how long it was to wait. Its endpoint's, when it has answered
-        none yet (Load.early); and while the detached requests hold their share, whatever
-        its endpoint, another endpoint's, when the share's first end was guessed at a
-        timeout for want of one (a burst to several slow endpoints: one that has answered
-        would otherwise have its rows wait a timeout behind another's first request)."""
+        """A slow endpoint's row was deferred: remembered (Load.early) to be made due again
+        at the first answer that tells how long it was to wait: its endpoint's, when it has
+        answered none yet; and while the detached requests hold their share, that of an
+        endpoint one of them goes to that has answered none, whose end was guessed at its
+        timeout (a burst to several slow endpoints: one that has answered would otherwise
+        have its rows wait a timeout behind another's first request)."""
         target.load.deferred(row_id, partition_at)
-        if (
-            self.completer.outstanding >= self._slow_share()
-            and len(self._share_early) < EARLY_ROWS
-            and self.completer.ends_unknown()
-        ):
-            self._share_early[row_id] = partition_at
+        if self.completer.outstanding >= self._slow_share():
+            unanswered = self.completer.unanswered()
+            if unanswered is not None:
+                unanswered.deferred(row_id, partition_at)
 
     def may_wait_for_slot(self, target: Target) -> bool:
         """Whether a row for ``target``, whose slots are all taken, waits in this process for
@@ -752,14 +746,9 @@ class Dispatcher:
                 self.show_in_flight()
         timed_out = result.error == "timeout"
         if timed_out or result.status is not None:
-            first_answer = load.typical_s <= 0.0
             load.ended(self.settings.timeout_ms / 1000 if timed_out else result.duration_ms / 1000)
             if load.early and not timed_out:
                 self._bring_forward(load)
-            if first_answer and not timed_out and self._share_early:
-                rows, self._share_early = self._share_early, {}
-                self._share_turns.next = 0.0
-                self._forward(rows, "rows deferred behind the detached requests' share")
         if result.kind is Kind.DELIVERED and result.duration_ms < 1000 * PATIENCE_S:
             load.answered_fast()
         elif timed_out:
@@ -1277,10 +1266,10 @@ def _certificate_validity_said(result: AttemptResult, tls: ClientTls) -> Attempt
     client certificate to, or one not valid yet: its error says so (a consumer that checks
     certificates ends the handshake with an alert that reads as a connection reset or a
     closed connection)."""
-    now = datetime.now(UTC)
-    if tls.not_after is not None and tls.not_after <= now:
+    found = validity(tls.not_before, tls.not_after)
+    if found == EXPIRED and tls.not_after is not None:
         said = f" (its client certificate expired on {tls.not_after.isoformat()})"
-    elif tls.not_before is not None and tls.not_before > now:
+    elif found == NOT_YET_VALID and tls.not_before is not None:
         said = f" (its client certificate is not valid before {tls.not_before.isoformat()})"
     else:
         return result

@@ -454,7 +454,17 @@ async def claim_due(
 SLOW_CLAIM_S = 0.005
 SLOW_CLAIMS_TO_REPLAN = 3
 REPLAN_EVERY_S = 30.0
-_slow_claims: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], list[float]] = (
+
+
+@dataclass
+class _ClaimPace:
+    """A connection's slow claims of full batches in a row, and its last replanning."""
+
+    slow: int = 0
+    replanned_at: float = float("-inf")
+
+
+_claim_paces: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], _ClaimPace] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -462,17 +472,17 @@ _slow_claims: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], list[float
 async def _replan_if_stale(
     conn: psycopg.AsyncConnection[Any], *, full: bool, took_s: float
 ) -> None:
-    state = _slow_claims.get(conn)
+    pace = _claim_paces.get(conn)
     if not (full and took_s > SLOW_CLAIM_S):
-        if state is not None:
-            state[0] = 0
+        if pace is not None:
+            pace.slow = 0
         return
-    if state is None:
-        state = _slow_claims[conn] = [0, float("-inf")]  # slow claims in a row, last replan
-    state[0] += 1
+    if pace is None:
+        pace = _claim_paces[conn] = _ClaimPace()
+    pace.slow += 1
     now = time.monotonic()
-    if state[0] >= SLOW_CLAIMS_TO_REPLAN and now - state[1] >= REPLAN_EVERY_S:
-        state[:] = [0, now]
+    if pace.slow >= SLOW_CLAIMS_TO_REPLAN and now - pace.replanned_at >= REPLAN_EVERY_S:
+        pace.slow, pace.replanned_at = 0, now
         await conn.execute("DEALLOCATE ALL")  # psycopg forgets its own statements too
         log.debug(
             "claims of full batches took over %.0f ms: statements planned again",

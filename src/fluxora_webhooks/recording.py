@@ -39,6 +39,7 @@ from .retry import Decision
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
+    from .targets import Load
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
 
@@ -352,11 +353,14 @@ class Completer:
         )
         return max(0.0, first - time.monotonic())
 
-    def ends_unknown(self) -> bool:
-        """Whether a detached request's end is guessed at its timeout for want of an
-        answer: it runs to an endpoint that has answered none yet (next_end_in_s knows no
-        better until that endpoint's first answer)."""
-        return any(send.started and send.target.load.typical_s <= 0.0 for send in self._ends)
+    def unanswered(self) -> Load | None:
+        """An endpoint whose detached request's end is guessed at its timeout for want of
+        an answer: it has answered none yet (next_end_in_s knows no better until its first
+        answer). None when every detached request's end is estimated from answers."""
+        for send in self._ends:
+            if send.started and send.target.load.typical_s <= 0.0:
+                return send.target.load
+        return None
 
     def submit(self, send: Send, result: AttemptResult | None) -> None:
         """A detached request's outcome to record (None: it was not sent, its row is put

@@ -48,6 +48,17 @@ async def events(database_url: str) -> int:
     return await counted(database_url, "webhook_outbox WHERE event_id IS NULL")
 
 
+async def waiting_for_locks(database_url: str, which: str) -> int:
+    """How many sessions of the test's database wait for a lock, of those ``which`` (SQL
+    over pg_stat_activity) picks."""
+    waiting: int = await scalar(
+        database_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        f" AND wait_event_type = 'Lock' AND {which}",
+    )
+    return waiting
+
+
 async def counted(database_url: str, rows: str) -> int:
     count: int = await scalar(database_url, f"SELECT count(*) FROM {rows}")
     return count
@@ -119,12 +130,10 @@ async def test_requests_racing_a_transaction_that_holds_the_key(
         ]
 
         async def all_waiting() -> bool:
-            waiting: int = await scalar(
-                database_url,
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock' AND query LIKE '%webhook_idempotency_keys%'",
+            return (
+                await waiting_for_locks(database_url, "query LIKE '%webhook_idempotency_keys%'")
+                == 4
             )
-            return waiting == 4
 
         await wait_until(all_waiting, what="four requests waiting for the held key")
         await (holder.commit() if first_ends == "commit" else holder.rollback())
@@ -345,12 +354,7 @@ async def test_creations_with_one_key_at_once_a_place_below_the_tenants_cap(
             ]
 
             async def pool_waiting() -> bool:  # the API's pool holds 4 connections
-                waiting: int = await scalar(
-                    database_url,
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
-                )
-                return waiting == 4
+                return await waiting_for_locks(database_url, "wait_event = 'advisory'") == 4
 
             await wait_until(pool_waiting, what="four requests waiting to create")
             await holder.rollback()

@@ -368,17 +368,21 @@ def _print_one(endpoint: dict[str, Any], as_json: bool) -> None:
 
 def _certificate_line(described: dict[str, Any]) -> str:
     """An endpoint's client certificate in one line: whose, by whom, how long, which."""
-    from datetime import UTC, datetime
+    from datetime import datetime
 
-    now = datetime.now(UTC)
-    not_after = datetime.fromisoformat(described["not_after"])
-    not_before = described.get("not_before")
-    if not_after <= now:
-        validity = f"EXPIRED on {described['not_after']}"
-    elif not_before is not None and datetime.fromisoformat(not_before) > now:
-        validity = f"NOT VALID before {not_before} (until {described['not_after']})"
+    from .. import clientcerts
+
+    not_before, not_after = described.get("not_before"), described["not_after"]
+    found = clientcerts.validity(
+        None if not_before is None else datetime.fromisoformat(not_before),
+        datetime.fromisoformat(not_after),
+    )
+    if found == clientcerts.EXPIRED:
+        validity = f"EXPIRED on {not_after}"
+    elif found == clientcerts.NOT_YET_VALID:
+        validity = f"NOT VALID before {not_before} (until {not_after})"
     else:
-        validity = f"valid until {described['not_after']}"
+        validity = f"valid until {not_after}"
     return (
         f"{described['subject']}, issued by {described['issuer']}, {validity},"
         f" sha256 {described['fingerprint_sha256']}"
