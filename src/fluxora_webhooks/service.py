@@ -605,7 +605,7 @@ class Service:
 
     async def _stop_api(self) -> None:
         if self._api is not None:
-            await self._api.stop()
+            await self._api.stop(forced=self._forced)
             self._api = None
 
     async def _metrics(self, request: web.Request) -> web.Response:

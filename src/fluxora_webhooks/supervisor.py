@@ -211,6 +211,7 @@ class Supervisor:
         self._api: Any = None  # the management API (api.ApiServer): here, not in the workers
         self.api_port: int | None = None
         self._stopping = asyncio.Event()
+        self._forced = asyncio.Event()  # a second signal: the API's requests are cut off
         self._signals = 0
         # Non-zero: a worker stopped on its configuration or the schema at start-up, and
         # `run` exits with its status.
@@ -296,7 +297,7 @@ class Supervisor:
 
     async def _stop_api(self) -> None:
         if self._api is not None:
-            await self._api.stop()
+            await self._api.stop(forced=self._forced)
             self._api = None
 
     def stop(self, sig: signal.Signals | None = None) -> None:
@@ -306,6 +307,8 @@ class Supervisor:
         if self._signals == 1:
             log.info("stopping%s: the workers finish their in-flight batches", stopped_by(sig))
             self._stopping.set()
+        else:
+            self._forced.set()
         self._signal_workers(signal.SIGTERM)
 
     async def _check_database(self, conn: psycopg.AsyncConnection[Any]) -> None:

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psycopg
 import pytest
 
+from tests.support.dispatch import scalar, wait_until
 from tests.support.procs import (
     command_env,
     dispatcher_env,
@@ -135,6 +137,72 @@ async def test_the_api_command_serves_and_stops_on_sigterm(
     assert f"serving on http://127.0.0.1:{port}/" in text
     assert "fluxora_webhooks.api" in text and "***" not in text  # nothing was a secret
     assert token not in text
+
+
+async def test_a_second_signal_stops_the_api_command_with_a_request_in_flight(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The first SIGTERM lets requests in flight finish (bounded); a second one cuts them off
+    at once, as it does for ``run``."""
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command("tokens", "create", "--name", "ops", "--json", env=env)
+    assert code == 0, out
+    token = json.loads(out)["token"]
+    port = free_port()
+    log = tmp_path / "api.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "fluxora_webhooks", "api"),
+            env={**env, "WEBHOOK_API_PORT": str(port)},
+            stdout=sink,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        try:
+            await wait_for_api(url, token)
+            async with await psycopg.AsyncConnection.connect(database_url) as blocker:
+                # An operator's long transaction: the endpoints list waits for its lock.
+                await blocker.execute("LOCK TABLE webhook_endpoints IN ACCESS EXCLUSIVE MODE")
+                listing = asyncio.ensure_future(
+                    session.get(
+                        url + "/api/v1/endpoints", headers={"Authorization": f"Bearer {token}"}
+                    )
+                )
+
+                async def list_waits() -> bool:
+                    waiting: int = await scalar(
+                        database_url,
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND datname = current_database() AND query LIKE '%webhook_endpoints%'",
+                    )
+                    return waiting == 1
+
+                await wait_until(list_waits, timeout=20, what="the list waiting for its lock")
+                proc.terminate()
+
+                async def stopping() -> bool:
+                    return "stopping on SIGTERM" in log.read_text()
+
+                await wait_until(stopping, timeout=20, what="the first signal's line")
+                proc.terminate()
+                code = await asyncio.wait_for(proc.wait(), 15)
+                # It stopped while the request still waited for the lock: cut off.
+                assert await list_waits() is False  # its session went with the process
+                assert not blocker.closed and blocker.info.transaction_status.name == "INTRANS"
+            try:  # not the list: an error, or no answer at all
+                resp = await asyncio.wait_for(listing, 10)
+                assert resp.status >= 500, await resp.text()
+            except aiohttp.ClientError:
+                pass
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert code == 0, log.read_text()
+    text = log.read_text()
+    assert "finishing the requests in flight" in text
+    assert "requests still in flight (a second signal)" in text, text
 
 
 async def test_run_serves_the_api_beside_its_workers(

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -217,21 +218,36 @@ class ApiServer:
             await asyncio.sleep(0.02)
         log.info("management API and dashboard on %s", self.url)
 
-    async def stop(self, timeout_s: float = STOP_TIMEOUT_S + 2) -> None:
-        """Stop accepting, let requests in flight finish (bounded), close the pool."""
+    async def stop(
+        self, timeout_s: float = STOP_TIMEOUT_S + 2, forced: asyncio.Event | None = None
+    ) -> None:
+        """Stop accepting, let requests in flight finish (bounded by ``timeout_s``, or until
+        ``forced`` is set: a second signal), close the pool."""
         if self._server is None or self._task is None:
             return
         self._server.should_exit = True
+        task = self._task
+        waits: set[asyncio.Future[Any]] = {task}
+        forcing = asyncio.ensure_future(forced.wait()) if forced is not None else None
+        if forcing is not None:
+            waits.add(forcing)
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
-        except TimeoutError:
-            self._server.force_exit = True
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        except Exception:
-            log.exception("the API server failed while stopping")
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                why = "a second signal" if forced is not None and forced.is_set() else None
+                log.warning(
+                    "the API stops with requests still in flight (%s): they are cut off",
+                    why or f"the {timeout_s:.0f}s drain bound",
+                )
+                self._server.force_exit = True
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            elif not task.cancelled() and task.exception() is not None:
+                log.error("the API server failed while stopping", exc_info=task.exception())
         finally:
+            if forcing is not None:
+                forcing.cancel()
             if self._socket is not None:
                 self._socket.close()
             self._server = None

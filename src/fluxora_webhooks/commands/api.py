@@ -42,13 +42,16 @@ def require_api_extra(variable: str = "WEBHOOK_API_PORT") -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import asyncio
+    import logging
+    import signal
 
     from .. import logs
-    from ..host import STOP_SIGNALS
+    from ..host import STOP_SIGNALS, stopped_by
     from ..settings import Settings, register_engine_secrets
 
     settings = Settings.from_env(env)
     logs.configure(settings.log_format)
+    log = logging.getLogger("fluxora_webhooks.api")
     require_api_extra()
     database_url, _ = engines(env, redis=False)
     redis_url = settings.redis_url  # only what is configured: readings, never the gate
@@ -70,9 +73,21 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             await check_usable(redis_url, [reading])
         server = ApiServer(config, settings.api_host, port)
         stop = asyncio.Event()
+        forced = asyncio.Event()  # a second signal: requests in flight are cut off
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                forced.set()
+                return
+            log.info(
+                "stopping%s: finishing the requests in flight (a second signal stops at once)",
+                stopped_by(sig),
+            )
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         web = await _serve_metrics(settings) if "WEBHOOK_METRICS_PORT" in env else None
         try:
             await server.start()
@@ -87,7 +102,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         try:
             await stop.wait()
         finally:
-            await server.stop()
+            await server.stop(forced=forced)
             if web is not None:
                 await web.cleanup()
         return 0
