@@ -833,15 +833,17 @@ class Resealed:
     and previous one, its client certificate's key and the value of each of its credential
     headers, :func:`credential_header`, each count): ``changed`` sealed with
     the current key (or opened, when decrypting), of which ``rekeyed`` were sealed with
-    another key before; ``unchanged`` already in the wanted form; ``unreadable``: sealed
-    with a key this process does not have (endpoint id, key id, which value: ``its
-    secret``, ``its previous secret``, ``its client certificate's private key``, ``the
-    value of its header NAME``), left as they are."""
+    another key before; ``unchanged`` already in the wanted form (and opened by it);
+    ``unreadable``: sealed values none of this process's keys opens, left as they are:
+    (endpoint id, key id, which value: ``its secret``, ``its previous secret``, ``its
+    client certificate's private key``, ``the value of its header NAME``, and why, a
+    sentence that begins with which value it is: sealed with a key this process does not
+    have, or with its key and altered or copied from another endpoint)."""
 
     changed: int = 0
     rekeyed: int = 0
     unchanged: int = 0
-    unreadable: list[tuple[str, str, str]] = field(default_factory=list)
+    unreadable: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
 def _which_value(column: str | tuple[str, str]) -> str:
@@ -894,13 +896,17 @@ async def reseal_secrets(
                     if plain and not is_sealed(value):
                         done.unchanged += 1
                         continue
+                    which = _which_value(column)
+                    try:
+                        # A value sealed with the current key is opened too: one altered,
+                        # or copied from another endpoint (its id is sealed in), cannot be
+                        # sent with, and is not "encrypted already".
+                        opened = keys.open(value, endpoint_id, which)
+                    except SecretLocked as exc:
+                        done.unreadable.append((endpoint_id, exc.key_id, which, str(exc)))
+                        continue
                     if not plain and keys.sealed_with_current(value):
                         done.unchanged += 1
-                        continue
-                    try:
-                        opened = keys.open(value, endpoint_id)
-                    except SecretLocked as exc:
-                        done.unreadable.append((endpoint_id, exc.key_id, _which_value(column)))
                         continue
                     wanted[column] = opened if plain else keys.seal(opened, endpoint_id)
                     done.changed += 1

@@ -73,6 +73,23 @@ async def test_encrypt_and_decrypt_move_the_stored_secrets(
     code, again = await run_json("secrets", "encrypt", "--json", env=env)
     assert code == 0 and (again["encrypted"], again["unchanged"]) == (0, 3), again
     assert await _secrets(database_url) == sealed
+    # A sealed value copied to another endpoint (its id is sealed in) opens nowhere but
+    # where it was sealed: not "encrypted already", said, left as it is, exit 1.
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "UPDATE webhook_endpoints SET secret_previous = %s WHERE id = 'ep_b'",
+            (sealed["ep_a"][0],),
+        )
+    code, out = await run_command("secrets", "encrypt", "--json", env=env)
+    (copied,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert code == 1 and (copied["unchanged"], copied["unreadable"]) == (3, 1), copied
+    (found,) = copied["unreadable_endpoints"]
+    assert (found["id"], found["value"]) == ("ep_b", "its previous secret"), found
+    assert "does not open with that key (altered, or copied" in found["reason"], found
+    code, out = await run_command("secrets", "encrypt", env=env)
+    assert code == 1 and "endpoint ep_b: its previous secret, encrypted with key" in out, out
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute("UPDATE webhook_endpoints SET secret_previous = NULL WHERE id = 'ep_b'")
     # Another key cannot open them: said by endpoint and key id, left as they are, exit 1.
     other = command_env(DATABASE_URL=database_url, WEBHOOK_ENCRYPTION_KEY=await _new_key())
     code, out = await run_command("secrets", "decrypt", env=other)

@@ -84,8 +84,6 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _report(done: Resealed, keys: Keyring, *, plain: bool, as_json: bool) -> int:
-    from ..secretbox import KEY_VARIABLE, PREVIOUS_KEY_VARIABLE
-
     unreadable = sorted(set(done.unreadable))
     if as_json:
         counts = (
@@ -100,7 +98,8 @@ def _report(done: Resealed, keys: Keyring, *, plain: bool, as_json: bool) -> int
                     "unchanged": done.unchanged,
                     "unreadable": len(done.unreadable),
                     "unreadable_endpoints": [
-                        {"id": i, "key_id": k, "value": v} for i, k, v in unreadable
+                        {"id": i, "key_id": k, "value": v, "reason": why}
+                        for i, k, v, why in unreadable
                     ],
                 }
             )
@@ -119,11 +118,6 @@ def _report(done: Resealed, keys: Keyring, *, plain: bool, as_json: bool) -> int
                 f" {done.rekeyed} with key {keys.current.id}; {done.unchanged} were encrypted"
                 f" with it already{left}"
             )
-    for endpoint_id, key_id, which in unreadable:
-        print(
-            f"fluxora-webhooks: endpoint {endpoint_id}: {which} is encrypted with key"
-            f" {key_id}, which is neither {KEY_VARIABLE} nor {PREVIOUS_KEY_VARIABLE}: left as"
-            " it is",
-            file=sys.stderr,
-        )
+    for endpoint_id, _, _, why in unreadable:
+        print(f"fluxora-webhooks: endpoint {endpoint_id}: {why}: left as it is", file=sys.stderr)
     return EXIT_FAILED if unreadable else 0
