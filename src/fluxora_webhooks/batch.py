@@ -37,7 +37,7 @@ import psycopg.errors
 from psycopg_pool import PoolTimeout
 
 from . import metrics
-from .delivery import EGRESS, EGRESS_HELD, AttemptResult
+from .delivery import EGRESS, EGRESS_HELD, HELD, AttemptResult
 from .endpoints import DEFAULT_ID
 from .errors import NotFoundError
 from .gate import Admission
@@ -696,16 +696,23 @@ def outcome_of(
     that extra attempt is decided as any failure (a dead letter)."""
     row = send.row
     endpoint_id = recorded_endpoint(row)
-    if result.reason == EGRESS:
-        # The egress proxy failed, no consumer was asked: the row is held (egress.py)
-        # with its attempt unused, and its endpoint's failure streak neither starts nor
-        # ends (effects_of), nor does its breaker hear of it (breaker_signal). An outage
-        # of the proxy disables no endpoint, opens no breaker and dead-letters nothing.
-        decision = Decision(Outcome.DEFERRED, delay_ms=dispatcher.egress.failed(), reason=EGRESS)
-        dispatcher.egress.remember(row.id, row.partition_at)
+    if result.reason in HELD:
+        # The egress proxy or the DNS resolver failed, no consumer was asked: the row is
+        # held (egress.py) with its attempt unused, and its endpoint's failure streak
+        # neither starts nor ends (effects_of), nor does its breaker hear of it
+        # (breaker_signal). Such an outage disables no endpoint, opens no breaker and
+        # dead-letters nothing. (The resolver's hold was begun by the lookups that showed
+        # it: a request that failed before an answer ended it begins none again.)
+        if result.reason == EGRESS:
+            hold, delay_ms = dispatcher.egress, dispatcher.egress.failed()
+        else:
+            hold = dispatcher.resolving.hold
+            delay_ms = hold.held_ms()
+        decision = Decision(Outcome.DEFERRED, delay_ms=delay_ms, reason=result.reason)
+        hold.remember(row.id, row.partition_at)
         dispatcher.log_decision(row, send.target, result, decision)
         held = Completion(
-            row.id, Outcome.DEFERRED, delay_ms=decision.delay_ms, error=EGRESS_HELD,
+            row.id, Outcome.DEFERRED, delay_ms=decision.delay_ms, error=HELD[result.reason],
             endpoint_id=endpoint_id, lease=lease,
         )  # fmt: skip
         return held, decision
@@ -847,6 +854,6 @@ def breaker_signal(result: AttemptResult) -> bool | None:
     if result.kind is Kind.DELIVERED:
         return True
     if result.kind is Kind.RETRYABLE:
-        # Failed at the egress proxy: no word of the consumer (the hold spares the proxy).
-        return None if result.reason == EGRESS else False
+        # Failed at the egress proxy or the resolver: no word of the consumer.
+        return None if result.reason in HELD else False
     return None

@@ -28,7 +28,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from .delivery import EGRESS_HELD
+from .delivery import HELD_WORDS
 from .endpoints import DEFAULT_ID, OPERATOR_TENANT, ClientCert, Endpoint, check_event_type
 from .endpoints import get as get_endpoint
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
@@ -652,7 +652,7 @@ async def stats(
     _check_limit(endpoints_limit)
     scope = _scope(tenant)
     backlog = (
-        await _rows(conn, "stats_backlog", {**scope, "cap": STATS_COUNT_CAP, "held": EGRESS_HELD})
+        await _rows(conn, "stats_backlog", {**scope, "cap": STATS_COUNT_CAP, "held": HELD_WORDS})
     )[0]
     outcomes = await _rows(conn, "stats_outcomes", {**scope, "window_ms": window_ms})
     health = await _health_rows(

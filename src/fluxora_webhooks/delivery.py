@@ -22,6 +22,7 @@ from .httpclient import (
     EgressFailed,
     HttpClient,
     ProtocolError,
+    ResolverFailed,
     Response,
     tls_failure,
 )
@@ -53,6 +54,16 @@ EGRESS_HELD = (
     "held: this service's egress proxy failed, so no consumer was asked and no attempt is"
     " used; it is sent when the proxy answers again"
 )
+# The same for an attempt whose lookup failed because this service's DNS resolver fails
+# (httpclient.ResolverFailed, egress.ResolverWatch), and what its row says meanwhile.
+RESOLVER = "resolver"
+RESOLVER_HELD = (
+    "held: this service's DNS lookups failed, so no consumer was asked and no attempt is"
+    " used; it is sent when lookups work again"
+)
+# Each reason of an attempt held on this service's side, and what its held row says.
+HELD = {EGRESS: EGRESS_HELD, RESOLVER: RESOLVER_HELD}
+HELD_WORDS = list(HELD.values())  # what the held count looks for (ops, deliveries)
 
 
 def classify_status(status: int) -> Kind:
@@ -190,7 +201,13 @@ async def _post(
             Kind.RETRYABLE,
             error=f"connection failed to {redacted(url)}: {exc.strerror or 'unreachable'}",
             duration_ms=elapsed(),
-            reason=EGRESS if isinstance(exc, EgressFailed) else "connection_error",
+            reason=(
+                EGRESS
+                if isinstance(exc, EgressFailed)
+                else RESOLVER
+                if isinstance(exc, ResolverFailed)
+                else "connection_error"
+            ),
         )
     except ssl.SSLError as exc:  # after the handshake (TLS 1.3 asks for a client cert then)
         return AttemptResult(

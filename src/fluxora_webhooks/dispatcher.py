@@ -48,8 +48,8 @@ from .batch import (
 )
 from .clientcerts import EXPIRED, NOT_YET_VALID, ClientTls, validity
 from .connector import SafeResolver
-from .delivery import EGRESS, AttemptResult, attempt, secret_texts
-from .egress import EgressHold
+from .delivery import EGRESS, HELD, AttemptResult, attempt, secret_texts
+from .egress import EgressHold, ResolverWatch
 from .errors import ConfigError, EndpointError
 from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
 from .httpclient import HttpClient, client_ssl_context, warm_ssl_context
@@ -209,6 +209,10 @@ class Dispatcher:
         self.egress = EgressHold()  # the proxy's health, as this process sees it
         self._egress_held = 0  # attempts held at the egress since it was last said
         self._egress_said = -EGRESS_LOG_EVERY_S
+        # The DNS resolver's health, shared by this process's clients (a given client's own).
+        self.resolving = client.resolving if client is not None else ResolverWatch()
+        self._resolver_held = 0  # attempts held for the resolver since it was last said
+        self._resolver_said = -EGRESS_LOG_EVERY_S
         # On a partitioned outbox: no row written before this is pending (the claim looks
         # only at the partitions from there on). None: look everywhere.
         self.claim_since: datetime | None = None
@@ -851,7 +855,7 @@ class Dispatcher:
         for its span: ``cancelled`` when the request was abandoned."""
         if result is None:
             return "cancelled"
-        if result.reason == EGRESS:
+        if result.reason in HELD:
             return Outcome.DEFERRED.value  # batch.outcome_of
         if gone_retried(self.policy, row, target, result):
             return Outcome.RETRY.value  # its next attempt parked (batch.outcome_of)
@@ -879,7 +883,10 @@ class Dispatcher:
         client = self._clients.get(key)
         if client is None:
             client = self._clients[key] = make_client(
-                self.settings, allow_loopback=key[1], require_loopback=key[2]
+                self.settings,
+                allow_loopback=key[1],
+                require_loopback=key[2],
+                resolving=self.resolving,
             )
         return client
 
@@ -895,6 +902,7 @@ class Dispatcher:
                 allow_loopback=key[1],
                 require_loopback=key[2],
                 ssl_context=tls.context,
+                resolving=self.resolving,
             )
         return client
 
@@ -1044,8 +1052,13 @@ class Dispatcher:
         self, row: Claimed, target: Target, result: AttemptResult, decision: Decision
     ) -> None:
         if decision.outcome is Outcome.DEFERRED:
-            self._held_at_egress(result)
+            if result.reason == EGRESS:
+                self._held_at_egress(result)
+            else:
+                self._held_at_resolver(result)
             return
+        if self.resolving.ended is not None:  # a lookup got an answer: the resolver is back
+            self._resolver_back(self.resolving.take_ended())
         if self.egress.since is not None and target.url.startswith("https:"):
             ended = self.egress.answered()  # a request through the proxy got an answer
             if ended is not None:
@@ -1111,6 +1124,39 @@ class Dispatcher:
             egress.PROBE_S,
         )
         self._egress_held = 0
+
+    def _held_at_resolver(self, result: AttemptResult) -> None:
+        """An attempt held because this process's DNS lookups fail (egress.ResolverWatch):
+        counted, and said at most every EGRESS_LOG_EVERY_S."""
+        metrics.RESOLVER_FAILURES.inc()
+        self._resolver_held += 1
+        now = time.monotonic()
+        if now - self._resolver_said < EGRESS_LOG_EVERY_S:
+            return
+        self._resolver_said = now
+        log.warning(
+            "DNS lookups fail on this machine (%s); %d attempt(s) held since the last"
+            " report: their deliveries wait with the attempt unused, counted against no"
+            " endpoint, and one lookup every %.0fs tries the resolver again",
+            result.error,
+            self._resolver_held,
+            egress.PROBE_S,
+        )
+        self._resolver_held = 0
+
+    def _resolver_back(self, ended: tuple[float, float] | None) -> None:
+        if ended is None:
+            return
+        failed_s, longest_s = ended
+        held = self.resolving.hold.take_held()
+        log.warning(
+            "DNS lookups work again (they failed for %ds); the %d delivery(ies) this process"
+            " held are due now, any others when their holds end, within %ds",
+            round(failed_s),
+            len(held),
+            math.ceil(longest_s),
+        )
+        self._forward(held, "held rows")
 
     def note_disabled(self, endpoint_id: str, reason: str) -> None:
         metrics.ENDPOINTS_DISABLED.labels(reason=reason).inc()
@@ -1230,6 +1276,7 @@ def make_client(
     allow_loopback: bool = False,
     require_loopback: bool = False,
     ssl_context: ssl.SSLContext | None = None,
+    resolving: ResolverWatch | None = None,
 ) -> HttpClient:
     """The HTTP client: keep-alive, the connect-time address policy (resolved addresses are
     checked and the connection is pinned to them). ``allow_loopback``: an operator's own
@@ -1247,7 +1294,11 @@ def make_client(
     if context is None and settings.tls_client_cert is not None:
         context = client_ssl_context(settings.tls_client_cert, settings.tls_client_key)
     return HttpClient(
-        resolver, ssl_context=context, proxy=settings.proxy, no_proxy=settings.no_proxy
+        resolver,
+        ssl_context=context,
+        proxy=settings.proxy,
+        no_proxy=settings.no_proxy,
+        resolving=resolving,
     )
 
 

@@ -10,12 +10,17 @@ a claim per row every few minutes, not a connection attempt per row every few se
 first request through the proxy that gets any answer ends it, and the rows this process
 held (up to MAX_REMEMBERED) are made due at once; those held by other processes go as
 their own processes see the proxy answer, or when their holds end.
+
+The DNS resolver is this service's way out too (:class:`ResolverWatch`): when lookups of
+host names that resolved before fail for a while, the resolver is what fails, not the
+consumers, and their rows are held the same way until a lookup gets an answer again.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import datetime
 
@@ -84,9 +89,90 @@ class EgressHold:
             return None
         return self._hold_ms(now)
 
+    def held_ms(self) -> int:
+        """How long a row held now waits, in milliseconds (the shortest hold when none is
+        on), without beginning a hold."""
+        if self.since is None:
+            return int(HOLD_MIN_S * 1000)
+        return self._hold_ms(self._clock())
+
     def _hold_ms(self, now: float) -> int:
         assert self.since is not None
         base = min(HOLD_MAX_S, max(HOLD_MIN_S, now - self.since))
         ms = int(base * (1 + JITTER * self._jitter()) * 1000)
         self._longest_ms = max(self._longest_ms, ms)
         return ms
+
+
+# Distinct host names, each of which resolved before in this process, whose lookups must
+# fail within RESOLVER_WINDOW_S (and none get an answer since) for the resolver to be the
+# one failing: one name's own DNS servers failing is that endpoint's trouble.
+RESOLVER_QUORUM = 2
+RESOLVER_WINDOW_S = 60.0
+MAX_KNOWN_HOSTS = 4096  # names remembered as resolved, the least recently resolved go first
+
+
+class ResolverWatch:
+    """Whether this process's DNS resolver fails, as its lookups show: shared by the
+    dispatcher's HTTP clients (each keeps its own cache of answers).
+
+    A lookup that fails for want of an answer (no answer in time, "temporary failure in
+    name resolution") of a name that resolved before is a sign; RESOLVER_QUORUM such names
+    in RESOLVER_WINDOW_S, with no lookup answered meanwhile, begin a hold (:class:`EgressHold`):
+    lookups of names not in a client's cache are held without being tried, one every
+    PROBE_S going through to see whether the resolver is back, and the rows are deferred
+    with their attempts unused. Any answer ends it, "no such name" included (the resolver
+    answered); then :attr:`ended` says for how long it failed, once."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        self._clock = clock
+        self.hold = EgressHold(clock, jitter)
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._failing: dict[str, float] = {}  # known names whose lookups failed, and when
+        # (how long it failed, the longest hold given): set when an answer ends a hold,
+        # taken by the dispatcher (which makes the rows it held due at once).
+        self.ended: tuple[float, float] | None = None
+
+    def holding(self) -> bool:
+        """A lookup must not be tried now: the resolver fails, and this is not the
+        probe's turn."""
+        return self.hold.since is not None and self.hold.wait_ms() is not None
+
+    def answered(self, host: str | None = None) -> None:
+        """A lookup got an answer (``host``: it resolved, and is remembered as a name that
+        does)."""
+        if host is not None:
+            self._known[host] = None
+            self._known.move_to_end(host)
+            if len(self._known) > MAX_KNOWN_HOSTS:
+                self._known.popitem(last=False)
+        if self._failing:
+            self._failing.clear()
+        if self.hold.since is not None:
+            self.ended = self.hold.answered()
+
+    def failed(self, host: str) -> bool:
+        """A lookup of ``host`` got no answer. Returns whether the resolver is what fails
+        (the row is held, counted against no endpoint); False: the name's own trouble, as
+        far as anyone can tell."""
+        if self.hold.since is not None:
+            return True  # the probe failed too
+        if host not in self._known:
+            return False  # never resolved here: nothing to compare with
+        now = self._clock()
+        for name, at in list(self._failing.items()):
+            if now - at > RESOLVER_WINDOW_S:
+                del self._failing[name]
+        self._failing[host] = now
+        if len(self._failing) < RESOLVER_QUORUM:
+            return False
+        self.hold.failed()
+        return True
+
+    def take_ended(self) -> tuple[float, float] | None:
+        ended, self.ended = self.ended, None
+        return ended

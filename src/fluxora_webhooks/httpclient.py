@@ -41,6 +41,7 @@ import httptools
 import yarl
 
 from .connector import SafeResolver, refuse_address
+from .egress import ResolverWatch
 from .errors import EndpointError
 from .settings import Proxy
 from .urlpolicy import IPNetwork, parse_ip
@@ -71,6 +72,21 @@ class EgressFailed(ConnectFailed):
     within the request's timeout, gave no usable answer to ``CONNECT``, or refused this
     service's user and password (407). The consumer
     was never asked, so the attempt says nothing of its endpoint (batch.outcome_of)."""
+
+
+class ResolverFailed(ConnectFailed):
+    """This service's DNS resolver failed, not the consumer (egress.ResolverWatch): lookups
+    of names that resolved before get no answer, or are held while that lasts. The consumer
+    was never asked, so the attempt says nothing of its endpoint (batch.outcome_of)."""
+
+
+# What a lookup that got no answer fails with: the resolver's trouble (or the name's own
+# servers'), unlike "no such name", which is an answer.
+_NO_ANSWER = frozenset(
+    code
+    for code in (getattr(socket, "EAI_AGAIN", None), getattr(socket, "EAI_SYSTEM", None))
+    if code is not None
+) | {errno.ETIMEDOUT}
 
 
 # What OpenSSL's reason codes mean to an operator, for the TLS failures a consumer's
@@ -486,8 +502,11 @@ class HttpClient:
         ssl_context: ssl.SSLContext | None = None,
         proxy: Proxy | None = None,
         no_proxy: tuple[IPNetwork, ...] = (),
+        resolving: ResolverWatch | None = None,
     ) -> None:
         self.resolver = resolver
+        # The resolver's health, shared by a dispatcher's clients (its own when not given).
+        self.resolving = resolving if resolving is not None else ResolverWatch()
         self._ssl = ssl_context
         self._proxy = proxy
         self._no_proxy = no_proxy
@@ -594,12 +613,24 @@ class HttpClient:
         now = time.monotonic()
         if entry is not None and entry.expires > now:
             return entry.addresses
+        watch = self.resolving
+        if watch.holding():  # the resolver fails: not tried (one probe every few seconds)
+            raise ResolverFailed(socket.EAI_AGAIN, "held: this service's DNS lookups fail")
         try:
             answers = await self.resolver.resolve(origin.host, origin.port, family=socket.AF_UNSPEC)
-        except EndpointError:
+        except EndpointError:  # it resolved, to addresses the policy refuses
+            watch.answered()
             raise
         except OSError as exc:  # no such name, a resolver timeout, no address
-            raise ConnectFailed(exc.errno or errno.EHOSTUNREACH, exc.strerror or str(exc)) from exc
+            why = exc.strerror or str(exc)
+            if exc.errno not in _NO_ANSWER:
+                watch.answered()  # an answer ("no such name"): the resolver works
+            elif watch.failed(origin.host):
+                raise ResolverFailed(
+                    exc.errno or socket.EAI_AGAIN, f"this service's DNS resolver fails ({why})"
+                ) from exc
+            raise ConnectFailed(exc.errno or errno.EHOSTUNREACH, why) from exc
+        watch.answered(origin.host)
         addresses = list(dict.fromkeys(str(a["host"]) for a in answers))
         # Every cached answer was checked before it was cached; a short lifetime only keeps
         # up with legitimate DNS changes.

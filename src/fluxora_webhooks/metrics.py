@@ -153,6 +153,13 @@ EGRESS_FAILURES = Counter(
     " Their rows were deferred with the attempt unused, counted against no endpoint.",
     registry=REGISTRY,
 )
+RESOLVER_FAILURES = Counter(
+    "fluxora_webhook_resolver_failures",
+    "Attempts held because this service's DNS lookups fail (names that resolved before get"
+    " no answer): no consumer was asked. Their rows were deferred with the attempt unused,"
+    " counted against no endpoint.",
+    registry=REGISTRY,
+)
 SHARE_DEFERRED = Counter(
     "fluxora_webhook_share_deferred_requests",
     "Requests to slow endpoints not sent because the requests detached from their batches"

@@ -17,7 +17,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import metrics, partitions
-from .delivery import EGRESS_HELD
+from .delivery import HELD_WORDS
 from .endpoints import OPERATOR_TENANT
 from .logs import scrub
 from .migrations import check_schema
@@ -87,10 +87,11 @@ async def read_backlog(conn: psycopg.AsyncConnection[Any], cap: int = BACKLOG_CO
 
 
 async def read_egress_held(conn: psycopg.AsyncConnection[Any], cap: int) -> int:
-    """How many deliveries (up to ``cap``) wait because the egress proxy failed: their
-    row says :data:`~.delivery.EGRESS_HELD` until they are sent."""
+    """How many deliveries (up to ``cap``) wait because the egress proxy or the DNS
+    resolver failed: their row says one of :data:`~.delivery.HELD_WORDS` until they are
+    sent."""
     cur = await conn.execute(
-        query("egress_held"), {"held": EGRESS_HELD, "scoped": False, "tenant": "", "cap": cap}
+        query("egress_held"), {"held": HELD_WORDS, "scoped": False, "tenant": "", "cap": cap}
     )
     row = await cur.fetchone()
     assert row is not None

@@ -451,15 +451,18 @@ async def test_deliveries_an_egress_outage_holds_are_counted_in_the_stats_and_ov
     reply = await api.get("/api/v1/stats", params={"tenant": "bolt"})
     assert reply.body["backlog"]["egress_held"] == 1
 
-    why = "this service's egress proxy failed, so no consumer was asked and no attempt is used"
+    why = (
+        "this service's way out failed (its egress proxy or its DNS lookups), so no consumer"
+        " was asked and no attempt is used"
+    )
     await portal.sign_in("acme")
     _, html, _ = await portal.get("/")
-    said = f"3 deliveries are held: {why}; they are sent when it answers again."
+    said = f"3 deliveries are held: {why}; they are sent when it works again."
     assert field(html, "egress-held") == said
     assert 'href="/deliveries?status=pending">3 deliveries are held</a>' in html
     await portal.sign_in("bolt")
     _, html, _ = await portal.get("/")
-    said = f"1 delivery is held: {why}; it is sent when it answers again."
+    said = f"1 delivery is held: {why}; it is sent when it works again."
     assert field(html, "egress-held") == said
     await portal.sign_in("default")
     _, html, _ = await portal.get("/")

@@ -429,8 +429,9 @@ async def _deliveries_of(database_url: str, endpoint_id: str) -> list[dict[str, 
 
 
 HELD_LINE = (
-    "2 deliveries held: the egress proxy (WEBHOOK_PROXY_URL) failed, so no consumer was"
-    " asked and no attempt is used; they are sent when it answers again"
+    "2 deliveries held: this service's way out failed (the egress proxy,"
+    " WEBHOOK_PROXY_URL, or its DNS lookups), so no consumer was asked and no attempt is"
+    " used; they are sent when it works again"
 )
 
 

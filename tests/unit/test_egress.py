@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from fluxora_webhooks import egress
-from fluxora_webhooks.egress import HOLD_MAX_S, HOLD_MIN_S, PROBE_S, EgressHold
+from fluxora_webhooks.egress import (
+    HOLD_MAX_S,
+    HOLD_MIN_S,
+    PROBE_S,
+    RESOLVER_WINDOW_S,
+    EgressHold,
+    ResolverWatch,
+)
 
 
 class Clock:
@@ -74,3 +81,55 @@ def test_the_rows_held_in_an_outage_are_handed_back_once_and_bounded(
     assert hold.answered() is not None
     assert hold.take_held() == {0: None, 1: None, 2: None}  # the first 3 remembered
     assert hold.take_held() == {}  # handed back once
+
+
+def test_the_resolver_fails_only_when_two_names_that_resolved_fail_with_none_answered() -> None:
+    clock = Clock()
+    watch = ResolverWatch(clock, jitter=lambda: 0.0)
+    assert not watch.failed("never.example")  # never resolved here: nothing to compare
+    watch.answered("a.example")
+    watch.answered("b.example")
+    assert not watch.failed("a.example")  # one name: its own servers, as far as one knows
+    assert not watch.failed("a.example")  # the same name again is still one
+    assert not watch.holding()
+    watch.answered()  # another lookup got an answer ("no such name" too): it works
+    assert not watch.failed("b.example")
+    clock.now += RESOLVER_WINDOW_S + 1  # too long ago to go with the next one
+    assert not watch.failed("a.example")
+    assert watch.failed("b.example")  # two in the window, none answered: the resolver
+    assert watch.hold.since == clock.now
+    assert watch.failed("never.example")  # while it lasts, every failed lookup is its
+
+
+def test_while_the_resolver_fails_one_lookup_goes_through_per_interval_and_an_answer_ends_it() -> (
+    None
+):
+    clock = Clock()
+    watch = ResolverWatch(clock, jitter=lambda: 0.0)
+    for name in ("a.example", "b.example"):
+        watch.answered(name)
+    for name in ("a.example", "b.example"):
+        watch.failed(name)
+    assert watch.holding() and watch.holding()  # not tried
+    assert watch.hold.held_ms() == HOLD_MIN_S * 1000
+    clock.now += PROBE_S
+    assert not watch.holding()  # the probe...
+    assert watch.holding()  # ...one at a time
+    assert watch.ended is None
+    clock.now += 10
+    watch.answered("c.example")
+    assert watch.take_ended() == (10 + PROBE_S, HOLD_MIN_S)
+    assert watch.take_ended() is None and not watch.holding()
+    assert not watch.failed("a.example")  # a new outage needs two names again
+
+
+def test_the_names_remembered_are_bounded() -> None:
+    watch = ResolverWatch(Clock())
+    for i in range(egress.MAX_KNOWN_HOSTS + 1):
+        watch.answered(f"h{i}.example")
+    watch.answered("h1.example")  # resolved again: kept as recent
+    watch.answered("new.example")
+    # The least recently resolved were forgotten: their failures compare with nothing.
+    assert not watch.failed("h0.example") and not watch.failed("h2.example")
+    assert not watch.failed("h1.example")
+    assert watch.failed("h3.example")

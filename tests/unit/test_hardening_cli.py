@@ -196,11 +196,12 @@ def test_endpoints_show_says_whether_its_client_certificate_is_valid_now(
 @pytest.mark.parametrize(
     ("held", "said"),
     [
-        (1, "1 delivery held: the egress proxy (WEBHOOK_PROXY_URL) failed, so no consumer was"
-            " asked and no attempt is used; it is sent when it answers again"),
-        (1_000_000, "at least 1,000,000 deliveries held: the egress proxy (WEBHOOK_PROXY_URL)"
-            " failed, so no consumer was asked and no attempt is used; they are sent when it"
-            " answers again"),
+        (1, "1 delivery held: this service's way out failed (the egress proxy,"
+            " WEBHOOK_PROXY_URL, or its DNS lookups), so no consumer was asked and no attempt"
+            " is used; it is sent when it works again"),
+        (1_000_000, "at least 1,000,000 deliveries held: this service's way out failed (the"
+            " egress proxy, WEBHOOK_PROXY_URL, or its DNS lookups), so no consumer was asked"
+            " and no attempt is used; they are sent when it works again"),
     ],
     ids=["one", "at-the-cap"],
 )  # fmt: skip

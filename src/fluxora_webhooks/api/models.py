@@ -276,9 +276,9 @@ class Backlog(BaseModel):
     due: int
     parked: int
     egress_held: int = Field(
-        description="deliveries held because this service's egress proxy failed (no"
-        " consumer was asked, no attempt used): sent when it answers again; each one's"
-        " `wait_reason` says so"
+        description="deliveries held because this service's egress proxy or its DNS"
+        " lookups failed (no consumer was asked, no attempt used): sent when they work"
+        " again; each one's `wait_reason` says which"
     )
     oldest_due_age_seconds: float
     capped_at: int

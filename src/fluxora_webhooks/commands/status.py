@@ -183,9 +183,11 @@ def render(snapshot: dict[str, Any]) -> None:
         count = f"at least {held:,}" if held >= STATUS_COUNT_CAP else f"{held:,}"
         one = held == 1
         console.print(
-            f"{count} deliver{'y' if one else 'ies'} held: the egress proxy"
-            " (WEBHOOK_PROXY_URL) failed, so no consumer was asked and no attempt is used;"
-            f" {'it is' if one else 'they are'} sent when it answers again"
+            f"{count} deliver{'y' if one else 'ies'} held: this service's way out failed"
+            " (the egress proxy, WEBHOOK_PROXY_URL, or its DNS lookups), so no consumer was"
+            f" asked and no attempt is used; {'it is' if one else 'they are'} sent when it"
+            " works again",
+            soft_wrap=True,  # one line, as grep finds it; the terminal wraps it
         )
 
     recent = snapshot["recent"]

@@ -362,14 +362,15 @@ FROM (
 ) x;
 
 -- name: egress_held
--- The scope's deliveries held by an outage of this service's egress proxy, counted up to
--- the cap: pending rows whose error is the held words (%(held)s, delivery.EGRESS_HELD,
--- written by complete_held and replaced when the row is sent), due later or due again and
+-- The scope's deliveries held by an outage of this service's way out (its egress proxy or
+-- its DNS resolver), counted up to the cap: pending rows whose error is held words
+-- (%(held)s, delivery.HELD's: EGRESS_HELD, RESOLVER_HELD, written by complete_held and
+-- replaced when the row is sent), due later or due again and
 -- not claimed yet. Parked and waiting rows (due at 'infinity') are left out by the index
 -- (webhook_outbox_due_idx); the rest are read.
 SELECT count(*) FROM (
     SELECT 1 FROM webhook_outbox
-    WHERE NOT processed AND created_at < 'infinity' AND error = %(held)s
+    WHERE NOT processed AND created_at < 'infinity' AND error = ANY(%(held)s)
       AND (NOT %(scoped)s OR tenant = %(tenant)s)
     LIMIT %(cap)s
 ) h
