@@ -43,11 +43,12 @@ async def replay_or_purge_on(
     keys: Sequence[str],
     *,
     include_all: bool = False,
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], list[str], list[str]]:
     """``action`` is replay (back into the outbox, same delivery id, an endpoint's due one
     after another at its retry rate, the first now) or purge
     (kept as 'purged' until ``prune`` removes it), in one transaction. Returns (delivery ids
-    done, the keys that matched no waiting dead letter)."""
+    done, the keys that matched no waiting dead letter, the delivery ids replayed parked:
+    their endpoint is disabled)."""
     async with conn.transaction():
         cur = await conn.execute(
             query(f"dlq_{action}"),
@@ -58,7 +59,8 @@ async def replay_or_purge_on(
         await promote_after_commit(conn, [(str(r[2]), str(r[3])) for r in rows if r[4]])
     found = [(str(r[0]), str(r[1])) for r in rows]
     matched = {k for pair in found for k in pair}
-    return [d for d, _ in found], [k for k in keys if k not in matched]
+    parked = [str(r[0]) for r in rows if action == "replay" and r[5]]
+    return [d for d, _ in found], [k for k in keys if k not in matched], parked
 
 
 async def orphaned(
@@ -96,7 +98,7 @@ async def show(database_url: str, key: str) -> list[dict[str, Any]]:
 
 async def replay_or_purge(
     database_url: str, action: str, keys: Sequence[str], *, include_all: bool = False
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], list[str], list[str]]:
     """:func:`replay_or_purge_on` on a connection of its own."""
     async with await open_session(database_url, autocommit=True) as conn:
         return await replay_or_purge_on(conn, action, keys, include_all=include_all)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,6 +344,13 @@ async def ensure_ahead(
     if row and row[0] and row[0] > start:
         start = as_utc(row[0])
     created = []
+    # Rows of intervals before the current one that sit in the default partition (written
+    # while no dispatcher made partitions: all of them down for a few intervals) get their
+    # partitions too, moved into them: only intervals that hold such rows.
+    for lower in await _past_intervals(conn, start, current.interval_ms):
+        name = await create_partition(conn, lower, current.interval_ms)
+        if name is not None:
+            created.append(name)
     lower = start
     while lower < now + interval * ahead:
         name = await create_partition(conn, lower, current.interval_ms)
@@ -425,6 +432,28 @@ async def create_partition(
 
 
 _EVERY_ROW = sql.SQL("true")
+# At most this many past intervals are given partitions per call (the next call goes on).
+MAX_PAST_INTERVALS = 100
+
+
+async def _past_intervals(
+    conn: psycopg.AsyncConnection[Any], before: dt.datetime, interval_ms: int
+) -> list[dt.datetime]:
+    """The lower bounds of the intervals before ``before`` that rows in the default
+    partition belong to, oldest first."""
+    if not await _exists(conn, DEFAULT):
+        return []
+    cur = await conn.execute(
+        sql.SQL(
+            "SELECT DISTINCT floor(extract(epoch FROM partition_at) * 1000 / %(ms)s)::bigint k"
+            " FROM {} WHERE partition_at < %(before)s ORDER BY k LIMIT %(cap)s"
+        ).format(sql.Identifier(DEFAULT)),
+        {"ms": interval_ms, "before": before, "cap": MAX_PAST_INTERVALS},
+    )
+    return [
+        dt.datetime.fromtimestamp(int(k) * interval_ms / 1000, dt.UTC)
+        for (k,) in await cur.fetchall()
+    ]
 
 
 async def default_rows(
@@ -580,11 +609,17 @@ async def _cutoff(conn: psycopg.AsyncConnection[Any], older_than_ms: int) -> dt.
 
 
 async def drop_expired_exclusive(
-    conn: psycopg.AsyncConnection[Any], *, older_than_ms: int, dry_run: bool = False
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    older_than_ms: int,
+    dry_run: bool = False,
+    wait: bool = False,
+    on_wait: Callable[[], None] | None = None,
 ) -> list[Dropped] | None:
     """:func:`drop_expired` under the partitions' session lock (instances and the
-    ``prune`` command take turns); None when another holds it now."""
-    async with session_lock(conn, PARTITION_LOCK_KEY) as held:
+    ``prune`` command take turns); None when another holds it now, unless ``wait`` (the
+    command's: it waits, ``on_wait`` called first)."""
+    async with session_lock(conn, PARTITION_LOCK_KEY, wait=wait, on_wait=on_wait) as held:
         if not held:
             return None
         dropped, _ = await drop_expired(conn, older_than_ms=older_than_ms, dry_run=dry_run)

@@ -219,6 +219,12 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     assert code == 0 and json.loads(json.loads(out)[0]["payload"]) == {"g": 1}
     code, out = await run_command("dlq", "replay", ids[0], env=env)
     assert code == 0 and f"replayed {ids[0]}" in out, out
+    # Ids and --all: not every dead letter in place of the ones named (nothing is done).
+    for action in ("replay", "purge"):
+        code, out = await run_command("dlq", action, "--all", "--yes", ids[1], env=env)
+        assert code == 2 and "name delivery ids, or --all (not both)" in out, out
+    code, out = await run_command("dlq", "list", "--json", env=env)
+    assert code == 0 and [d["delivery_id"] for d in json.loads(out)] == ids[1:], out
     code, out = await run_command("dlq", "purge", "--all", "--yes", env=env)
     assert code == 0 and "2 dead letter(s) purged" in out, out
     code, out = await run_command("dlq", "list", "--json", env=env)
@@ -264,10 +270,47 @@ async def test_dlq_replay_says_which_dead_letters_wait_for_a_removed_endpoint(
         "replayed": [kept],
         "not_found": [],
         "endpoint_removed": [{"id": d, "endpoint_id": "ep_removed"} for d in orphans],
+        "parked": [],
     }
     assert "2 dead letter(s) not replayed: their endpoints were removed" in out
     code, out = await run_command("dlq", "purge", "--all", "--yes", env=env)
     assert code == 0 and "2 dead letter(s) purged" in out, out
+
+
+async def test_dlq_replay_says_a_disabled_endpoints_dead_letter_is_parked(
+    database_url: str,
+) -> None:
+    env = command_env(DATABASE_URL=database_url)
+    code, out = await run_command(
+        "endpoints", "add", "--url", "https://a.example.com/x", "--tenant", "acme", "--json",
+        env=env,
+    )  # fmt: skip
+    assert code == 0, out
+    endpoint_id = json.loads(out)["id"]
+    code, out = await run_command("endpoints", "disable", endpoint_id, env=env)
+    assert code == 0, out
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "INSERT INTO webhook_dead_letter (delivery_id, stream_id, event_type, payload,"
+            " attempts, reason, enqueued_at, tenant, endpoint_id)"
+            " SELECT gen_random_uuid(), 's' || g, 'e', '{}', 1, 'attempts_exhausted', now(),"
+            " CASE WHEN g = 1 THEN 'acme' ELSE '' END, CASE WHEN g = 1 THEN %s END"
+            " FROM generate_series(1, 3) g ORDER BY g RETURNING delivery_id::text",
+            (endpoint_id,),
+        )
+        parked, *others = [d for (d,) in await cur.fetchall()]
+    code, out = await run_command("dlq", "replay", parked, others[0], env=env)
+    assert code == 0, out
+    assert f"replayed {parked} (parked: its endpoint is disabled)" in out, out
+    assert f"replayed {others[0]}\n" in out, out
+    assert "2 dead letter(s) replayed; 1 parked until their endpoints are enabled" in out, out
+    code, out = await run_command("dlq", "replay", others[1], "--json", env=env)
+    assert code == 0 and json.loads(out)["parked"] == [], out
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT hold FROM webhook_outbox WHERE delivery_id = %s AND NOT processed", (parked,)
+        )
+        assert await cur.fetchall() == [("parked",)]
 
 
 async def test_database_unreachable_is_a_clear_message(tmp_path: Path) -> None:

@@ -322,7 +322,7 @@ async def test_an_event_whose_routing_is_rejected_costs_the_other_events_nothing
     # Replayed once the cause is gone, it goes back as the tenant's event and is routed to
     # the tenant's endpoint (not to the default endpoint, which is another tenant's).
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        replayed, _ = await deadletters.replay_or_purge_on(conn, "replay", [], include_all=True)
+        replayed, _, _ = await deadletters.replay_or_purge_on(conn, "replay", [], include_all=True)
     assert len(replayed) == 1
     async with running_dispatcher(settings_for(None, claim_loops=1), database_url):
         await target.wait_for(3)

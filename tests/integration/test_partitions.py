@@ -184,8 +184,25 @@ async def test_prune_drops_expired_partitions_and_leaves_the_later_ones_rows_to_
         (days[1], 100),
     ]
     assert await scalar(database_url, "SELECT count(*) FROM webhook_outbox") == 530
-    code, out = await run_command(*args, env=env)
+    # A dispatcher making partitions holds their lock a moment: prune waits for it, rather
+    # than skip the drops and delete those partitions' rows one by one.
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as holder:
+        await holder.execute("SELECT pg_advisory_lock(%s)", (partitions.PARTITION_LOCK_KEY,))
+        pruning = asyncio.ensure_future(run_command(*args, env=env))
+
+        async def waits() -> bool:
+            waiting = await scalar(
+                database_url,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                " AND datname = current_database()",
+            )
+            return bool(waiting == 1)
+
+        await wait_until(waits, 30, "prune waiting for the partitions' lock")
+        await holder.execute("SELECT pg_advisory_unlock(%s)", (partitions.PARTITION_LOCK_KEY,))
+    code, out = await asyncio.wait_for(pruning, 60)
     assert code == 0, out
+    assert "waiting for another process to finish with the outbox's partitions" in out, out
     result = json.loads(out.strip().splitlines()[-1])  # after the log lines (stderr)
     assert sorted(d["name"] for d in result["partitions_dropped"]) == days[:2]
     assert all(d["rows"] == 100 for d in result["partitions_dropped"])
@@ -263,6 +280,53 @@ async def test_rows_in_the_default_partition_move_into_the_partition_made_for_th
     assert placed == [(home,)]
     assert await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id") == before
     assert await scalar(url, "SELECT count(*) FROM webhook_outbox WHERE NOT processed") == 3
+
+
+async def test_rows_of_intervals_passed_while_no_dispatcher_ran_get_their_partitions_too(
+    empty_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that went to the default partition for intervals that have passed by the time
+    a dispatcher makes partitions again (all of them down past those intervals) move into
+    partitions made for them, not only rows of the intervals ahead: the default partition
+    is left empty (its gauge and alert at rest), nothing lost."""
+    code, out = await run_command(
+        "migrate", "--partitioned", "--partition-interval", "1h",
+        env=command_env(DATABASE_URL=empty_database_url),
+    )  # fmt: skip
+    assert code == 0, out
+    url = empty_database_url
+    await scalar(
+        url,
+        "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at)"
+        " SELECT 's' || g, 'stream.updated', '{}', now() + g * interval '1 hour 50 minutes'"
+        " FROM generate_series(3, 4) g RETURNING 1",
+    )
+    assert await scalar(url, "SELECT count(*) FROM webhook_outbox_default") == 2
+    before = await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id")
+    real_now = partitions._db_now
+
+    async def later(conn: psycopg.AsyncConnection[Any]) -> dt.datetime:
+        # Ten hours on: the dispatchers start again after those rows' intervals passed.
+        return await real_now(conn) + dt.timedelta(hours=10)
+
+    monkeypatch.setattr(partitions, "_db_now", later)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        made = await partitions.ensure_ahead(conn, ahead=2)
+        await check_schema(conn)
+        assert (await read_backlog(conn)).default_partition_rows == 0
+        cur = await conn.execute(
+            "SELECT now() + interval '5 hours 30 minutes', now() + interval '7 hours 20 minutes'"
+        )
+        at = await cur.fetchone()
+        current = partitions.partition_name(partitions._bounds(await later(conn), 3_600_000)[0])
+    assert at is not None
+    homes = [partitions.partition_name(partitions._bounds(t, 3_600_000)[0]) for t in at]
+    assert set(homes) <= set(made), (homes, made)
+    placed = await rows(url, "SELECT tableoid::regclass::text FROM webhook_outbox ORDER BY id")
+    assert [p for (p,) in placed] == homes
+    assert await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id") == before
+    # Only the intervals that held rows were made among the past ones: not every hour.
+    assert [name for name in made if name < current] == homes, made
 
 
 async def _produce(database_url: str, n: int) -> None:

@@ -75,9 +75,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if args.dlq_command == "list":
         check_tenant_filter(args.tenant)
 
-    if args.dlq_command in ("replay", "purge") and not args.all and not args.ids:
+    if args.dlq_command in ("replay", "purge") and args.all == bool(args.ids):
+        # Neither, or both: --all would act on every dead letter, not the ones named.
         print(
-            f"fluxora-webhooks: error: dlq {args.dlq_command}: name delivery ids, or --all",
+            f"fluxora-webhooks: error: dlq {args.dlq_command}: name delivery ids, or --all"
+            + (" (not both)" if args.all else ""),
             file=sys.stderr,
         )
         return EXIT_CONFIG
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 raise NotFoundError(f"no dead letter with id {visible(args.id)}")
             print(json.dumps(found, default=json_value, indent=2))
             return 0
-        done, missing = await deadletters.replay_or_purge(
+        done, missing, parked = await deadletters.replay_or_purge(
             database_url, args.dlq_command, args.ids, include_all=args.all
         )
         verb = "replayed" if args.dlq_command == "replay" else "purged"
@@ -127,11 +129,23 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             out: dict[str, Any] = {verb: done, "not_found": missing}
             if args.dlq_command == "replay":
                 out["endpoint_removed"] = [{"id": k, "endpoint_id": e} for k, e in left]
+                out["parked"] = parked
             print(json.dumps(out))
         else:
+            waits = set(parked)
             for delivery_id in done:
-                print(f"{verb} {delivery_id}")
-            print(f"{len(done)} dead letter(s) {verb}")
+                # Parked with its disabled endpoint's deliveries: sent once it is enabled.
+                said = " (parked: its endpoint is disabled)" if delivery_id in waits else ""
+                print(f"{verb} {delivery_id}{said}")
+            print(
+                f"{len(done)} dead letter(s) {verb}"
+                + (
+                    f"; {len(parked)} parked until their endpoints are enabled"
+                    " (`endpoints enable ID`)"
+                    if parked
+                    else ""
+                )
+            )
         if args.all and left:
             print(
                 f"{len(left)} dead letter(s) not replayed: their endpoints were removed"

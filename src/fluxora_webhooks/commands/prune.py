@@ -81,8 +81,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             connect(database_url, connect_timeout=10) as conn,
             exclusive_run(conn, wait=True, on_wait=_say_waiting),
         ):
+            # Waited for as the retention lock is: a dispatcher making partitions holds it
+            # a moment; skipped, the expired partitions' rows would be deleted one by one.
             dropped = await drop_expired_exclusive(
-                conn, older_than_ms=older_than_ms, dry_run=opts.dry_run
+                conn,
+                older_than_ms=older_than_ms,
+                dry_run=opts.dry_run,
+                wait=True,
+                on_wait=_say_waiting_for_partitions,
             )
             result = await prune(
                 conn,
@@ -107,6 +113,14 @@ def _say_waiting() -> None:
     print(
         "waiting for another retention run on this database to end (a prune command, or a"
         " dispatcher with WEBHOOK_RETENTION)",
+        file=sys.stderr,
+    )
+
+
+def _say_waiting_for_partitions() -> None:
+    print(
+        "waiting for another process to finish with the outbox's partitions (a dispatcher"
+        " making or dropping them)",
         file=sys.stderr,
     )
 

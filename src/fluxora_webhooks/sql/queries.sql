@@ -593,7 +593,8 @@ queued AS (
     RETURNING 1
 )
 SELECT p.delivery_id::text, p.id::text, p.target, p.stream_id,
-       (COALESCE(e.ordered, false) AND p.stream_seq IS NOT NULL) AS ordered
+       (COALESCE(e.ordered, false) AND p.stream_seq IS NOT NULL) AS ordered,
+       COALESCE(e.state = 'disabled', false) AS parked
 FROM picked p LEFT JOIN webhook_endpoints e ON e.id = p.target;
 
 -- name: dlq_orphaned
