@@ -18,6 +18,7 @@ consumers, and their rows are held the same way until a lookup gets an answer ag
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import OrderedDict
@@ -104,12 +105,20 @@ class EgressHold:
         return ms
 
 
-# Distinct host names, each of which resolved before in this process, whose lookups must
-# fail within RESOLVER_WINDOW_S (and none get an answer since) for the resolver to be the
-# one failing: one name's own DNS servers failing is that endpoint's trouble.
+# Distinct zones (a host name's last two labels), each with a name that resolved before in
+# this process, whose lookups must fail within RESOLVER_WINDOW_S (and none get an answer
+# since) for the resolver to be the one failing: one zone's own DNS servers failing, however
+# many of its names a deployment sends to, is its endpoints' trouble.
 RESOLVER_QUORUM = 2
 RESOLVER_WINDOW_S = 60.0
 MAX_KNOWN_HOSTS = 4096  # names remembered as resolved, the least recently resolved go first
+
+
+def zone(host: str) -> str:
+    """The part of a host name that its DNS servers most likely share: its last two labels
+    (``hooks.acme.example`` and ``api.acme.example`` are one; ``co.uk``'s names all one,
+    which only makes an outage slower to be believed)."""
+    return ".".join(host.rstrip(".").split(".")[-2:])
 
 
 class ResolverWatch:
@@ -117,12 +126,15 @@ class ResolverWatch:
     dispatcher's HTTP clients (each keeps its own cache of answers).
 
     A lookup that fails for want of an answer (no answer in time, "temporary failure in
-    name resolution") of a name that resolved before is a sign; RESOLVER_QUORUM such names
-    in RESOLVER_WINDOW_S, with no lookup answered meanwhile, begin a hold (:class:`EgressHold`):
-    lookups of names not in a client's cache are held without being tried, one every
-    PROBE_S going through to see whether the resolver is back, and the rows are deferred
-    with their attempts unused. Any answer ends it, "no such name" included (the resolver
-    answered); then :attr:`ended` says for how long it failed, once."""
+    name resolution") of a name that resolved before is a sign; names of RESOLVER_QUORUM
+    zones failing so within RESOLVER_WINDOW_S, with no lookup answered meanwhile, begin a
+    hold (:class:`EgressHold`): lookups of names not in a client's cache are held without
+    being tried, one every PROBE_S going through to see whether the resolver is back, and
+    the rows are deferred with their attempts unused. Any answer of the resolver ends it,
+    "no such name" included; one the machine gives itself (``localhost``, from its hosts
+    file: the client does not report it) says nothing of the resolver. Then :attr:`ended` says for
+    how long it failed, once. A lookup that began before the last answer is no sign: it
+    was answered, or not, by the resolver as it was then."""
 
     def __init__(
         self,
@@ -132,10 +144,16 @@ class ResolverWatch:
         self._clock = clock
         self.hold = EgressHold(clock, jitter)
         self._known: OrderedDict[str, None] = OrderedDict()
-        self._failing: dict[str, float] = {}  # known names whose lookups failed, and when
+        self._failing: dict[str, float] = {}  # zones of known names whose lookups failed
+        self._answered_at = -math.inf  # the last answer of the resolver
+        self._ended_at = -math.inf  # when the last hold ended
         # (how long it failed, the longest hold given): set when an answer ends a hold,
         # taken by the dispatcher (which makes the rows it held due at once).
         self.ended: tuple[float, float] | None = None
+
+    def now(self) -> float:
+        """When a lookup begins (what :meth:`failed` is told)."""
+        return self._clock()
 
     def holding(self) -> bool:
         """A lookup must not be tried now: the resolver fails, and this is not the
@@ -143,8 +161,10 @@ class ResolverWatch:
         return self.hold.since is not None and self.hold.wait_ms() is not None
 
     def answered(self, host: str | None = None) -> None:
-        """A lookup got an answer (``host``: it resolved, and is remembered as a name that
-        does)."""
+        """The resolver answered a lookup (``host``: it resolved, and is remembered as a
+        name that does; None: "no such name")."""
+        now = self._clock()
+        self._answered_at = now
         if host is not None:
             self._known[host] = None
             self._known.move_to_end(host)
@@ -154,20 +174,23 @@ class ResolverWatch:
             self._failing.clear()
         if self.hold.since is not None:
             self.ended = self.hold.answered()
+            self._ended_at = now
 
-    def failed(self, host: str) -> bool:
-        """A lookup of ``host`` got no answer. Returns whether the resolver is what fails
-        (the row is held, counted against no endpoint); False: the name's own trouble, as
-        far as anyone can tell."""
+    def failed(self, host: str, began: float) -> bool:
+        """A lookup of ``host``, begun at ``began`` (:meth:`now`), got no answer. Returns
+        whether the resolver is what fails (the row is held, counted against no endpoint);
+        False: the name's own trouble, as far as anyone can tell."""
         if self.hold.since is not None:
             return True  # the probe failed too
-        if host not in self._known:
-            return False  # never resolved here: nothing to compare with
+        if began <= self._ended_at:
+            return True  # begun in the outage that has ended since: held, none begun again
+        if began <= self._answered_at or host not in self._known:
+            return False  # others were answered meanwhile, or nothing to compare with
         now = self._clock()
         for name, at in list(self._failing.items()):
             if now - at > RESOLVER_WINDOW_S:
                 del self._failing[name]
-        self._failing[host] = now
+        self._failing[zone(host)] = now
         if len(self._failing) < RESOLVER_QUORUM:
             return False
         self.hold.failed()

@@ -44,7 +44,7 @@ from .connector import SafeResolver, refuse_address
 from .egress import ResolverWatch
 from .errors import EndpointError
 from .settings import Proxy
-from .urlpolicy import IPNetwork, parse_ip
+from .urlpolicy import LOOPBACK_NAMES, IPNetwork, parse_ip
 
 # A response head line longer than this, or a head longer than MAX_HEAD, is refused as
 # unparseable (aiohttp's client takes lines of up to 8190 bytes; a little more room costs
@@ -480,12 +480,15 @@ class _TunnelAnswer(asyncio.Protocol):
 
 class _Waiting:
     """What one request's new connection waits for: ``proxy`` while the egress proxy's
-    connection or its answer to ``CONNECT`` is awaited (a timeout then is the proxy's)."""
+    connection or its answer to ``CONNECT`` is awaited (a timeout then is the proxy's);
+    ``lookup`` (the name, when it began) while its address is looked up (a timeout then is
+    the lookup's: the resolver's, perhaps)."""
 
-    __slots__ = ("proxy",)
+    __slots__ = ("lookup", "proxy")
 
     def __init__(self) -> None:
         self.proxy: Proxy | None = None
+        self.lookup: tuple[str, float] | None = None
 
 
 class HttpClient:
@@ -554,6 +557,13 @@ class HttpClient:
                         errno.ETIMEDOUT,
                         f"the proxy {waiting.proxy.shown} did not answer within the timeout",
                     ) from None
+                if waiting.lookup is not None and self.resolving.failed(*waiting.lookup):
+                    # The request's time ran out in the lookup (a timeout under the
+                    # resolver's own): no answer, as the resolver's own timeout says.
+                    raise ResolverFailed(
+                        errno.ETIMEDOUT,
+                        "this service's DNS resolver fails (no answer within the timeout)",
+                    ) from None
                 raise
             conn.reusable = False
             conn._close()
@@ -605,7 +615,7 @@ class HttpClient:
         conn.idle_since = time.monotonic()
         pool.append(conn)
 
-    async def _addresses(self, origin: _Origin) -> list[str]:
+    async def _addresses(self, origin: _Origin, waiting: _Waiting | None = None) -> list[str]:
         if origin.literal:
             return [origin.host]
         key = (origin.host, origin.port)
@@ -616,21 +626,33 @@ class HttpClient:
         watch = self.resolving
         if watch.holding():  # the resolver fails: not tried (one probe every few seconds)
             raise ResolverFailed(socket.EAI_AGAIN, "held: this service's DNS lookups fail")
+        began = watch.now()
+        if waiting is not None:
+            waiting.lookup = (origin.host, began)  # a timeout now is the lookup's
         try:
             answers = await self.resolver.resolve(origin.host, origin.port, family=socket.AF_UNSPEC)
-        except EndpointError:  # it resolved, to addresses the policy refuses
-            watch.answered()
-            raise
+        except EndpointError:  # resolved to addresses the policy refuses: said nothing of
+            raise  # the resolver (the hosts file may have answered)
         except OSError as exc:  # no such name, a resolver timeout, no address
             why = exc.strerror or str(exc)
             if exc.errno not in _NO_ANSWER:
-                watch.answered()  # an answer ("no such name"): the resolver works
-            elif watch.failed(origin.host):
+                if origin.host not in LOOPBACK_NAMES:
+                    watch.answered()  # an answer ("no such name"): the resolver works
+            elif watch.failed(origin.host, began):
                 raise ResolverFailed(
                     exc.errno or socket.EAI_AGAIN, f"this service's DNS resolver fails ({why})"
                 ) from exc
             raise ConnectFailed(exc.errno or errno.EHOSTUNREACH, why) from exc
-        watch.answered(origin.host)
+        except asyncio.CancelledError:
+            raise  # the request's time ran out in the lookup: ``waiting`` tells post
+        except BaseException:
+            if waiting is not None:
+                waiting.lookup = None
+            raise
+        if waiting is not None:
+            waiting.lookup = None
+        if origin.host not in LOOPBACK_NAMES:  # the machine's own answer (hosts file):
+            watch.answered(origin.host)  # it says nothing of the resolver
         addresses = list(dict.fromkeys(str(a["host"]) for a in answers))
         # Every cached answer was checked before it was cached; a short lifetime only keeps
         # up with legitimate DNS changes.
@@ -643,7 +665,7 @@ class HttpClient:
         last: OSError | None = None
         tls_failed: str | None = None  # a TLS failure says more than a later refusal
         egress = True  # every address failed at the egress proxy (EgressFailed)
-        for address in await self._addresses(origin):
+        for address in await self._addresses(origin, waiting):
             reason = self.resolver.check(address)  # the last word: this very address
             if reason is not None:
                 raise refuse_address(origin.host, address, reason)

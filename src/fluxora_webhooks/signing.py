@@ -295,6 +295,10 @@ def _verify_standard(
     signature_header = found["webhook-signature"]
     if signature_header is None:
         raise VerificationError("bad_signature", "webhook-signature is not text")
+    if not signature_header.strip():  # as for every other required header
+        raise VerificationError(
+            "missing_header", "the webhook-signature header is missing or empty"
+        )
     delivery_id = _required(found, "webhook-id")
     ts = _required(found, "webhook-timestamp")
     _check_timestamp(ts, "webhook-timestamp", tolerance, now)

@@ -72,6 +72,9 @@ class Consumer:
                 await conn.execute("INSERT INTO balance VALUES (1, 0)")
         if how == "sql_rollback":  # the handler ends the transaction itself
             await conn.execute("ROLLBACK")
+        if how == "sql_rollback_then_write":  # and writes again, in a new transaction
+            await conn.execute("ROLLBACK")
+            await conn.execute("UPDATE balance SET amount = amount + 1000 WHERE id = 1")
 
     def counting(self, connect: Connect) -> Connect:
         @contextlib.asynccontextmanager
@@ -222,10 +225,15 @@ async def test_whatever_the_handler_raises_rolls_back_and_is_answered_handler_fa
     the handler's failure: 500 handler_failed, nothing recorded, and the retry applies
     the event. So is a database error the handler catches without a savepoint, and a
     ROLLBACK of its own: neither raises, but the commit would quietly roll back the id
-    and the writes while the sender got a 2xx."""
+    and the writes while the sender got a 2xx; nor does one that writes again after it (the
+    next statement begins a new transaction, which would commit that write without the id:
+    applied again at every retry)."""
     caplog.set_level(logging.INFO, logger="fluxora_webhooks.inbox")
     consumer = Consumer()
-    hows = ["rollback", "statement_timeout", "verification", "schema", "swallowed", "sql_rollback"]
+    hows = [
+        "rollback", "statement_timeout", "verification", "schema", "swallowed", "sql_rollback",
+        "sql_rollback_then_write",
+    ]  # fmt: skip
     async with (
         serve(framework, pool.connection, consumer) as url,
         aiohttp.ClientSession() as http,

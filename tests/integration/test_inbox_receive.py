@@ -288,7 +288,22 @@ def test_a_caught_database_error_is_told_before_the_commit_would_quietly_roll_ba
             assert take(c, ended) is not None
             c.execute("ROLLBACK")
             check_committable(c)
+    # Not in autocommit mode, a statement after the handler's own ROLLBACK begins a new
+    # transaction: it is refused all the same, and its write is rolled back with it.
+    with psycopg.connect(inbox_database_url) as c:
+        again = delivery()
+        with pytest.raises(TransactionAborted, match="COMMIT or ROLLBACK of its own"):
+            assert take(c, again) is not None
+            c.execute("ROLLBACK")
+            c.execute("INSERT INTO seen VALUES (2)")
+            check_committable(c)
+        c.rollback()
+        assert take(c, delivery()) is not None
+        check_committable(c)  # a transaction that recorded its id: nothing to say
+        c.rollback()
     assert [r[0] for r in recorded(inbox_database_url)] == [kept.delivery_id]
+    with psycopg.connect(inbox_database_url) as c:
+        assert c.execute("SELECT count(*) FROM seen WHERE id = 2").fetchone() == (0,)
 
 
 def test_autocommit_outside_a_transaction_is_refused_before_anything_happens(

@@ -20,26 +20,30 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from fluxora_webhooks import endpoints, enqueue
 from fluxora_webhooks.connector import SafeResolver
-from fluxora_webhooks.delivery import RESOLVER_HELD
+from fluxora_webhooks.delivery import RESOLVER, RESOLVER_HELD, AttemptResult, attempt
 from fluxora_webhooks.dispatcher import Dispatcher
 from fluxora_webhooks.httpclient import HttpClient
 from fluxora_webhooks.ops import read_egress_held
+from fluxora_webhooks.retry import Kind
 from tests.support.api import LOOPBACK
 from tests.support.dispatch import make_settings, rows, wait_until
+from tests.support.procs import free_port
 from tests.support.resolvers import answer
 from tests.support.tls_consumer import TlsConsumer
 
 pytestmark = pytest.mark.integration
 
-NAMES = ("alpha.fluxora.test", "beta.fluxora.test")
+NAMES = ("hooks.alpha.test", "hooks.beta.test")  # two zones (egress.zone)
 
 
 class SwitchedResolver(AbstractResolver):
     """Every name is 127.0.0.1 while ``up``; else each lookup fails as glibc's does when
-    its name servers cannot be reached ("Temporary failure in name resolution")."""
+    its name servers cannot be reached ("Temporary failure in name resolution"), or, with
+    ``hang``, gets no answer at all (their packets dropped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, hang: bool = False) -> None:
         self.up = True
+        self.hang = hang
         self.lookups: list[tuple[str, bool]] = []
 
     async def resolve(
@@ -47,6 +51,8 @@ class SwitchedResolver(AbstractResolver):
     ) -> list[ResolveResult]:
         self.lookups.append((host, self.up))
         if not self.up:
+            if self.hang:
+                await asyncio.sleep(60)
             raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         return answer(host, port, ["127.0.0.1"])
 
@@ -105,7 +111,15 @@ async def test_a_resolver_outage_holds_deliveries_with_their_attempts_unused(
 
             # Both names resolve, and are remembered as names that do.
             await _send(database_url, "a.first", "b.first")
-            await wait_until(lambda: received(2), 30, "the first two delivered")
+
+            async def first_recorded() -> bool:  # their connections are back in the pool
+                found = await _by_type(database_url)
+                return all(
+                    [r[2] for r in found.get(t, [])] == ["delivered"]
+                    for t in ("a.first", "b.first")
+                )
+
+            await wait_until(first_recorded, 30, "the first two delivered")
 
             switched.up = False
             # Cached answers and open connections go on working; new ones need lookups.
@@ -163,3 +177,37 @@ async def test_a_resolver_outage_holds_deliveries_with_their_attempts_unused(
     said = caplog.text
     assert "DNS lookups fail on this machine" in said, said
     assert "DNS lookups work again" in said and "this process held are due now" in said, said
+
+
+async def test_lookups_that_get_no_answer_within_the_requests_timeout_are_a_sign_too() -> None:
+    """A resolver whose packets are dropped answers nothing: with a request timeout under
+    the lookup's own (5 s), the request's time runs out in the lookup, which is as much a
+    sign as the resolver's own timeout."""
+    switched = SwitchedResolver(hang=True)
+    client = HttpClient(SafeResolver(True, resolver=switched))
+    port = free_port()  # nothing listens: a lookup that answers ends in a refusal
+
+    async def post(name: str) -> AttemptResult:
+        return await attempt(
+            client, f"http://{name}:{port}/hook", b"{}", {"content-type": "application/json"},
+            timeout_s=0.3, max_response_bytes=1024,
+        )  # fmt: skip
+
+    try:
+        names = ("hooks.alpha.test", "hooks.beta.test", "hooks.gamma.test")
+        for name in names:  # resolved, and remembered as names that do
+            assert (await post(name)).reason == "connection_error"
+        switched.up = False
+        client.clear_dns_cache()
+        first = await post(names[0])  # one zone: its endpoint's own timeout, maybe
+        assert (first.kind, first.reason) == (Kind.RETRYABLE, "timeout"), first
+        second = await post(names[1])  # a second zone: the resolver
+        assert second.reason == RESOLVER and "no answer within the timeout" in (
+            second.error or ""
+        ), second
+        asked = len(switched.lookups)
+        third = await post(names[2])  # held: not looked up
+        assert third.reason == RESOLVER and "held" in (third.error or ""), third
+        assert len(switched.lookups) == asked
+    finally:
+        await client.close()

@@ -13,6 +13,7 @@ from fluxora_webhooks.egress import (
     RESOLVER_WINDOW_S,
     EgressHold,
     ResolverWatch,
+    zone,
 )
 
 
@@ -83,22 +84,38 @@ def test_the_rows_held_in_an_outage_are_handed_back_once_and_bounded(
     assert hold.take_held() == {}  # handed back once
 
 
-def test_the_resolver_fails_only_when_two_names_that_resolved_fail_with_none_answered() -> None:
+def test_the_resolver_fails_only_when_names_of_two_zones_that_resolved_fail_none_answered() -> None:
     clock = Clock()
     watch = ResolverWatch(clock, jitter=lambda: 0.0)
-    assert not watch.failed("never.example")  # never resolved here: nothing to compare
-    watch.answered("a.example")
-    watch.answered("b.example")
-    assert not watch.failed("a.example")  # one name: its own servers, as far as one knows
-    assert not watch.failed("a.example")  # the same name again is still one
+    assert not watch.failed("never.example", watch.now())  # never resolved: nothing to compare
+    for name in ("a.one.example", "b.one.example", "c.two.example"):
+        watch.answered(name)
+    clock.now += 1
+    assert not watch.failed("a.one.example", watch.now())  # one zone's own servers, maybe
+    assert not watch.failed("b.one.example", watch.now())  # the same zone: still one
     assert not watch.holding()
     watch.answered()  # another lookup got an answer ("no such name" too): it works
-    assert not watch.failed("b.example")
+    clock.now += 1
+    assert not watch.failed("c.two.example", watch.now())
     clock.now += RESOLVER_WINDOW_S + 1  # too long ago to go with the next one
-    assert not watch.failed("a.example")
-    assert watch.failed("b.example")  # two in the window, none answered: the resolver
+    assert not watch.failed("a.one.example", watch.now())
+    assert watch.failed("c.two.example", watch.now())  # two zones, none answered: the resolver
     assert watch.hold.since == clock.now
-    assert watch.failed("never.example")  # while it lasts, every failed lookup is its
+    assert watch.failed("never.example", watch.now())  # while it lasts, every failure is its
+
+
+def test_a_lookup_begun_before_an_answer_is_no_sign() -> None:
+    clock = Clock()
+    watch = ResolverWatch(clock, jitter=lambda: 0.0)
+    for name in ("a.one.example", "c.two.example"):
+        watch.answered(name)
+    began = watch.now()
+    clock.now += 1
+    watch.answered("d.three.example")  # answered while the other two were waiting
+    clock.now += 4
+    assert not watch.failed("a.one.example", began)
+    assert not watch.failed("c.two.example", began)
+    assert watch.hold.since is None
 
 
 def test_while_the_resolver_fails_one_lookup_goes_through_per_interval_and_an_answer_ends_it() -> (
@@ -106,30 +123,43 @@ def test_while_the_resolver_fails_one_lookup_goes_through_per_interval_and_an_an
 ):
     clock = Clock()
     watch = ResolverWatch(clock, jitter=lambda: 0.0)
-    for name in ("a.example", "b.example"):
+    for name in ("a.one.example", "b.two.example"):
         watch.answered(name)
-    for name in ("a.example", "b.example"):
-        watch.failed(name)
+    clock.now += 1
+    for name in ("a.one.example", "b.two.example"):
+        watch.failed(name, watch.now())
     assert watch.holding() and watch.holding()  # not tried
     assert watch.hold.held_ms() == HOLD_MIN_S * 1000
     clock.now += PROBE_S
     assert not watch.holding()  # the probe...
+    late = watch.now()  # (a lookup that waits past the answer below)
     assert watch.holding()  # ...one at a time
     assert watch.ended is None
     clock.now += 10
-    watch.answered("c.example")
+    watch.answered("c.three.example")
     assert watch.take_ended() == (10 + PROBE_S, HOLD_MIN_S)
     assert watch.take_ended() is None and not watch.holding()
-    assert not watch.failed("a.example")  # a new outage needs two names again
+    # A lookup begun in the outage that fails after its end is held, and begins no hold.
+    clock.now += 3
+    assert watch.failed("a.one.example", late) and watch.hold.since is None
+    assert not watch.failed("a.one.example", watch.now())  # a new outage needs two zones
 
 
 def test_the_names_remembered_are_bounded() -> None:
-    watch = ResolverWatch(Clock())
+    clock = Clock()
+    watch = ResolverWatch(clock)
     for i in range(egress.MAX_KNOWN_HOSTS + 1):
         watch.answered(f"h{i}.example")
     watch.answered("h1.example")  # resolved again: kept as recent
     watch.answered("new.example")
+    clock.now += 1
     # The least recently resolved were forgotten: their failures compare with nothing.
-    assert not watch.failed("h0.example") and not watch.failed("h2.example")
-    assert not watch.failed("h1.example")
-    assert watch.failed("h3.example")
+    assert not watch.failed("h0.example", watch.now())
+    assert not watch.failed("h2.example", watch.now())
+    assert not watch.failed("h1.example", watch.now())
+    assert watch.failed("h3.example", watch.now())
+
+
+def test_a_zone_is_a_names_last_two_labels() -> None:
+    assert zone("hooks.acme.example") == zone("api.acme.example.") == "acme.example"
+    assert zone("acme.example") == "acme.example" and zone("localhost") == "localhost"

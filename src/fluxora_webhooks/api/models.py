@@ -239,8 +239,8 @@ class DeliveryDetail(Delivery):
     wait_reason: str | None = Field(
         default=None,
         description="why a pending delivery is held with no attempt used (this service's"
-        " egress proxy failed, so no consumer was asked): it is sent when that ends; null"
-        " otherwise",
+        " egress proxy or its DNS lookups failed, so no consumer was asked): it is sent"
+        " when that ends; null otherwise",
     )
     payload: Any
     attempts: list[Attempt] = Field(

@@ -26,6 +26,7 @@ import contextlib
 import datetime as dt
 import json
 import re
+import weakref
 from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
@@ -296,36 +297,90 @@ def receive(
         row = conn.execute(query("inbox_receive"), params).fetchone()
     except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
-    return event if row is not None else None
+    return _received(conn, event, row)
+
+
+# The transaction each connection recorded an id in (inbox_receive), for
+# check_committable; kept no longer than the connection.
+_RECORDED_IN: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+
+
+def _received(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    event: InboxEvent,
+    row: tuple[Any, ...] | None,
+) -> InboxEvent | None:
+    if row is None:
+        _RECORDED_IN.pop(conn, None)
+        return None
+    _RECORDED_IN[conn] = str(row[0])
+    return event
 
 
 class TransactionAborted(FluxoraError, RuntimeError):
     """The transaction an event was received in cannot commit it (:func:`check_committable`)."""
 
 
-def check_committable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+@overload
+def check_committable(conn: psycopg.Connection[Any]) -> None: ...
+
+
+@overload
+def check_committable(conn: psycopg.AsyncConnection[Any]) -> Awaitable[None]: ...
+
+
+def check_committable(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> Awaitable[None] | None:
     """Raise :class:`TransactionAborted` unless ``conn``'s transaction can still commit the
-    received id with the writes it guards. Call it after your writes, before the commit.
+    received id with the writes it guards. Call it after your writes, before the commit;
+    with an ``AsyncConnection``, await it.
 
     A database error caught inside the transaction (``except UniqueViolation: pass``
     around a statement) aborts it, and PostgreSQL then answers its COMMIT by rolling back,
     without an error: the id and every write are gone while the code goes on to answer
     2xx, and the sender stops. Catch database errors inside a savepoint instead
     (``with conn.transaction():`` around the statement), which leaves the outer
-    transaction usable. A ROLLBACK or COMMIT run as SQL by the handler is refused too."""
+    transaction usable. A ROLLBACK or COMMIT run as SQL by the handler is refused too,
+    also when the handler wrote again after it (on a connection not in autocommit mode,
+    the next statement begins a new transaction, which would commit those writes without
+    the id): the transaction is compared with the one :func:`receive` recorded the id in
+    (one short query)."""
     status = conn.info.transaction_status
-    if status == TransactionStatus.INTRANS:
-        return
     if status == TransactionStatus.INERROR:
         raise TransactionAborted(
             "a database error inside the transaction was caught without a savepoint, so"
             " the transaction cannot commit: the event was not applied (catch database"
             " errors inside a nested `with conn.transaction():`)"
         )
-    raise TransactionAborted(
-        "the transaction the event was received in was ended by a COMMIT or ROLLBACK of"
-        " its own: the id no longer commits with the writes it guards"
-    )
+    if status != TransactionStatus.INTRANS:
+        raise TransactionAborted(_ENDED)
+    recorded = _RECORDED_IN.get(conn)
+    if isinstance(conn, psycopg.AsyncConnection):
+        return _check_same_transaction_async(conn, recorded)
+    if recorded is not None:
+        row = conn.execute(query("inbox_transaction")).fetchone()
+        _check_same_transaction(recorded, row)
+    return None
+
+
+_ENDED = (
+    "the transaction the event was received in was ended by a COMMIT or ROLLBACK of its"
+    " own: the id no longer commits with the writes it guards"
+)
+
+
+async def _check_same_transaction_async(
+    conn: psycopg.AsyncConnection[Any], recorded: str | None
+) -> None:
+    if recorded is not None:
+        row = await (await conn.execute(query("inbox_transaction"))).fetchone()
+        _check_same_transaction(recorded, row)
+
+
+def _check_same_transaction(recorded: str, row: tuple[Any, ...] | None) -> None:
+    if row is None or row[0] is None or str(row[0]) != recorded:
+        raise TransactionAborted(_ENDED)
 
 
 async def _receive_async(
@@ -335,7 +390,7 @@ async def _receive_async(
         row = await (await conn.execute(query("inbox_receive"), params)).fetchone()
     except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
-    return event if row is not None else None
+    return _received(conn, event, row)
 
 
 # What a webhook_inbox that install did not make can lack: the table, a column receive

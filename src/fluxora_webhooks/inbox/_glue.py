@@ -129,7 +129,7 @@ async def deliver(
                 if event is not None:
                     try:
                         await apply(event, conn)
-                        check_committable(conn)
+                        await check_committable(conn)
                     except Exception as exc:
                         if _transient(exc, conn):
                             raise  # the database's doing, not the handler's: 503 below

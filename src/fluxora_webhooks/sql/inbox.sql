@@ -68,12 +68,19 @@ ALTER TABLE webhook_inbox
 -- name: inbox_receive
 -- In the caller's transaction. A concurrent transaction that inserted the same id and has
 -- not finished makes this one wait: its commit turns this into a conflict (no row
--- returned), its rollback lets this insert go through. It returns a constant: no column
--- is read back (no SELECT on one needed, no time read in the session's DateStyle).
+-- returned), its rollback lets this insert go through. It returns the transaction's id
+-- (the top-level one, a savepoint's too), which inbox_transaction compares, and no column:
+-- nothing is read back (no SELECT on one needed, no time read in the session's DateStyle).
 INSERT INTO webhook_inbox (delivery_id, event_type, attempt)
 VALUES (%(delivery_id)s, %(event_type)s, %(attempt)s)
 ON CONFLICT (delivery_id) DO NOTHING
-RETURNING true;
+RETURNING pg_current_xact_id()::text;
+
+-- name: inbox_transaction
+-- The current transaction's id, if it has one: another than inbox_receive returned means
+-- the transaction that recorded the id ended (a COMMIT or ROLLBACK run as SQL), and a
+-- later statement began a new one (psycopg does, on a connection not in autocommit mode).
+SELECT pg_current_xact_id_if_assigned()::text;
 
 -- name: inbox_prune
 -- One bounded batch, oldest first. SKIP LOCKED: never waits on a row someone else holds.
