@@ -100,7 +100,7 @@ SLOW_HORIZON_TIMEOUTS = 4
 _POLICY_KEYS_MAX = 100_000
 # Rows made due again per statement (Dispatcher._forward): each a lock until its commit.
 FORWARD_CHUNK = 1000
-# How often a dispatcher says that the egress proxy fails (Dispatcher._held_at_egress).
+# How often a dispatcher says that the egress proxy or the resolver fails (_HeldSaid).
 EGRESS_LOG_EVERY_S = 30.0
 
 T = TypeVar("T")
@@ -207,12 +207,20 @@ class Dispatcher:
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._warned: set[str] = set()
         self.egress = EgressHold()  # the proxy's health, as this process sees it
-        self._egress_held = 0  # attempts held at the egress since it was last said
-        self._egress_said = -EGRESS_LOG_EVERY_S
+        self._egress_said = _HeldSaid(
+            metrics.EGRESS_FAILURES,
+            "the egress proxy failed (%s); %d attempt(s) failed at it since the last report:"
+            " their deliveries are held with the attempt unused, counted against no endpoint,"
+            " and one request every %.0fs tries the proxy again",
+        )
         # The DNS resolver's health, shared by this process's clients (a given client's own).
         self.resolving = client.resolving if client is not None else ResolverWatch()
-        self._resolver_held = 0  # attempts held for the resolver since it was last said
-        self._resolver_said = -EGRESS_LOG_EVERY_S
+        self._resolver_said = _HeldSaid(
+            metrics.RESOLVER_FAILURES,
+            "DNS lookups fail on this machine (%s); %d attempt(s) held since the last"
+            " report: their deliveries wait with the attempt unused, counted against no"
+            " endpoint, and one lookup every %.0fs tries the resolver again",
+        )
         # On a partitioned outbox: no row written before this is pending (the claim looks
         # only at the partitions from there on). None: look everywhere.
         self.claim_since: datetime | None = None
@@ -1051,11 +1059,10 @@ class Dispatcher:
     def log_decision(
         self, row: Claimed, target: Target, result: AttemptResult, decision: Decision
     ) -> None:
-        if decision.outcome is Outcome.DEFERRED:
-            if result.reason == EGRESS:
-                self._held_at_egress(result)
-            else:
-                self._held_at_resolver(result)
+        if decision.outcome is Outcome.DEFERRED:  # held at the proxy or for the resolver
+            (self._egress_said if result.reason == EGRESS else self._resolver_said).held(
+                result.error
+            )
             return
         if self.resolving.ended is not None:  # a lookup got an answer: the resolver is back
             self._resolver_back(self.resolving.take_ended())
@@ -1104,45 +1111,6 @@ class Dispatcher:
                 result.error or result.status,
                 extra=_log_fields(row, target, result, decision),
             )
-
-    def _held_at_egress(self, result: AttemptResult) -> None:
-        """An attempt the egress proxy failed (batch.outcome_of): counted, and said at most
-        every EGRESS_LOG_EVERY_S with how many failed since (an outage of the proxy fails
-        every request to every https consumer)."""
-        metrics.EGRESS_FAILURES.inc()
-        self._egress_held += 1
-        now = time.monotonic()
-        if now - self._egress_said < EGRESS_LOG_EVERY_S:
-            return
-        self._egress_said = now
-        log.warning(
-            "the egress proxy failed (%s); %d attempt(s) failed at it since the last report:"
-            " their deliveries are held with the attempt unused, counted against no endpoint,"
-            " and one request every %.0fs tries the proxy again",
-            result.error,
-            self._egress_held,
-            egress.PROBE_S,
-        )
-        self._egress_held = 0
-
-    def _held_at_resolver(self, result: AttemptResult) -> None:
-        """An attempt held because this process's DNS lookups fail (egress.ResolverWatch):
-        counted, and said at most every EGRESS_LOG_EVERY_S."""
-        metrics.RESOLVER_FAILURES.inc()
-        self._resolver_held += 1
-        now = time.monotonic()
-        if now - self._resolver_said < EGRESS_LOG_EVERY_S:
-            return
-        self._resolver_said = now
-        log.warning(
-            "DNS lookups fail on this machine (%s); %d attempt(s) held since the last"
-            " report: their deliveries wait with the attempt unused, counted against no"
-            " endpoint, and one lookup every %.0fs tries the resolver again",
-            result.error,
-            self._resolver_held,
-            egress.PROBE_S,
-        )
-        self._resolver_held = 0
 
     def _resolver_back(self, ended: tuple[float, float] | None) -> None:
         if ended is None:
@@ -1268,6 +1236,29 @@ def _short_type(event_type: str) -> str:
     if len(event_type) <= MAX_EVENT_TYPE:
         return event_type
     return f"{event_type[:MAX_EVENT_TYPE]}... ({len(event_type)} characters)"
+
+
+class _HeldSaid:
+    """Attempts held on this service's side (batch.outcome_of: the egress proxy failed, or
+    the DNS resolver): counted, and said at most every EGRESS_LOG_EVERY_S with how many
+    since (an outage fails every request that goes its way). ``words`` take the last
+    attempt's error, the count and the probe's interval."""
+
+    def __init__(self, counter: Any, words: str) -> None:
+        self._counter = counter
+        self._words = words
+        self._since_said = 0
+        self._said_at = -EGRESS_LOG_EVERY_S
+
+    def held(self, error: str | None) -> None:
+        self._counter.inc()
+        self._since_said += 1
+        now = time.monotonic()
+        if now - self._said_at < EGRESS_LOG_EVERY_S:
+            return
+        self._said_at = now
+        log.warning(self._words, error, self._since_said, egress.PROBE_S)
+        self._since_said = 0
 
 
 def make_client(

@@ -245,26 +245,36 @@ async def test_a_new_installation_can_be_partitioned_from_the_start(
         assert (await partitions.layout(c)).interval_ms == 3_600_000
 
 
+async def _rows_in_the_default_partition(
+    url: str, ahead: str, first: int, last: int
+) -> list[tuple[Any, ...]]:
+    """An outbox partitioned by the hour with no partition made ahead yet, and rows ``g``
+    from ``first`` to ``last`` written ``ahead`` of now (SQL, of ``g``): they go to the
+    default partition. Returns their (id, delivery_id)."""
+    code, out = await run_command(
+        "migrate", "--partitioned", "--partition-interval", "1h",
+        env=command_env(DATABASE_URL=url),
+    )  # fmt: skip
+    assert code == 0, out
+    await scalar(
+        url,
+        "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at)"
+        f" SELECT 's' || g, 'stream.updated', '{{}}', now() + {ahead}"
+        f" FROM generate_series({first}, {last}) g RETURNING 1",
+    )
+    in_default = await scalar(url, "SELECT count(*) FROM webhook_outbox_default")
+    assert in_default == last - first + 1
+    return await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id")
+
+
 async def test_rows_in_the_default_partition_move_into_the_partition_made_for_them(
     empty_database_url: str,
 ) -> None:
     """No dispatcher made partitions ahead for a while (all of them down), so producers'
     rows went to the default partition: the partition of their range is still made (they
     move into it), and so is every later one; nothing is lost."""
-    code, out = await run_command(
-        "migrate", "--partitioned", "--partition-interval", "1h",
-        env=command_env(DATABASE_URL=empty_database_url),
-    )  # fmt: skip
-    assert code == 0, out
     url = empty_database_url
-    await scalar(
-        url,
-        "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at)"
-        " SELECT 's' || g, 'stream.updated', '{}', now() + interval '5 hours 30 minutes'"
-        " FROM generate_series(1, 3) g RETURNING 1",
-    )
-    assert await scalar(url, "SELECT count(*) FROM webhook_outbox_default") == 3
-    before = await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id")
+    before = await _rows_in_the_default_partition(url, "interval '5 hours 30 minutes'", 1, 3)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         # What the gauge fluxora_webhook_outbox_default_partition_rows reads.
         assert (await read_backlog(conn)).default_partition_rows == 3
@@ -289,20 +299,8 @@ async def test_rows_of_intervals_passed_while_no_dispatcher_ran_get_their_partit
     a dispatcher makes partitions again (all of them down past those intervals) move into
     partitions made for them, not only rows of the intervals ahead: the default partition
     is left empty (its gauge and alert at rest), nothing lost."""
-    code, out = await run_command(
-        "migrate", "--partitioned", "--partition-interval", "1h",
-        env=command_env(DATABASE_URL=empty_database_url),
-    )  # fmt: skip
-    assert code == 0, out
     url = empty_database_url
-    await scalar(
-        url,
-        "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at)"
-        " SELECT 's' || g, 'stream.updated', '{}', now() + g * interval '1 hour 50 minutes'"
-        " FROM generate_series(3, 4) g RETURNING 1",
-    )
-    assert await scalar(url, "SELECT count(*) FROM webhook_outbox_default") == 2
-    before = await rows(url, "SELECT id, delivery_id FROM webhook_outbox ORDER BY id")
+    before = await _rows_in_the_default_partition(url, "g * interval '1 hour 50 minutes'", 3, 4)
     real_now = partitions._db_now
 
     async def later(conn: psycopg.AsyncConnection[Any]) -> dt.datetime:
