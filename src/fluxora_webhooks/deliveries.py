@@ -399,7 +399,11 @@ async def list_events(
     event_type: str | None = None,
     limit: int = 100,
     before: int | None = None,
+    held: bool = False,
 ) -> tuple[list[dict[str, Any]], int | None]:
+    """The deliveries of the scope that match, newest first, and the cursor of the next
+    page. ``held``: only those held by an outage of this service's egress proxy or DNS
+    resolver (their ``wait_reason`` says so; ``stats``' ``egress_held`` counts them)."""
     _check_limit(limit)
     rows = await _rows(
         conn,
@@ -460,7 +464,11 @@ async def list_deliveries(
     event_id: int | None = None,
     limit: int = 100,
     before: int | None = None,
+    held: bool = False,
 ) -> tuple[list[dict[str, Any]], int | None]:
+    """The deliveries of the scope that match, newest first, and the cursor of the next
+    page. ``held``: only those held by an outage of this service's egress proxy or DNS
+    resolver (their ``wait_reason`` says so; ``stats``' ``egress_held`` counts them)."""
     _check_limit(limit)
     if status is not None and status not in STATUSES:
         raise ConfigError("status", f"must be one of {', '.join(STATUSES)}")
@@ -476,6 +484,8 @@ async def list_deliveries(
             "event_type": event_type,
             "event": event_id,
             "before": before,
+            "held": held,
+            "held_words": HELD_WORDS,
             "limit": limit + 1,
         },
     )

@@ -21,7 +21,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from fluxora_webhooks import deliveries, tokens
-from fluxora_webhooks.delivery import EGRESS_HELD
+from fluxora_webhooks.delivery import EGRESS_HELD, RESOLVER_HELD
 from fluxora_webhooks.metrics import DEAD_LETTER_REASONS
 from fluxora_webhooks.secretbox import keyring_from_env, new_key
 from tests.support.api import Api, serving
@@ -427,12 +427,14 @@ async def test_deliveries_an_egress_outage_holds_are_counted_in_the_stats_and_ov
     bolt = await add_endpoint(api, "https://b.example.com/hook", tenant="bolt")
     held = [await pending_delivery(database_url, acme) for _ in range(3)]
     held.append(await pending_delivery(database_url, bolt, tenant="bolt"))
-    for delivery_id, due in zip(held, ("1 minute", "1 hour", "-1 second", "1 minute"), strict=True):
+    dues = ("1 minute", "1 hour", "-1 second", "1 minute")
+    whys = (EGRESS_HELD, RESOLVER_HELD, EGRESS_HELD, RESOLVER_HELD)  # the proxy, DNS
+    for delivery_id, due, held_why in zip(held, dues, whys, strict=True):
         await execute(
             database_url,
             "UPDATE webhook_outbox SET created_at = now() + %s::interval, error = %s"
             " WHERE delivery_id = %s",
-            (due, EGRESS_HELD, delivery_id),
+            (due, held_why, delivery_id),
         )
     retry = await pending_delivery(database_url, acme)
     await execute(
@@ -459,7 +461,19 @@ async def test_deliveries_an_egress_outage_holds_are_counted_in_the_stats_and_ov
     _, html, _ = await portal.get("/")
     said = f"3 deliveries are held: {why}; they are sent when it works again."
     assert field(html, "egress-held") == said
-    assert 'href="/deliveries?status=pending">3 deliveries are held</a>' in html
+    assert 'href="/deliveries?held=1">3 deliveries are held</a>' in html
+    # The link lists them: the held ones only, the tenant's own.
+    _, html, _ = await portal.get("/deliveries?held=1")
+    assert 'id="held-only"' in html and all(d in html for d in held[:3]), html
+    assert retry not in html and held[3] not in html
+    # The API's search too, per scope.
+    for token, wanted in {"acme": held[:3], "bolt": held[3:], "admin": held}.items():
+        reply = await api.get("/api/v1/deliveries", params={"held": "true"}, token=token)
+        assert reply.status == 200, reply.body
+        found = {d["delivery_id"] for d in reply.body["data"]}
+        assert found == set(wanted), token
+    reply = await api.get("/api/v1/deliveries", params={"held": "maybe"})
+    assert reply.status == 422 and "held" in str(reply.body), reply.body
     await portal.sign_in("bolt")
     _, html, _ = await portal.get("/")
     said = f"1 delivery is held: {why}; it is sent when it works again."

@@ -205,6 +205,8 @@ JOIN webhook_outbox c ON c.id = s.current_id
   AND (%(stream_id)s::text IS NULL OR (f.stream_id = %(stream_id)s AND octet_length(f.stream_id) <= 2000))
   AND (%(event_type)s::text IS NULL OR f.event_type = %(event_type)s)
   AND (%(before)s::bigint IS NULL OR f.id < %(before)s)
+  -- %(held)s: only those held by an outage of this service's way out (delivery.HELD).
+  AND (NOT %(held)s OR (NOT c.processed AND c.error = ANY(%(held_words)s)))
   AND (%(status)s::text IS NULL OR %(status)s = CASE
         WHEN NOT c.processed THEN
             CASE WHEN c.hold = 'parked' THEN 'parked'

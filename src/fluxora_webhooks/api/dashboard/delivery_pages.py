@@ -125,6 +125,7 @@ async def search(
     status = wanted["status"] or None
     if status not in (None, *deliveries.STATUSES):
         status = None
+    held = query.get("held") == "1"  # the overview's held notice links here
     tenant_filter = None  # a tenant's portal is scoped to it anyway
     if who.tenant is not None and (
         wanted["tenant"] not in ("", who.tenant)
@@ -150,6 +151,7 @@ async def search(
             event_type=wanted["event_type"] or None,
             limit=PAGE,
             before=decode_int("deliveries", cursor or None),
+            held=held,
         )
         existing = await existing_endpoints(conn, (d["endpoint_id"] for d in found), who.tenant)
     kept = {k: v for k, v in query.items() if k != "cursor" and v}
@@ -165,6 +167,7 @@ async def search(
         wanted=wanted,
         default_tenant=tenant_filter == "",
         statuses=deliveries.STATUSES,
+        held=held,
         older=older,
         newest="/deliveries?" + urlencode(kept) if cursor else None,
     )

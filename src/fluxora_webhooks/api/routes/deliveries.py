@@ -34,6 +34,14 @@ async def list_deliveries(
     stream_id: Filter = None,
     tenant: Annotated[str | None, Query(description="'' is the default tenant")] = None,
     event_type: Filter = None,
+    held: Annotated[
+        bool,
+        Query(
+            description="only the deliveries held by an outage of this service's egress"
+            " proxy or DNS lookups (no attempt used; their `wait_reason` says so, and"
+            " `backlog.egress_held` of the stats counts them)"
+        ),
+    ] = False,
     limit: Limit = DEFAULT_LIMIT,
     cursor: Cursor = None,
 ) -> dict[str, Any]:
@@ -47,6 +55,7 @@ async def list_deliveries(
         event_type=event_type,
         limit=limit,
         before=decode_int("deliveries", cursor),
+        held=held,
     )
     return page("deliveries", found, after)
 
