@@ -292,6 +292,8 @@ class RedisGate:
         self._lanes: dict[str, _Lanes] = {}
         self._refused = Notice(NOTICE_INTERVAL_S, clock)
         self._busy = Notice(NOTICE_INTERVAL_S, clock)
+        # The PINGs of failing nodes, off the deliveries' path (_call): one per node at once.
+        self._retrying: dict[str, asyncio.Task[None]] = {}
         # The ids of the endpoints a URL serves, for the breaker's transition lines (set by
         # the service to read its dispatcher's endpoints; None: the scheme and host only).
         self.endpoints_of: EndpointsOf | None = None
@@ -406,6 +408,22 @@ class RedisGate:
         for from_state, to_state in transitions or ():
             _count_transition(url, from_state, to_state, self.endpoints_of)
 
+    async def _ping_node(self, node: str) -> None:
+        """Whether a failing node answers again (bounded; :meth:`_call`): it is then used."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                cluster = self._cluster_client()
+                target = cluster.get_node(node_name=node) if cluster and node else None
+                if target is not None:
+                    assert cluster is not None
+                    await cluster.execute_command("PING", target_nodes=target)
+                else:
+                    await self._redis.ping()
+        except Exception as exc:
+            self._failed(node, None, exc)
+            return
+        self._outages.answered(node, None)
+
     async def ping(self) -> bool:
         """Whether Redis answers now (bounded, never raises); updates the outage state."""
         try:
@@ -513,6 +531,10 @@ class RedisGate:
             )
 
     async def close(self) -> None:
+        retrying = list(self._retrying.values())
+        for task in retrying:
+            task.cancel()
+        await asyncio.gather(*retrying, return_exceptions=True)
         await self._direct.close()
         if self._owns_client:
             await self._redis.aclose()
@@ -530,10 +552,27 @@ class RedisGate:
         decode: Callable[[Any], T],
     ) -> T | None:
         """Run one script (one EVALSHA); ``None`` (fail open, counted) on any failure. A
-        report (``component`` "breaker") leaves some of the node's connections to admits."""
+        report (``component`` "breaker") leaves some of the node's connections to admits.
+
+        A node that failed is tried again off the deliveries' path: once its back-off has
+        passed, this call goes ahead without the gate at once, and a PING of the node, in
+        the background, finds out whether it answers again (the next calls use it then).
+        Tried inline, every try would hold a batch for the whole bound while the node is
+        still down (a dead cluster node would slow the consumers of every other node: their
+        admits are gathered with its own). A PING changes nothing: a call given up is
+        never applied later. (A slot its node refuses, for a migration's moments, is tried
+        inline: its node answers at once.)"""
         node, slot = self._places(keys[0])
+        node_failing = self._outages.node_failing(node)
         if not self._outages.should_try(node, slot):
             metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
+            return None
+        if node_failing:
+            metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
+            if node not in self._retrying:
+                task = asyncio.create_task(self._ping_node(node))
+                self._retrying[node] = task
+                task.add_done_callback(lambda _: self._retrying.pop(node, None))
             return None
         lanes = self._lanes.get(node) or self._lanes_of(node)
         first = lanes.reports if component == "breaker" else None
@@ -841,6 +880,10 @@ class _Outages:
     @property
     def down(self) -> bool:
         return bool(self._nodes or self._slots)
+
+    def node_failing(self, node: str) -> bool:
+        """Whether calls to this node failed last time (whatever its back-off)."""
+        return bool(self._nodes) and node in self._nodes
 
     def should_try(self, node: str, slot: int | None) -> bool:
         if not (self._nodes or self._slots):

@@ -17,6 +17,7 @@ from fluxora_webhooks.errors import ConfigError
 from fluxora_webhooks.gate import ALLOW, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_gate import RedisGate, breaker_key, connect_gate, rate_limit_key
+from tests.support.dispatch import wait_until
 from tests.support.procs import free_port
 from tests.support.redis_server import RedisServer
 
@@ -185,6 +186,51 @@ async def test_without_back_off_every_call_is_still_bounded(own_redis: RedisServ
         # Redis decides again: of two retries at rps 1, the second is over the limit.
         assert admissions[-1] == RETRY_DENIED
         assert gate.available
+    finally:
+        own_redis.thaw()
+        await gate.close()
+
+
+async def test_a_node_that_failed_is_tried_again_off_the_deliveries_path(
+    own_redis: RedisServer,
+) -> None:
+    """Once a call to Redis timed out, the calls after its back-off do not wait out the
+    bound again while it still hangs: each goes ahead without the gate at once, and a PING
+    in the background finds out when Redis answers (a dead cluster node held every batch,
+    whatever its consumers' nodes, for the whole bound once per back-off)."""
+    gate = await connect_gate(
+        f"redis://127.0.0.1:{own_redis.port}",
+        retry_rps=1,
+        breaker_threshold=1,
+        breaker_reset_ms=60_000,
+        probe_ttl_ms=1_000,
+        failure_backoff_ms=50,
+        timeout_ms=4_000,
+    )
+    try:
+        assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
+        own_redis.freeze()  # hung: accepts nothing, answers nothing
+        before = fail_opens("gate")
+        async with asyncio.timeout(10):
+            assert await gate.admit(URL, [2, 2]) == [ALLOW, ALLOW]  # waits the bound once
+        assert not gate.available
+        for _ in range(5):
+            await asyncio.sleep(0.06)  # past the back-off
+            # Far less than the 4 s bound: not tried inline (a PING is, in the background).
+            async with asyncio.timeout(2):
+                assert await gate.admit(URL, [2, 2]) == [ALLOW, ALLOW]
+        assert fail_opens("gate") - before == 6
+        own_redis.thaw()
+
+        async def answers() -> bool:
+            return gate.available
+
+        await wait_until(answers, 15, "the background PING finding Redis again")
+        # The call cut short at the freeze ran when Redis went on (as a call cut short
+        # does): its retry is in this second's window. Past it, Redis decides again: of two
+        # retries at rps 1, the second is over the limit.
+        await asyncio.sleep(1.1)
+        assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
     finally:
         own_redis.thaw()
         await gate.close()
