@@ -292,7 +292,7 @@ class RedisGate:
         self._lanes: dict[str, _Lanes] = {}
         self._refused = Notice(NOTICE_INTERVAL_S, clock)
         self._busy = Notice(NOTICE_INTERVAL_S, clock)
-        # The PINGs of failing nodes, off the deliveries' path (_call): one per node at once.
+        # The probes of failing nodes, off the deliveries' path (_call): one per node at once.
         self._retrying: dict[str, asyncio.Task[None]] = {}
         # The ids of the endpoints a URL serves, for the breaker's transition lines (set by
         # the service to read its dispatcher's endpoints; None: the scheme and host only).
@@ -408,17 +408,14 @@ class RedisGate:
         for from_state, to_state in transitions or ():
             _count_transition(url, from_state, to_state, self.endpoints_of)
 
-    async def _ping_node(self, node: str) -> None:
-        """Whether a failing node answers again (bounded; :meth:`_call`): it is then used."""
+    async def _probe_node(self, node: str, key: str) -> None:
+        """Whether a failing node serves the gate's keys again (bounded; :meth:`_call`): it
+        is then used. An ``EXISTS`` of the key the call was for, which changes nothing and
+        is routed as the scripts are: a cluster node that answers ``PING`` but whose cluster
+        is down answers it ``CLUSTERDOWN``, as it would the scripts."""
         try:
             async with asyncio.timeout(self._timeout_s):
-                cluster = self._cluster_client()
-                target = cluster.get_node(node_name=node) if cluster and node else None
-                if target is not None:
-                    assert cluster is not None
-                    await cluster.execute_command("PING", target_nodes=target)
-                else:
-                    await self._redis.ping()
+                await self._redis.exists(key)
         except Exception as exc:
             self._failed(node, None, exc)
             return
@@ -555,11 +552,12 @@ class RedisGate:
         report (``component`` "breaker") leaves some of the node's connections to admits.
 
         A node that failed is tried again off the deliveries' path: once its back-off has
-        passed, this call goes ahead without the gate at once, and a PING of the node, in
-        the background, finds out whether it answers again (the next calls use it then).
+        passed, this call goes ahead without the gate at once, and a probe of the node (an
+        ``EXISTS`` of this call's key), in the background, finds out whether it serves the
+        gate again (the next calls use it then).
         Tried inline, every try would hold a batch for the whole bound while the node is
         still down (a dead cluster node would slow the consumers of every other node: their
-        admits are gathered with its own). A PING changes nothing: a call given up is
+        admits are gathered with its own). The probe changes nothing: a call given up is
         never applied later. (A slot its node refuses, for a migration's moments, is tried
         inline: its node answers at once.)"""
         node, slot = self._places(keys[0])
@@ -570,7 +568,7 @@ class RedisGate:
         if node_failing:
             metrics.REDIS_FAIL_OPEN.labels(component=component).inc()
             if node not in self._retrying:
-                task = asyncio.create_task(self._ping_node(node))
+                task = asyncio.create_task(self._probe_node(node, keys[0]))
                 self._retrying[node] = task
                 task.add_done_callback(lambda _: self._retrying.pop(node, None))
             return None

@@ -441,3 +441,53 @@ async def test_a_node_down_fails_open_counted_while_deliveries_go_on(
 
 async def _drained(database_url: str) -> bool:
     return await pending(database_url) == 0
+
+
+async def test_a_cluster_that_is_down_holds_no_batch_past_the_call_that_found_it(
+    cluster: RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the test above stopped a master (stopped here if run alone), the cluster is
+    down: the live nodes answer PING but refuse every key (CLUSTERDOWN). A consumer whose
+    keys are on a live node waits the gate's bound once; after that, each call goes ahead
+    without the gate at once while the node is tried again in the background, and its
+    outage is said once (a PING would have taken it as back: the next call waited the
+    bound again, and the log said "unavailable" and "answers again" in turn)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="fluxora_webhooks.redis_gate")
+    live = [p for p in cluster.ports if cluster.procs[p].poll() is None]
+    if len(live) == len(cluster.ports):
+        cluster.stop_node(live.pop())
+    asked = cluster.client(live[0])  # cluster.owner asks the first port, maybe the stopped one
+
+    def owner(key: str) -> int:
+        slot = int(asked.execute_command("CLUSTER KEYSLOT", key))
+        for start, end, master, *_ in asked.execute_command("CLUSTER SLOTS"):
+            if int(start) <= slot <= int(end):
+                return int(master[1])
+        raise AssertionError(f"no node serves slot {slot}")
+
+    prefix = f"t{secrets.token_hex(4)}:"
+    url = next(u for u in consumer_urls(50) if owner(rate_limit_key(u, prefix)) in live)
+    node = f"127.0.0.1:{owner(rate_limit_key(url, prefix))}"
+
+    def down() -> bool:
+        return bool(asked.cluster("INFO").get("cluster_state") == "fail")
+
+    await wait_until(lambda: asyncio.to_thread(down), 30, "the cluster down")
+    gate = await connect_gate(
+        cluster.url(live[0]), retry_rps=3, breaker_threshold=2, breaker_reset_ms=60_000,
+        probe_ttl_ms=5_000, prefix=prefix, timeout_ms=3_000, failure_backoff_ms=100,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(10):
+            assert [a.allowed for a in await gate.admit(url, [2])] == [True]  # the bound
+        for _ in range(8):
+            await asyncio.sleep(0.15)  # past the back-off: a try in the background
+            async with asyncio.timeout(1.5):  # far under the 3 s bound
+                assert [a.allowed for a in await gate.admit(url, [2])] == [True]
+    finally:
+        await gate.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "fluxora_webhooks.redis_gate"]
+    assert len([m for m in said if f"Redis unavailable at {node}" in m]) == 1, said
+    assert not [m for m in said if f"answers again at {node}" in m], said
