@@ -472,6 +472,8 @@ async def list_deliveries(
     _check_limit(limit)
     if status is not None and status not in STATUSES:
         raise ConfigError("status", f"must be one of {', '.join(STATUSES)}")
+    if held and status in ("delivered", "dead_letter", "parked"):
+        return [], None  # a held delivery is pending or retrying (not read for nothing)
     rows = await _rows(
         conn,
         "delivery_list",

@@ -495,6 +495,41 @@ async def test_deliveries_an_egress_outage_holds_are_counted_in_the_stats_and_ov
     assert (await api.get("/api/v1/stats")).body["backlog"]["egress_held"] == 0
 
 
+async def test_the_held_search_finds_held_retries_too_and_only_with_a_status_they_can_have(
+    api: Api, database_url: str
+) -> None:
+    """A held delivery is pending (its first attempt held) or retrying (a later one held):
+    `held=true` finds both, found from the held rows themselves (not by reading every
+    delivery of the scope), and with a status a held delivery cannot have, none."""
+    acme = await add_endpoint(api, "https://a.example.com/hook")
+    first, later, plain = [await pending_delivery(database_url, acme) for _ in range(3)]
+    await execute(
+        database_url, "UPDATE webhook_outbox SET error = %s WHERE delivery_id = %s",
+        (RESOLVER_HELD, first),
+    )  # fmt: skip
+    # Its first attempt failed (processed, a retry), its second held by the egress proxy.
+    await execute(
+        database_url,
+        "WITH done AS (UPDATE webhook_outbox SET processed = true, processed_at = now(),"
+        " outcome = 'retry', status_code = 503, error = 'HTTP 503', duration_ms = 5"
+        " WHERE delivery_id = %s RETURNING *)"
+        " INSERT INTO webhook_outbox (tenant, stream_id, event_type, payload, delivery_id,"
+        " endpoint_id, event_id, enqueued_at, attempt, error, created_at)"
+        " SELECT tenant, stream_id, event_type, payload, delivery_id, endpoint_id,"
+        " COALESCE(event_id, id), enqueued_at, 2, %s, now() + interval '1 minute' FROM done",
+        (later, EGRESS_HELD),
+    )
+    wanted = {"": {first, later}, "pending": {first}, "retrying": {later}}
+    for status in ("", "pending", "retrying", "delivered", "dead_letter", "parked"):
+        params = {"held": "true", **({"status": status} if status else {})}
+        reply = await api.get("/api/v1/deliveries", params=params, token="acme")
+        assert reply.status == 200, reply.body
+        found = {d["delivery_id"] for d in reply.body["data"]}
+        assert found == wanted.get(status, set()), status
+    everything = await api.get("/api/v1/deliveries", token="acme")
+    assert {d["delivery_id"] for d in everything.body["data"]} == {first, later, plain}
+
+
 async def test_a_tenants_search_naming_another_tenant_is_refused_not_answered_as_its_own(
     api: Api, portal: Portal, database_url: str
 ) -> None:

@@ -82,11 +82,13 @@ WHERE id = %(id)s AND event_id IS NULL
 -- status, no duration) is the delivery's end, not an attempt: as the dead letter's count
 -- has it.
 --
--- Where the first rows come from depends on %(status)s: one of the four pages below is
--- planned, the others fold away (the parameters are values when planned, not placeholders
+-- Where the first rows come from depends on %(status)s (and %(held)s): one of the five pages
+-- below is planned, the others fold away (the parameters are values when planned, not placeholders
 -- of a prepared statement: see api/app.py).
 -- - none, or delivered: the scope's deliveries newest first (the key, or one tenant's,
 --   endpoint's or stream's index), until a page of them matches;
+-- - none with %(held)s: the held rows (pending, their error the held words), then their
+--   deliveries' first rows;
 -- - pending: the first row is the current one, not processed yet: among the backlog's
 --   rows (the partial indexes on NOT processed);
 -- - retrying, parked: the deliveries with such a row not processed yet, from the
@@ -103,8 +105,30 @@ SELECT * FROM (
         -- use: delivery_list_select
         FROM webhook_outbox f
         -- use: delivery_list_current
-        WHERE (%(status)s::text IS NULL
+        WHERE ((%(status)s::text IS NULL AND NOT %(held)s)
                OR %(status)s::text NOT IN ('pending', 'retrying', 'parked', 'dead_letter'))
+        -- use: delivery_list_filters
+    )
+    UNION ALL
+    (
+        -- %(held)s with no status: the held rows are few, and pending (not processed):
+        -- from them, then their deliveries' first rows, as for retrying below.
+        -- use: delivery_list_select
+        FROM (
+            SELECT u.* FROM webhook_outbox u
+            WHERE u.attempt = 1 AND NOT u.replay AND NOT u.processed
+              AND u.error = ANY(%(held_words)s) AND u.endpoint_id IS NOT NULL
+            UNION ALL
+            SELECT o.* FROM webhook_outbox o
+            WHERE o.processed AND o.delivery_id IN (
+                SELECT u.delivery_id FROM webhook_outbox u
+                WHERE (u.attempt > 1 OR u.replay) AND NOT u.processed
+                  AND u.error = ANY(%(held_words)s) AND u.endpoint_id IS NOT NULL
+            )
+            ORDER BY id DESC
+        ) f
+        -- use: delivery_list_current
+        WHERE %(held)s AND %(status)s::text IS NULL
         -- use: delivery_list_filters
     )
     UNION ALL
