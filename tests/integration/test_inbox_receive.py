@@ -301,9 +301,27 @@ def test_a_caught_database_error_is_told_before_the_commit_would_quietly_roll_ba
         assert take(c, delivery()) is not None
         check_committable(c)  # a transaction that recorded its id: nothing to say
         c.rollback()
-    assert [r[0] for r in recorded(inbox_database_url)] == [kept.delivery_id]
+    # A savepoint rolled back with the id in it: the outer transaction would commit the
+    # writes without it.
+    with psycopg.connect(inbox_database_url, autocommit=True) as c:
+        lost_in_savepoint = delivery()
+        with pytest.raises(TransactionAborted, match="savepoint"), c.transaction():
+            with c.transaction() as savepoint:
+                assert take(c, lost_in_savepoint) is not None
+                raise psycopg.Rollback(savepoint)
+            c.execute("INSERT INTO seen VALUES (3)")
+            check_committable(c)
+        # In a pipeline, the statements not synced yet are synced by the check (the
+        # connection is ACTIVE meanwhile, not ended): it passes, and all of it commits.
+        piped = delivery()
+        with c.transaction(), c.pipeline():
+            assert take(c, piped) is not None
+            c.execute("INSERT INTO seen VALUES (4)")
+            check_committable(c)
+    assert [r[0] for r in recorded(inbox_database_url)] == [kept.delivery_id, piped.delivery_id]
     with psycopg.connect(inbox_database_url) as c:
         assert c.execute("SELECT count(*) FROM seen WHERE id = 2").fetchone() == (0,)
+        assert c.execute("SELECT array_agg(id ORDER BY id) FROM seen").fetchone() == ([1, 4],)
 
 
 def test_autocommit_outside_a_transaction_is_refused_before_anything_happens(

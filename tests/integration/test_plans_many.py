@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from fluxora_webhooks.delivery import HELD_WORDS
 from fluxora_webhooks.outbox import Completion, Outcome, complete_statement
 from fluxora_webhooks.queries import query, variant
 from tests.support import bigoutbox, engines
@@ -329,6 +330,8 @@ async def test_the_api_lists_read_one_page_unfiltered(big_url: str) -> None:
         "event_type": None,
         "event": None,
         "before": None,
+        "held": False,
+        "held_words": HELD_WORDS,
         "limit": 51,
     }
     async with await connect(big_url) as conn:
@@ -368,6 +371,8 @@ async def test_the_api_delivery_list_of_one_endpoint_reads_one_page(big_url: str
         "event_type": None,
         "event": None,
         "before": None,
+        "held": False,
+        "held_words": HELD_WORDS,
         "limit": 51,
     }
     async with await connect(big_url) as conn:

@@ -300,9 +300,9 @@ def receive(
     return _received(conn, event, row)
 
 
-# The transaction each connection recorded an id in (inbox_receive), for
+# The transaction each connection recorded an id in (inbox_receive), and the id, for
 # check_committable; kept no longer than the connection.
-_RECORDED_IN: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+_RECORDED_IN: weakref.WeakKeyDictionary[object, tuple[str, str]] = weakref.WeakKeyDictionary()
 
 
 def _received(
@@ -313,7 +313,7 @@ def _received(
     if row is None:
         _RECORDED_IN.pop(conn, None)
         return None
-    _RECORDED_IN[conn] = str(row[0])
+    _RECORDED_IN[conn] = (str(row[0]), event.delivery_id)
     return event
 
 
@@ -344,22 +344,20 @@ def check_committable(
     transaction usable. A ROLLBACK or COMMIT run as SQL by the handler is refused too,
     also when the handler wrote again after it (on a connection not in autocommit mode,
     the next statement begins a new transaction, which would commit those writes without
-    the id): the transaction is compared with the one :func:`receive` recorded the id in
-    (one short query)."""
-    status = conn.info.transaction_status
-    if status == TransactionStatus.INERROR:
-        raise TransactionAborted(
-            "a database error inside the transaction was caught without a savepoint, so"
-            " the transaction cannot commit: the event was not applied (catch database"
-            " errors inside a nested `with conn.transaction():`)"
-        )
-    if status != TransactionStatus.INTRANS:
-        raise TransactionAborted(_ENDED)
+    the id), and so is a savepoint rolled back with the id in it: the transaction is
+    compared with the one :func:`receive` recorded the id in, and the id looked up (one
+    short query; in a pipeline, it syncs the pipeline first)."""
+    _check_status(conn.info.transaction_status, pipelined=True)
     recorded = _RECORDED_IN.get(conn)
+    params = {"delivery_id": recorded[1] if recorded is not None else None}
     if isinstance(conn, psycopg.AsyncConnection):
-        return _check_same_transaction_async(conn, recorded)
-    if recorded is not None:
-        row = conn.execute(query("inbox_transaction")).fetchone()
+        return _check_committable_async(conn, recorded, params)
+    if recorded is not None or conn.info.transaction_status == TransactionStatus.ACTIVE:
+        try:
+            row = conn.execute(query("inbox_transaction"), params).fetchone()
+        except psycopg.Error as exc:  # a pipelined statement's error, synced only now
+            raise _aborted(TransactionStatus.INERROR) from exc
+        _check_status(conn.info.transaction_status)
         _check_same_transaction(recorded, row)
     return None
 
@@ -370,17 +368,50 @@ _ENDED = (
 )
 
 
-async def _check_same_transaction_async(
-    conn: psycopg.AsyncConnection[Any], recorded: str | None
+def _aborted(status: TransactionStatus) -> TransactionAborted:
+    if status == TransactionStatus.INERROR:
+        return TransactionAborted(
+            "a database error inside the transaction was caught without a savepoint, so"
+            " the transaction cannot commit: the event was not applied (catch database"
+            " errors inside a nested `with conn.transaction():`)"
+        )
+    return TransactionAborted(_ENDED)
+
+
+def _check_status(status: TransactionStatus, *, pipelined: bool = False) -> None:
+    """In a transaction that can commit (``pipelined``: or one whose statements are still
+    being sent in a pipeline, ACTIVE, which the query syncs)."""
+    if status == TransactionStatus.INTRANS:
+        return
+    if pipelined and status == TransactionStatus.ACTIVE:
+        return
+    raise _aborted(status)
+
+
+async def _check_committable_async(
+    conn: psycopg.AsyncConnection[Any],
+    recorded: tuple[str, str] | None,
+    params: dict[str, Any],
 ) -> None:
-    if recorded is not None:
-        row = await (await conn.execute(query("inbox_transaction"))).fetchone()
+    if recorded is not None or conn.info.transaction_status == TransactionStatus.ACTIVE:
+        try:
+            row = await (await conn.execute(query("inbox_transaction"), params)).fetchone()
+        except psycopg.Error as exc:
+            raise _aborted(TransactionStatus.INERROR) from exc
+        _check_status(conn.info.transaction_status)
         _check_same_transaction(recorded, row)
 
 
-def _check_same_transaction(recorded: str, row: tuple[Any, ...] | None) -> None:
-    if row is None or row[0] is None or str(row[0]) != recorded:
+def _check_same_transaction(recorded: tuple[str, str] | None, row: tuple[Any, ...] | None) -> None:
+    if recorded is None:
+        return
+    if row is None or row[0] is None or str(row[0]) != recorded[0]:
         raise TransactionAborted(_ENDED)
+    if not row[1]:
+        raise TransactionAborted(
+            "the savepoint the event's id was recorded in was rolled back: the id no longer"
+            " commits with the writes it guards (receive it outside the savepoint, or again)"
+        )
 
 
 async def _receive_async(

@@ -80,7 +80,10 @@ RETURNING pg_current_xact_id()::text;
 -- The current transaction's id, if it has one: another than inbox_receive returned means
 -- the transaction that recorded the id ended (a COMMIT or ROLLBACK run as SQL), and a
 -- later statement began a new one (psycopg does, on a connection not in autocommit mode).
-SELECT pg_current_xact_id_if_assigned()::text;
+-- And whether the id recorded is still there: a savepoint rolled back takes it with it.
+SELECT pg_current_xact_id_if_assigned()::text,
+       %(delivery_id)s::text IS NULL
+       OR EXISTS (SELECT 1 FROM webhook_inbox WHERE delivery_id = %(delivery_id)s);
 
 -- name: inbox_prune
 -- One bounded batch, oldest first. SKIP LOCKED: never waits on a row someone else holds.
