@@ -158,16 +158,23 @@ async def test_a_silent_redis_times_out_then_is_left_alone_during_the_back_off()
     assert fail_opens("ratelimit") - before == 20
 
 
-async def test_without_back_off_every_call_is_still_bounded(own_redis: RedisServer) -> None:
-    gate = await connect_gate(
+async def _hung_later(
+    own_redis: RedisServer, *, failure_backoff_ms: int, timeout_ms: int
+) -> RedisGate:
+    """A gate on ``own_redis`` (which the test freezes), at rps 1 with a breaker."""
+    return await connect_gate(
         f"redis://127.0.0.1:{own_redis.port}",
         retry_rps=1,
         breaker_threshold=1,
         breaker_reset_ms=60_000,
         probe_ttl_ms=1_000,
-        failure_backoff_ms=0,
-        timeout_ms=300,
+        failure_backoff_ms=failure_backoff_ms,
+        timeout_ms=timeout_ms,
     )
+
+
+async def test_without_back_off_every_call_is_still_bounded(own_redis: RedisServer) -> None:
+    gate = await _hung_later(own_redis, failure_backoff_ms=0, timeout_ms=300)
     try:
         assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
         own_redis.freeze()  # hung: accepts nothing, answers nothing
@@ -195,18 +202,10 @@ async def test_a_node_that_failed_is_tried_again_off_the_deliveries_path(
     own_redis: RedisServer,
 ) -> None:
     """Once a call to Redis timed out, the calls after its back-off do not wait out the
-    bound again while it still hangs: each goes ahead without the gate at once, and a PING
+    bound again while it still hangs: each goes ahead without the gate at once, and a try
     in the background finds out when Redis answers (a dead cluster node held every batch,
     whatever its consumers' nodes, for the whole bound once per back-off)."""
-    gate = await connect_gate(
-        f"redis://127.0.0.1:{own_redis.port}",
-        retry_rps=1,
-        breaker_threshold=1,
-        breaker_reset_ms=60_000,
-        probe_ttl_ms=1_000,
-        failure_backoff_ms=50,
-        timeout_ms=4_000,
-    )
+    gate = await _hung_later(own_redis, failure_backoff_ms=50, timeout_ms=4_000)
     try:
         assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
         own_redis.freeze()  # hung: accepts nothing, answers nothing
