@@ -464,6 +464,8 @@ class Dispatcher:
     async def _claim_loop(self, index: int) -> None:
         assert self._pool is not None
         backoff = 0.05
+        failed = 0  # claims failed in a row (said once the loop claims again)
+        failing_since = 0.0
         while not self.stopping:
             # A loop's position, from the start on a new connection.
             resume = Resume(front=self.claim_front)
@@ -475,6 +477,14 @@ class Dispatcher:
                     while not self.stopping:
                         claimed, next_due = await self._run_batch(conn, resume)
                         backoff = 0.05
+                        if failed:  # after an outage, a failover: said at INFO, once
+                            log.info(
+                                "claim loop %d: claiming again (%d claim(s) failed in %.1fs)",
+                                index,
+                                failed,
+                                time.monotonic() - failing_since,
+                            )
+                            failed = 0
                         if self.read_only is not None:
                             log.info("the database accepts writes again; claiming")
                             self.read_only = None
@@ -514,6 +524,9 @@ class Dispatcher:
             except Exception:
                 metrics.CLAIM_ERRORS.inc()
                 log.exception("claim loop %d: unexpected error; retrying", index)
+            if not failed:
+                failing_since = time.monotonic()
+            failed += 1
             # Jittered, and capped after the jitter: once a standby is promoted, every loop
             # must be claiming again within seconds however long the outage was.
             await self._unless_stopping(

@@ -129,6 +129,8 @@ async def test_postgres_restarted_and_crashed_mid_run(
     logs = [p.log() for p in procs]
     assert codes == [0, 0], logs
     assert all(tracebacks(log) == 0 for log in logs), logs
+    # Each loop whose claims failed says when it claims again (an operator's "it is back").
+    assert any("claiming again (" in log for log in logs), logs
     # They noticed, and backed off: a handful of warnings per outage, not a hot loop.
     noticed = [log.count(UNAVAILABLE) for log in logs]
     assert all(0 < n < 60 for n in noticed), noticed
