@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import psycopg
 import pytest
@@ -35,6 +36,7 @@ async def test_a_claim_kept_out_by_an_operators_lock_says_so_not_database_unavai
     gives up. The database answered, so the log line says a lock was not granted and
     what usually holds it, not "database unavailable" (which sends an operator looking for
     an outage); when the lock goes, deliveries go on."""
+    caplog.set_level(logging.INFO, logger="fluxora_webhooks")
     monkeypatch.setattr(dispatcher_module, "LOCK_TIMEOUT_MS", 300)
     settings = make_settings(receiver.url, poll_interval_ms=200, claim_loops=1)
     async with running_dispatcher(settings, database_url):
@@ -46,9 +48,12 @@ async def test_a_claim_kept_out_by_an_operators_lock_says_so_not_database_unavai
             await enqueue(conn, stream_id="s", event_type="e", payload={"n": 1})
             await conn.commit()
         await receiver.wait_for(1, timeout=10)
-    claim_lines = [r.getMessage() for r in caplog.records if "claim loop" in r.getMessage()]
+    said = [r for r in caplog.records if "claim loop" in r.getMessage()]
+    claim_lines = [r.getMessage() for r in said if r.levelno >= logging.WARNING]
     assert claim_lines
     for line in claim_lines:
         assert "database unavailable" not in line, line
         assert "another session holds the outbox" in line, line
         assert "VACUUM FULL" in line, line
+    # And once the lock is gone, the loop says it claims again.
+    assert any("claiming again (" in r.getMessage() for r in said if r.levelno == logging.INFO)
