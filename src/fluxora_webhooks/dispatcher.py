@@ -1077,22 +1077,14 @@ class Dispatcher:
                 result.error
             )
             return
-        if self.resolving.ended is not None:  # a lookup got an answer: the resolver is back
-            self._resolver_back(self.resolving.take_ended())
+        ended = self.resolving.ended  # per attempt: one attribute read
+        if ended is not None:  # a lookup got an answer: the resolver is back
+            self.resolving.take_ended()
+            self._holds_ended(self.resolving.hold, ended, "DNS lookups work again (they")
         if self.egress.since is not None and target.url.startswith("https:"):
             ended = self.egress.answered()  # a request through the proxy got an answer
             if ended is not None:
-                failed_s, longest_s = ended
-                held = self.egress.take_held()
-                log.warning(
-                    "the egress proxy works again (it failed for %ds); the %d delivery(ies)"
-                    " this process held are due now, any others when their holds end,"
-                    " within %ds",
-                    round(failed_s),
-                    len(held),
-                    math.ceil(longest_s),
-                )
-                self._forward(held, "held rows")
+                self._holds_ended(self.egress, ended, "the egress proxy works again (it")
         if decision.outcome is not Outcome.RETRY:
             metrics.ATTEMPTS_PER_DELIVERY.observe(row.attempt)
         if decision.outcome is Outcome.DELIVERED:
@@ -1125,14 +1117,15 @@ class Dispatcher:
                 extra=_log_fields(row, target, result, decision),
             )
 
-    def _resolver_back(self, ended: tuple[float, float] | None) -> None:
-        if ended is None:
-            return
+    def _holds_ended(self, hold: EgressHold, ended: tuple[float, float], what: str) -> None:
+        """An outage of the egress proxy or the resolver ended (``ended``: how long it
+        failed, the longest hold given): the rows this process held are due at once."""
         failed_s, longest_s = ended
-        held = self.resolving.hold.take_held()
+        held = hold.take_held()
         log.warning(
-            "DNS lookups work again (they failed for %ds); the %d delivery(ies) this process"
-            " held are due now, any others when their holds end, within %ds",
+            "%s failed for %ds); the %d delivery(ies) this process held are due now, any"
+            " others when their holds end, within %ds",
+            what,
             round(failed_s),
             len(held),
             math.ceil(longest_s),

@@ -132,9 +132,9 @@ class ResolverWatch:
     being tried, one every PROBE_S going through to see whether the resolver is back, and
     the rows are deferred with their attempts unused. Any answer of the resolver ends it,
     "no such name" included; one the machine gives itself (``localhost``, from its hosts
-    file: the client does not report it) says nothing of the resolver. Then :attr:`ended` says for
-    how long it failed, once. A lookup that began before the last answer is no sign: it
-    was answered, or not, by the resolver as it was then."""
+    file: the client does not report it) says nothing of the resolver. Then
+    :meth:`take_ended` says how long it failed, once. A lookup that began before the last
+    answer is no sign: it was answered, or not, by the resolver as it was then."""
 
     def __init__(
         self,
@@ -197,5 +197,7 @@ class ResolverWatch:
         return True
 
     def take_ended(self) -> tuple[float, float] | None:
+        """How long the outage that has just ended lasted and the longest hold given,
+        once (None: none ended since the last call)."""
         ended, self.ended = self.ended, None
         return ended

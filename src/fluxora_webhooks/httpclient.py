@@ -615,7 +615,7 @@ class HttpClient:
         conn.idle_since = time.monotonic()
         pool.append(conn)
 
-    async def _addresses(self, origin: _Origin, waiting: _Waiting | None = None) -> list[str]:
+    async def _addresses(self, origin: _Origin, waiting: _Waiting) -> list[str]:
         if origin.literal:
             return [origin.host]
         key = (origin.host, origin.port)
@@ -627,8 +627,7 @@ class HttpClient:
         if watch.holding():  # the resolver fails: not tried (one probe every few seconds)
             raise ResolverFailed(socket.EAI_AGAIN, "held: this service's DNS lookups fail")
         began = watch.now()
-        if waiting is not None:
-            waiting.lookup = (origin.host, began)  # a timeout now is the lookup's
+        waiting.lookup = (origin.host, began)  # a timeout now is the lookup's
         try:
             answers = await self.resolver.resolve(origin.host, origin.port, family=socket.AF_UNSPEC)
         except EndpointError:  # resolved to addresses the policy refuses: said nothing of
@@ -643,14 +642,9 @@ class HttpClient:
                     exc.errno or socket.EAI_AGAIN, f"this service's DNS resolver fails ({why})"
                 ) from exc
             raise ConnectFailed(exc.errno or errno.EHOSTUNREACH, why) from exc
-        except asyncio.CancelledError:
-            raise  # the request's time ran out in the lookup: ``waiting`` tells post
-        except BaseException:
-            if waiting is not None:
-                waiting.lookup = None
-            raise
-        if waiting is not None:
-            waiting.lookup = None
+        # Answered: a timeout from now on is the connection's (one cut in the lookup,
+        # cancelling it, leaves ``waiting.lookup`` set for post).
+        waiting.lookup = None
         if origin.host not in LOOPBACK_NAMES:  # the machine's own answer (hosts file):
             watch.answered(origin.host)  # it says nothing of the resolver
         addresses = list(dict.fromkeys(str(a["host"]) for a in answers))
