@@ -324,6 +324,52 @@ def test_a_caught_database_error_is_told_before_the_commit_would_quietly_roll_ba
         assert c.execute("SELECT array_agg(id ORDER BY id) FROM seen").fetchone() == ([1, 4],)
 
 
+def test_several_deliveries_received_in_one_transaction_are_all_checked(
+    inbox_database_url: str,
+) -> None:
+    """A handler that receives several deliveries in one transaction: a copy received again
+    among them leaves the ids recorded before it checked, and every id recorded is looked
+    up, not only the last."""
+    with psycopg.connect(inbox_database_url, autocommit=True) as c:
+        c.execute("CREATE TABLE seen (id int PRIMARY KEY)")
+        earlier = delivery()
+        with c.transaction():
+            assert take(c, earlier) is not None
+    with psycopg.connect(inbox_database_url) as c:
+        first = delivery()
+        with pytest.raises(TransactionAborted, match="COMMIT or ROLLBACK of its own"):
+            assert take(c, first) is not None
+            assert take(c, earlier) is None  # a copy: nothing to apply
+            c.execute("ROLLBACK")
+            c.execute("INSERT INTO seen VALUES (1)")
+            check_committable(c)
+        c.rollback()
+        # A copy in a later transaction forgets the ids of the one that ended: no
+        # transaction of its own to compare, nothing refused.
+        assert take(c, earlier) is None
+        check_committable(c)
+        c.rollback()
+    with psycopg.connect(inbox_database_url, autocommit=True) as c:
+        lost, kept = delivery(), delivery()
+        with pytest.raises(TransactionAborted, match="savepoint"), c.transaction():
+            with c.transaction() as savepoint:
+                assert take(c, lost) is not None
+                raise psycopg.Rollback(savepoint)
+            assert take(c, kept) is not None
+            c.execute("INSERT INTO seen VALUES (2)")
+            check_committable(c)
+        both = delivery(), delivery()
+        with c.transaction():
+            assert all(take(c, d) is not None for d in both)
+            assert take(c, earlier) is None
+            c.execute("INSERT INTO seen VALUES (3)")
+            check_committable(c)
+    ids = {r[0] for r in recorded(inbox_database_url)}
+    assert ids == {earlier.delivery_id} | {d.delivery_id for d in both}
+    with psycopg.connect(inbox_database_url) as c:
+        assert c.execute("SELECT array_agg(id ORDER BY id) FROM seen").fetchone() == ([3],)
+
+
 def test_autocommit_outside_a_transaction_is_refused_before_anything_happens(
     inbox_database_url: str,
 ) -> None:

@@ -297,12 +297,15 @@ def receive(
         row = conn.execute(query("inbox_receive"), params).fetchone()
     except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
+    if row is None and conn in _RECORDED_IN:
+        current = conn.execute(query("inbox_current_transaction")).fetchone()
+        _duplicate_seen(conn, current[0] if current else None)
     return _received(conn, event, row)
 
 
-# The transaction each connection recorded an id in (inbox_receive), and the id, for
-# check_committable; kept no longer than the connection.
-_RECORDED_IN: weakref.WeakKeyDictionary[object, tuple[str, str]] = weakref.WeakKeyDictionary()
+# The transaction each connection recorded ids in (inbox_receive), and every id it
+# recorded there, for check_committable; kept no longer than the connection.
+_RECORDED_IN: weakref.WeakKeyDictionary[object, tuple[str, list[str]]] = weakref.WeakKeyDictionary()
 
 
 def _received(
@@ -310,11 +313,28 @@ def _received(
     event: InboxEvent,
     row: tuple[Any, ...] | None,
 ) -> InboxEvent | None:
+    """Note the id the row says was recorded, beside the ids recorded earlier in the same
+    transaction (a handler may receive several deliveries in one)."""
     if row is None:
-        _RECORDED_IN.pop(conn, None)
         return None
-    _RECORDED_IN[conn] = (str(row[0]), event.delivery_id)
+    transaction = str(row[0])
+    recorded = _RECORDED_IN.get(conn)
+    if recorded is not None and recorded[0] == transaction:
+        recorded[1].append(event.delivery_id)
+    else:
+        _RECORDED_IN[conn] = (transaction, [event.delivery_id])
     return event
+
+
+def _duplicate_seen(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], transaction: str | None
+) -> None:
+    """A copy received again: the ids recorded earlier stay checked if they were recorded
+    in this same transaction (``transaction``, the current one's id if it has one), and
+    are forgotten if they belong to one that ended."""
+    recorded = _RECORDED_IN.get(conn)
+    if recorded is not None and recorded[0] != transaction:
+        del _RECORDED_IN[conn]
 
 
 class TransactionAborted(FluxoraError, RuntimeError):
@@ -346,10 +366,11 @@ def check_committable(
     the next statement begins a new transaction, which would commit those writes without
     the id), and so is a savepoint rolled back with the id in it: the transaction is
     compared with the one :func:`receive` recorded the id in, and the id looked up (one
-    short query; in a pipeline, it syncs the pipeline first)."""
+    short query; in a pipeline, it syncs the pipeline first). A transaction that receives
+    several deliveries has every id it recorded checked."""
     _check_status(conn.info.transaction_status, pipelined=True)
     recorded = _RECORDED_IN.get(conn)
-    params = {"delivery_id": recorded[1] if recorded is not None else None}
+    params = {"delivery_ids": recorded[1] if recorded is not None else None}
     if isinstance(conn, psycopg.AsyncConnection):
         return _check_committable_async(conn, recorded, params)
     if recorded is not None or conn.info.transaction_status == TransactionStatus.ACTIVE:
@@ -390,7 +411,7 @@ def _check_status(status: TransactionStatus, *, pipelined: bool = False) -> None
 
 async def _check_committable_async(
     conn: psycopg.AsyncConnection[Any],
-    recorded: tuple[str, str] | None,
+    recorded: tuple[str, list[str]] | None,
     params: dict[str, Any],
 ) -> None:
     if recorded is not None or conn.info.transaction_status == TransactionStatus.ACTIVE:
@@ -402,7 +423,9 @@ async def _check_committable_async(
         _check_same_transaction(recorded, row)
 
 
-def _check_same_transaction(recorded: tuple[str, str] | None, row: tuple[Any, ...] | None) -> None:
+def _check_same_transaction(
+    recorded: tuple[str, list[str]] | None, row: tuple[Any, ...] | None
+) -> None:
     if recorded is None:
         return
     if row is None or row[0] is None or str(row[0]) != recorded[0]:
@@ -421,6 +444,9 @@ async def _receive_async(
         row = await (await conn.execute(query("inbox_receive"), params)).fetchone()
     except _RECEIVE_FAULTS as exc:
         raise _schema_error(exc) from exc
+    if row is None and conn in _RECORDED_IN:
+        current = await (await conn.execute(query("inbox_current_transaction"))).fetchone()
+        _duplicate_seen(conn, current[0] if current else None)
     return _received(conn, event, row)
 
 

@@ -80,10 +80,17 @@ RETURNING pg_current_xact_id()::text;
 -- The current transaction's id, if it has one: another than inbox_receive returned means
 -- the transaction that recorded the id ended (a COMMIT or ROLLBACK run as SQL), and a
 -- later statement began a new one (psycopg does, on a connection not in autocommit mode).
--- And whether the id recorded is still there: a savepoint rolled back takes it with it.
+-- And whether every id it recorded is still there: a savepoint rolled back takes its ids
+-- with it (the ids are distinct: one transaction records an id once).
 SELECT pg_current_xact_id_if_assigned()::text,
-       %(delivery_id)s::text IS NULL
-       OR EXISTS (SELECT 1 FROM webhook_inbox WHERE delivery_id = %(delivery_id)s);
+       %(delivery_ids)s::text[] IS NULL
+       OR (SELECT count(*) FROM webhook_inbox WHERE delivery_id = ANY(%(delivery_ids)s::text[]))
+          = cardinality(%(delivery_ids)s::text[]);
+
+-- name: inbox_current_transaction
+-- After a copy received again: the current transaction's id, if it has one, to tell
+-- whether the ids recorded earlier on the connection belong to it.
+SELECT pg_current_xact_id_if_assigned()::text;
 
 -- name: inbox_prune
 -- One bounded batch, oldest first. SKIP LOCKED: never waits on a row someone else holds.
