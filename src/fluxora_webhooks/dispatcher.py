@@ -428,6 +428,7 @@ class Dispatcher:
 
     async def _listen(self) -> None:
         backoff = 0.1
+        failed = 0  # connections lost or refused in a row: the first is a warning
         reloads: set[asyncio.Task[None]] = set()
         while not self.stopping:
             try:
@@ -437,6 +438,9 @@ class Dispatcher:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     await conn.execute(f"LISTEN {ENDPOINTS_CHANNEL}")
                     backoff = 0.1
+                    if failed:
+                        log.info("LISTEN connection back (%d attempt(s) failed)", failed)
+                        failed = 0
                     self._waker.wake_all()  # anything committed while we were not listening
                     async for notify in conn.notifies():
                         if notify.channel == ENDPOINTS_CHANNEL:
@@ -454,8 +458,11 @@ class Dispatcher:
                     # A standby refuses LISTEN: the claim loops say the database is
                     # read-only (once); this listener tries again with its back-off.
                     log.debug("LISTEN refused by a read-only database; trying again")
+                elif failed:  # said once per outage; the claim loops say theirs
+                    log.debug("LISTEN reconnect failed (%s)", type(exc).__name__)
                 else:
                     log.warning("LISTEN connection lost (%s); reconnecting", type(exc).__name__)
+                failed += 1
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
 

@@ -373,6 +373,44 @@ def json_configured() -> bool:
     return _configured_format == "json"
 
 
+class Repeats(logging.Filter):
+    """Lets one record of a kind through per ``window_s`` (a kind: the logger and the
+    message's format, not its arguments) and says how many were left out on the next one.
+    For a library's logger that writes a line per retry: psycopg_pool warns at each of its
+    connections' failed reconnects, tens of lines for a few seconds of a database outage
+    that the claim loops already report."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.window_s = window_s
+        self._clock = clock
+        self._kinds: dict[tuple[str, object], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.msg)
+        now = self._clock()
+        with self._lock:
+            said, left_out = self._kinds.get(key, (-self.window_s, 0))
+            if now - said < self.window_s:
+                self._kinds[key] = (said, left_out + 1)
+                return False
+            self._kinds[key] = (now, 0)
+            if len(self._kinds) > 1000:  # kinds are a library's formats: few; bounded all the same
+                self._kinds = {key: (now, 0)}
+        if left_out:
+            window = f"{self.window_s:.0f} s"
+            record.msg = f"{record.msg} ({left_out} more like it in the last {window} not logged)"
+        return True
+
+
+# The third-party loggers whose repeats configure() thins out.
+_REPEATS = Repeats()
+_REPEATING = ("psycopg.pool",)
+
+
 def configure(log_format: str = "text", level: int | str | None = None) -> None:
     """Install one scrubbing handler on the root logger (idempotent).
 
@@ -391,6 +429,10 @@ def configure(log_format: str = "text", level: int | str | None = None) -> None:
     root.setLevel(_level(level))
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in _REPEATING:
+        repeating = logging.getLogger(name)
+        if _REPEATS not in repeating.filters:
+            repeating.addFilter(_REPEATS)
     logging.captureWarnings(True)
     sys.excepthook = _excepthook
     threading.excepthook = _thread_excepthook

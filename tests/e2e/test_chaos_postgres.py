@@ -134,6 +134,15 @@ async def test_postgres_restarted_and_crashed_mid_run(
     # They noticed, and backed off: a handful of warnings per outage, not a hot loop.
     noticed = [log.count(UNAVAILABLE) for log in logs]
     assert all(0 < n < 60 for n in noticed), noticed
+    # The pool's and the listener's reconnects are said once per outage, not per try: a
+    # restart and a crash, each at most once a minute per kind (the pool's repeats are
+    # counted on its next line), and the listener says when it is back.
+    pool_lines = [log.count("error connecting in") for log in logs]
+    listen_lines = [log.count("LISTEN connection lost") for log in logs]
+    print(f"pool warnings {pool_lines}, LISTEN lost {listen_lines}")
+    assert all(n <= 4 for n in pool_lines), pool_lines
+    assert all(1 <= n <= 2 for n in listen_lines), listen_lines
+    assert all("LISTEN connection back (" in log for log in logs), logs
     accounting = await account(database_url, consumer)
     print(format_table(accounting))
     assert accounting.ok and accounting.lost == 0, accounting
