@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser pgbouncer locales node
+.PHONY: demo run migrate test lint typecheck unit integration e2e bench soak clean browser pgbouncer locales node promtool
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,7 +65,22 @@ $(NODE_MODULES): examples/node/package.json examples/node/package-lock.json
 	cd examples/node && npm ci --prefer-offline --no-audit --no-fund --loglevel=error
 	touch $@
 
-test: lint typecheck browser pgbouncer locales node
+# promtool checks and unit-tests docs/prometheus-alerts.yml (tests/alerts). Taken out of
+# Debian's prometheus package into .tools/ rather than installed: installing the package
+# would also set up a Prometheus server as a service.
+PROMTOOL := .tools/promtool
+
+promtool: $(PROMTOOL)
+
+$(PROMTOOL):
+	@rm -rf .tools/deb && mkdir -p .tools/deb
+	cd .tools/deb && { apt-get download -qq prometheus 2>/dev/null || \
+	  { apt-get update -qq && apt-get download -qq prometheus; }; } && \
+	  dpkg-deb -x prometheus_*.deb root && cp root/usr/bin/promtool ../promtool
+	@rm -rf .tools/deb
+	$(PROMTOOL) --version | head -1
+
+test: lint typecheck browser pgbouncer locales node promtool
 	$(BIN)/pytest -n 2 --dist loadfile
 
 unit: $(STAMP)
