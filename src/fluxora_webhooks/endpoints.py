@@ -491,8 +491,14 @@ def check_headers(
     for key, value in headers.items():
         if not isinstance(key, str) or not _HEADER_NAME.fullmatch(key):
             # Up to a space or a colon only: past them may be a credential.
-            shown = re.split(r"[\s:]", str(key), maxsplit=1)[0][:40]
-            raise ConfigError(name, f"{shown!r} is not a header name")
+            head, *rest = re.split(r"[\s:]", str(key), maxsplit=1)
+            if rest:
+                raise ConfigError(
+                    name,
+                    f"{head[:40] + '...'!r} is not a header name: a name holds no space or"
+                    " colon (what follows one is not shown)",
+                )
+            raise ConfigError(name, f"{head[:40]!r} is not a header name")
         lower = key.lower()
         if lower in RESERVED_HEADERS or lower.startswith(RESERVED_HEADER_PREFIXES):
             raise ConfigError(name, f"{key} is set by fluxora-webhooks and cannot be overridden")

@@ -109,6 +109,14 @@ def _storable(text: str) -> bool:
     return True
 
 
+# What Python's JSON reads as a float PostgreSQL's jsonb cannot take: NaN, Infinity, and a
+# literal past a double's range, which Python reads as infinity (1e999 sent to the API).
+_NOT_A_JSON_NUMBER = (
+    "NaN, Infinity and numbers past a double's range (such as 1e999) are not JSON numbers"
+    " it can store"
+)
+
+
 def _payload_json(payload: Any) -> bytes:
     """``payload`` as the JSON PostgreSQL is sent (UTF-8, as its jsonb text prints it), or a
     ``ValueError`` naming what it cannot hold; before anything reaches the database, where
@@ -116,7 +124,7 @@ def _payload_json(payload: Any) -> bytes:
     try:
         text = json.dumps(payload, ensure_ascii=False, allow_nan=False)
     except ValueError as exc:  # NaN or Infinity, or a circular reference
-        why = "NaN and Infinity are not JSON numbers" if "float" in str(exc) else str(exc)
+        why = _NOT_A_JSON_NUMBER if "float" in str(exc) else str(exc)
         raise ValueError(f"payload cannot be stored as JSON: {why}") from None
     except TypeError as exc:
         raise TypeError(f"payload must be JSON-serializable: {exc}") from None

@@ -35,7 +35,15 @@ pytestmark = pytest.mark.integration
 
 # Headers that mean something to a client, which the document must then declare for the
 # status they come with (the security headers and the HTTP server's own are left out).
-MEANINGFUL_HEADERS = ("www-authenticate", "allow", "retry-after", "idempotent-replayed")
+MEANINGFUL_HEADERS = (
+    "www-authenticate",
+    "allow",
+    "retry-after",
+    "idempotent-replayed",
+    "ratelimit-limit",
+    "ratelimit-remaining",
+    "ratelimit-reset",
+)
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
@@ -170,6 +178,17 @@ async def test_a_client_generator_can_use_every_operation(api: Api) -> None:
         assert documented["headers"][header]["required"] is True, (status, header)
     listing = {p["name"]: p for p in doc["paths"]["/api/v1/deliveries"]["get"]["parameters"]}
     assert "next_cursor" in listing["cursor"]["description"]
+    # Every answer the server can give is declared: a generated client that raises on an
+    # undeclared status reads these as errors too.
+    answers = doc["paths"]["/api/v1/events"]["post"]["responses"]
+    assert "`request_timeout`" in answers["408"]["description"]
+    assert "text/plain" in answers["431"]["content"]
+    for name in ("Endpoint", "EndpointIn", "EndpointPatch"):
+        url = schemas[name]["properties"]["url"]
+        if name != "Endpoint":
+            assert url.get("maxLength") == registry.MAX_URL_LENGTH, (name, url)
+    reason = schemas["DeliveryDetail"]["properties"]["dead_letter_reason"]["description"]
+    assert "attempts_exhausted" in reason and "max_attempts" not in reason
 
 
 async def test_answers_of_the_main_flows_match_the_document(

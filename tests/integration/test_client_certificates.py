@@ -266,6 +266,11 @@ async def test_the_api_takes_shows_replaces_and_removes_a_certificate_never_its_
     assert removed.status == 204, removed.text
     got = await api.get(f"/api/v1/endpoints/{endpoint_id}", token="acme")
     assert got.body["client_certificate"] is None
+    # Removing it again changes nothing: 204, and the audit does not say it was removed.
+    again = await api.call("DELETE", path, token="acme")
+    assert again.status == 204, again.text
+    removals = f"client certificate of endpoint {endpoint_id} removed"
+    assert caplog.text.count(removals) == 1, caplog.text
     for key in (key_a, key_b):
         assert not any(_key_body(key)[:40] in text for text in api.seen)
         assert _key_body(key)[:40] not in caplog.text

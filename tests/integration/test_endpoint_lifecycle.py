@@ -678,6 +678,12 @@ async def test_bad_registrations_are_refused_naming_the_field(database_url: str)
                 await endpoints.create(conn, **kwargs)
             assert caught.value.variable == field, kwargs
             assert "c2Vj" not in str(caught.value)
+        # The refusal says why a name cut at its space is no name, not that its head is not.
+        with pytest.raises(ConfigError) as caught:
+            endpoints.check_headers({"X-Foo Bar": "v"})
+        assert "'X-Foo...' is not a header name: a name holds no space or colon" in str(
+            caught.value
+        )
         assert await scalar(database_url, "SELECT count(*) FROM webhook_endpoints") == 0
         made, _ = await endpoints.create(conn, url="https://ok.example.com/")
         with pytest.raises(ConfigError, match="Expect is for a connection's hop"):

@@ -320,6 +320,11 @@ def create_app(config: ApiConfig) -> FastAPI:
                     }
                 },
             },
+            408: {
+                "model": errors_model(),
+                "description": "`request_timeout`: the body did not arrive in time (a"
+                " `Content-Length` longer than what was sent)",
+            },
             413: {"model": errors_model(), "description": "`too_large`: a body over 1 MiB"},
             415: {
                 "model": errors_model(),
@@ -343,6 +348,11 @@ def create_app(config: ApiConfig) -> FastAPI:
                         "schema": {"type": "integer"},
                     }
                 },
+            },
+            431: {
+                "description": "the request head (its line and headers) is too large; a plain"
+                " text answer, sent before the request is read",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
             },
             500: {
                 "model": errors_model(),
@@ -373,8 +383,40 @@ def create_app(config: ApiConfig) -> FastAPI:
     # Outermost: the Guard's 413s and 500s are answers too.
     app.add_middleware(Measured, prefix=API_PREFIX)
     _require_token_for_openapi(app)
+    if config.rate_limit is not None:
+        _declare_rate_limit_headers(app)
     _install_probes(app)
     return app
+
+
+# The headers RateLimit puts on every answer of a limited path (the document's paths are).
+_RATE_LIMIT_HEADERS = {
+    "RateLimit-Limit": "requests allowed in the window (WEBHOOK_API_RATE_LIMIT)",
+    "RateLimit-Remaining": "requests left in the window for this token (or client address)",
+    "RateLimit-Reset": "seconds until the window allows the limit again",
+}
+
+
+def _declare_rate_limit_headers(app: FastAPI) -> None:
+    """Each answer of the document names the rate limit's headers (FastAPI has no
+    document-wide response headers): the document is made once, then completed."""
+    make = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        done = app.openapi_schema is not None
+        schema = make()
+        if not done:
+            headers = {
+                name: {"description": text, "schema": {"type": "integer"}}
+                for name, text in _RATE_LIMIT_HEADERS.items()
+            }
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    for answer in operation.get("responses", {}).values():
+                        answer.setdefault("headers", {}).update(headers)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # How long readiness waits for a pool connection and its answer.

@@ -163,7 +163,10 @@ def _unstorable(exc: Exception) -> str:
     if sqlstate == "22P05":
         return "the payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot hold"
     if sqlstate == "22P02" and "json" in str(exc):
-        return "the payload is not JSON PostgreSQL accepts (NaN and Infinity are not JSON numbers)"
+        return (
+            "the payload is not JSON PostgreSQL accepts (NaN, Infinity and numbers past a"
+            " double's range, such as 1e999, are not JSON numbers it can store)"
+        )
     if sqlstate == "22003":
         return "a number in the request is out of range"
     return f"a value in the request cannot be stored (SQLSTATE {sqlstate or 'none'})"

@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..endpoints import MAX_URL_LENGTH
+
 T = TypeVar("T")
 Status = Literal["pending", "retrying", "parked", "delivered", "dead_letter"]
 
@@ -87,7 +89,10 @@ class ClientCertificate(BaseModel):
 
 
 class EndpointIn(_In):
-    url: str = Field(description="the consumer's https URL")
+    url: str = Field(
+        description="the consumer's https URL",
+        json_schema_extra={"maxLength": MAX_URL_LENGTH},  # checked (and said) by endpoints
+    )
     tenant: str | None = Field(None, description="default: the token's tenant, or '' (admin)")
     event_types: list[str] = Field(default_factory=lambda: ["*"], max_length=100)
     description: str = Field("", max_length=1000)
@@ -103,7 +108,7 @@ class EndpointIn(_In):
 
 
 class EndpointPatch(_In):
-    url: str | None = None
+    url: str | None = Field(None, json_schema_extra={"maxLength": MAX_URL_LENGTH})
     event_types: list[str] | None = Field(None, max_length=100)
     description: str | None = Field(None, max_length=1000)
     headers: dict[str, str] | None = Field(
@@ -233,8 +238,8 @@ class Attempt(BaseModel):
 
 class DeliveryDetail(Delivery):
     dead_letter_reason: str | None = Field(
-        description="why a dead-lettered delivery ended (as `dlq list` says: max_attempts,"
-        " http_4xx, endpoint_removed, ...); null otherwise"
+        description="why a dead-lettered delivery ended (as `dlq list` says:"
+        " attempts_exhausted, http_4xx, endpoint_removed, ...); null otherwise"
     )
     wait_reason: str | None = Field(
         default=None,

@@ -300,9 +300,12 @@ async def set_client_certificate(
     responses=BUILT_IN,
 )
 async def remove_client_certificate(endpoint_id: str, who: Writer, conn: Conn) -> Response:
-    """The endpoint presents the deployment's client certificate again (or none)."""
+    """The endpoint presents the deployment's client certificate again (or none). An
+    endpoint without one of its own answers 204 too, and nothing is logged as removed."""
+    had = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).client_cert is not None
     await endpoints.set_client_certificate(conn, endpoint_id, None, tenant=who.tenant)
-    audit("client certificate of endpoint %s removed", endpoint_id, who=who.name)
+    if had:
+        audit("client certificate of endpoint %s removed", endpoint_id, who=who.name)
     return Response(status_code=204)
 
 
