@@ -109,11 +109,13 @@ HIDDEN_HEADER_VALUE = "********"
 # Words a credential header's name holds anywhere (X-AuthToken, X-ApiKey), and short ones
 # only as a whole part of it (X-Api-Key, X-Auth, X-Sig; not X-Author, X-Monkey, X-Signal).
 _CREDENTIAL_WORDS = re.compile(
-    r"token|secret|passw|passphrase|credential|cookie|bearer|apikey|authori[sz]ation"
-    r"|signature|session",
+    r"token|secret|passw|passphrase|passcode|credential|cookie|bearer|apikey|authori[sz]ation"
+    r"|authenticat|signature|session",
     re.IGNORECASE,
 )
-_CREDENTIAL_PARTS = frozenset({"auth", "key", "pass", "pwd", "sig", "jwt", "otp", "hmac", "sid"})
+_CREDENTIAL_PARTS = frozenset(
+    {"auth", "key", "keys", "pass", "pwd", "sig", "jwt", "otp", "hmac", "sid", "creds"}
+)
 
 
 def credential_header(name: str) -> bool:

@@ -17,6 +17,7 @@ HIDDEN = (
     "Authorization", "authorization", "Proxy-Authorization", "X-Api-Key", "Api_Key",
     "X-ApiKey", "X-Auth-Token", "X-AuthToken", "X-Auth", "Cookie", "X-Client-Secret",
     "X-Hub-Signature", "X-Sig", "X-Session-Id", "X-Password", "X-Jwt", "X-Otp", "Bearer",
+    "Authentication", "X-Authentication", "X-Api-Keys", "X-Creds", "X-Passcode",
 )  # fmt: skip
 SHOWN = ("X-Team", "X-Author", "X-Monkey", "X-Signal", "X-Passenger", "X-Design", "X-Keyboard")
 
