@@ -111,7 +111,9 @@ def add_sensitive(*values: str | bytes | None) -> None:
 
 def url_secrets(url: str | None) -> tuple[str, ...]:
     """The parts of a consumer URL that may carry a token: its path (some services put the
-    token there), its query and each query value, as written and percent-decoded."""
+    token there), its query and each query value, as written, percent-decoded, and as the
+    dispatcher's HTTP client sends them (it normalizes percent-escapes: ``%3D`` goes out as
+    ``=``, ``%2b`` as ``%2B``; a consumer that echoes its request target echoes that)."""
     if not url:
         return ()
     try:
@@ -119,14 +121,38 @@ def url_secrets(url: str | None) -> tuple[str, ...]:
         password = parts.password
     except ValueError:
         return ()
-    path = parts.path if parts.scheme in ("http", "https") and len(parts.path) > 1 else None
-    values: list[str | None] = [password, path, parts.query]
-    if path is not None:
-        values.append(unquote(path))
-    for raw in parts.query.split("&"):
+    if parts.scheme not in ("http", "https"):
+        return tuple(_texts(_path_and_query(parts.path, parts.query, password, web=False)))
+    values = _path_and_query(parts.path, parts.query, password)
+    sent = _as_sent(url)
+    if sent is not None and sent != (parts.path, parts.query):
+        values.extend(_path_and_query(*sent, None))
+    return tuple(dict.fromkeys(_texts(values)))
+
+
+def _path_and_query(
+    path: str, query: str, password: str | None, *, web: bool = True
+) -> list[str | None]:
+    shown_path = path if web and len(path) > 1 else None
+    values: list[str | None] = [password, shown_path, query]
+    if shown_path is not None:
+        values.append(unquote(shown_path))
+    for raw in query.split("&"):
         values.append(raw.partition("=")[2])
-    values.extend(v for _, v in parse_qsl(parts.query, keep_blank_values=True))
-    return tuple(_texts(values))
+    values.extend(v for _, v in parse_qsl(query, keep_blank_values=True))
+    return values
+
+
+def _as_sent(url: str) -> tuple[str, str] | None:
+    """The path and query the HTTP client (httpclient.py, through yarl) puts in its request
+    line for ``url``; None if it cannot read it."""
+    try:
+        import yarl  # aiohttp's; the dispatcher's client reads URLs with it
+
+        parsed = yarl.URL(url)
+        return parsed.raw_path, parsed.raw_query_string
+    except (ImportError, ValueError, TypeError):
+        return None
 
 
 # Query parameters of a database or Redis URL that hold a secret; the others (sslmode,

@@ -24,7 +24,7 @@ from fluxora_webhooks.dispatcher import (
     _log_fields,
 )
 from fluxora_webhooks.errors import ConfigError
-from fluxora_webhooks.httpclient import tls_failure
+from fluxora_webhooks.httpclient import _origin, tls_failure
 from fluxora_webhooks.outbox import Claimed, Outcome
 from fluxora_webhooks.redis_gate import _count_transition
 from fluxora_webhooks.retry import Decision, Kind
@@ -123,6 +123,26 @@ def test_stored_text_masks_the_urls_secret_parts_and_the_signing_secret() -> Non
         assert leaked not in stored, leaked
     assert "https://hooks.example.com" in stored
     assert scrub_stored(None, url) is None and scrub_stored("", url) == ""
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://hooks.example.com/in?token=Ab%2Fcd%2BQTokSecret66%3D%3D",
+        "https://hooks.example.com/hooks/Ab%2Fcd%2BTokSecret55%3D%3D",
+        "https://hooks.example.com/hooks/caf%c3%a9-Secret42",
+    ],
+    ids=["escaped query value", "escaped path", "lower-case escapes"],
+)
+def test_a_token_echoed_as_the_client_sent_it_is_stored_masked(url: str) -> None:
+    """The HTTP client normalizes percent-escapes in its request line (``%3D`` goes out as
+    ``=``, ``%c3`` as ``%C3``): a consumer echoing its request target echoes neither form
+    the URL was written in, and that is masked too."""
+    sent = _origin(url).target
+    assert sent not in url  # the case: what goes out differs from what was written
+    stored = scrub_stored(f"no route for POST {sent}", url)
+    assert stored is not None and "Secret" not in stored, stored
+    assert stored.startswith("no route for POST ") and "***" in stored, stored
 
 
 def test_a_path_that_is_also_in_the_host_masks_the_path_not_the_host() -> None:
