@@ -555,7 +555,7 @@ class HttpClient:
                 if waiting.proxy is not None:  # the proxy did not answer, not the consumer
                     raise EgressFailed(
                         errno.ETIMEDOUT,
-                        f"the proxy {waiting.proxy.shown} did not answer within the timeout",
+                        "the egress proxy did not answer within the timeout",
                     ) from None
                 if waiting.lookup is not None and self.resolving.failed(*waiting.lookup):
                     # The request's time ran out in the lookup (a timeout under the
@@ -715,7 +715,7 @@ class HttpClient:
         except OSError as exc:
             raise EgressFailed(
                 exc.errno or errno.ECONNREFUSED,
-                f"the proxy {proxy.shown} cannot be reached ({exc.strerror or type(exc).__name__})",
+                f"the egress proxy cannot be reached ({exc.strerror or type(exc).__name__})",
             ) from None
         try:
             head = f"CONNECT {target} HTTP/1.1\r\nhost: {target}\r\n"
@@ -727,7 +727,7 @@ class HttpClient:
             except OSError as exc:
                 raise EgressFailed(
                     exc.errno or errno.EPROTO,
-                    f"the proxy {proxy.shown} gave no usable answer to CONNECT {target}:"
+                    f"the egress proxy gave no usable answer to CONNECT {target}:"
                     f" {exc.strerror}",
                 ) from None
             stage.proxy = None  # it answered: what follows is the consumer's part
@@ -739,7 +739,7 @@ class HttpClient:
                 hint = " (the user and password of WEBHOOK_PROXY_URL)" if status == 407 else ""
                 raise failed(
                     errno.ECONNREFUSED,
-                    f"the proxy {proxy.shown} refused CONNECT {target}: {status} {reason}{hint}",
+                    f"the egress proxy refused CONNECT {target}: {status} {reason}{hint}",
                 )
             conn = _Connection(origin)
             tls_transport = await loop.start_tls(
@@ -752,6 +752,6 @@ class HttpClient:
             transport.close()
             raise
         if tls_transport is None:  # the proxy closed the tunnel as the handshake ended
-            raise ConnectFailed(errno.ECONNRESET, f"the proxy {proxy.shown} closed the tunnel")
+            raise ConnectFailed(errno.ECONNRESET, "the egress proxy closed the tunnel")
         conn.connection_made(tls_transport)
         return conn
