@@ -727,8 +727,7 @@ class HttpClient:
             except OSError as exc:
                 raise EgressFailed(
                     exc.errno or errno.EPROTO,
-                    f"the egress proxy gave no usable answer to CONNECT {target}:"
-                    f" {exc.strerror}",
+                    f"the egress proxy gave no usable answer to CONNECT {target}: {exc.strerror}",
                 ) from None
             stage.proxy = None  # it answered: what follows is the consumer's part
             if not 200 <= status < 300:

@@ -29,6 +29,11 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")
         ("https://[fe80::1%eth0]/in", "zone identifier"),
         ("http://[::1%25lo]:8080/in", "zone identifier"),
         ("https://[fe80::1%252]/in", "zone identifier"),
+        # A percent-escape after an IPv4 address is no zone: an invalid host name.
+        ("https://127.0.0.1%2e/in", "not a valid host name"),
+        # RFC 3986's IPvFuture: both parsers read "[v1.x]" as the name v1.x.
+        ("https://[v1.x]/in?token=s3cr3t", "in brackets but is no IPv6 address"),
+        ("https://[v1.vm]:8443/in", "in brackets but is no IPv6 address"),
     ],
 )
 def test_port_0_and_an_ipv6_zone_identifier_are_refused(url: str, problem: str) -> None:
@@ -54,6 +59,7 @@ def test_port_0_and_an_ipv6_zone_identifier_are_refused(url: str, problem: str) 
         "https://b\u00fccher.example/p\u00e4th?q=\u2713#frag",
         "https://xn--bcher-kva.example/p%C3%A4th?q=%E2%9C%93",
         "https://hooks.example.com/" + "a" * 7000,
+        "https://my_host.example.com/hook",  # underscores occur in real names
     ],
 )
 def test_the_shapes_a_consumer_may_write_pass(url: str) -> None:
