@@ -432,6 +432,19 @@ async def get_event(
     return {**event_detail_json(rows[0]), "deliveries": found}
 
 
+async def event_of_row(
+    conn: psycopg.AsyncConnection[Any], delivery_id: str, *, tenant: str | None = None
+) -> int | None:
+    """The id of the event whose row ``enqueue`` named by ``delivery_id`` (what it returns),
+    or None (no such event in the scope, or not an id at all)."""
+    try:
+        uuid.UUID(delivery_id)
+    except ValueError:
+        return None
+    rows = await _rows(conn, "event_of_row", {"delivery_id": delivery_id, **_scope(tenant)})
+    return int(rows[0]["id"]) if rows else None
+
+
 # -- deliveries ---------------------------------------------------------------------------
 
 

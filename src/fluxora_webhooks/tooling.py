@@ -55,6 +55,9 @@ class Routing:
 
     routed: bool
     deliveries: tuple[tuple[str, str], ...] = ()
+    # As the API's event "routing" says it: pending, routed, unrouted (no endpoint of its
+    # tenant subscribed to its type) or dead_letter (its fan-out was refused).
+    routing: str = "pending"
 
 
 async def send_event(
@@ -81,15 +84,17 @@ async def read_routing(conn: psycopg.AsyncConnection[Any], sent: Sent) -> Routin
     cur = await conn.execute(query("event_routing"), params)
     row = await cur.fetchone()
     if row is None:  # pruned: long routed
-        return Routing(True)
-    endpoint_id, processed, _outcome, delivery_id = row
+        return Routing(True, routing="routed")
+    endpoint_id, processed, outcome, delivery_id = row
     if endpoint_id is None and not processed:
         return Routing(False)
+    if outcome in ("unrouted", "dead_letter") and endpoint_id is None:
+        return Routing(True, routing=outcome)
     cur = await conn.execute(query("event_deliveries"), {"id": sent.event_id})
     found = {str(e): str(d) for e, d in await cur.fetchall()}
     if endpoint_id == DEFAULT_ID:
         found[DEFAULT_ID] = delivery_id  # the event row is the default endpoint's delivery
-    return Routing(True, tuple(sorted(found.items())))
+    return Routing(True, tuple(sorted(found.items())), routing="routed")
 
 
 async def wait_routed(conn: psycopg.AsyncConnection[Any], sent: Sent, timeout_s: float) -> Routing:

@@ -109,6 +109,7 @@ async def test_send_prints_the_delivery_ids_and_tail_shows_their_attempts_in_sco
         assert code == 0, out
         sent = json.loads(out)
         assert sent["routed"] is True and sent["tenant"] == "acme"
+        assert sent["routing"] == "routed"
         assert [d["endpoint_id"] for d in sent["deliveries"]] == [streams.id]
         acme_delivery = sent["deliveries"][0]["delivery_id"]
 
@@ -125,6 +126,7 @@ async def test_send_prints_the_delivery_ids_and_tail_shows_their_attempts_in_sco
         assert code == 0, out
         unrouted = json.loads(out.splitlines()[0])
         assert unrouted["routed"] is True and unrouted["deliveries"] == []
+        assert unrouted["routing"] == "unrouted"  # as the API's event says it
         assert "no endpoint of tenant 'acme' subscribes to 'other.thing'" in out
 
         acme_lines = await lines_of(acme)
@@ -193,6 +195,7 @@ def test_send_refuses_bad_input_and_says_when_nothing_routes_it(
     assert code == 1, out
     result = json.loads(out.splitlines()[0])
     assert result["routed"] is False and result["deliveries"] == []
+    assert result["routing"] == "pending"
     assert "not routed within 0.3s" in out
     with psycopg.connect(database_url) as conn:
         row = conn.execute(

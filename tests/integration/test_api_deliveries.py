@@ -394,3 +394,27 @@ async def test_an_events_delivery_id_names_a_delivery_or_is_null(
     assert (await delivery(api, upper))["delivery_id"] == builtin.body["delivery_id"]
     replayed = await api.post(f"/api/v1/deliveries/{upper}/replay")
     assert replayed.status == 202 and replayed.body["delivery_id"] == builtin.body["delivery_id"]
+
+
+async def test_the_id_enqueue_returns_finds_its_event(api: Api, database_url: str) -> None:
+    """A producer logs what ``enqueue`` returned (the event row's id for a named tenant):
+    ``GET /api/v1/events/{id}`` takes it as it takes the event's number, in the same scope."""
+    from fluxora_webhooks import enqueue
+
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        returned = enqueue(
+            conn, stream_id="s-9", event_type="invoice.paid", payload={"n": 9}, tenant="acme"
+        )
+    found = await api.get(f"/api/v1/events/{returned}", token="acme")
+    assert found.status == 200, found.text
+    assert found.body["stream_id"] == "s-9" and found.body["payload"] == {"n": 9}
+    by_number = await api.get(f"/api/v1/events/{found.body['id']}", token="acme")
+    assert by_number.body == found.body
+    assert (await api.get(f"/api/v1/events/{returned}")).status == 200  # an admin
+    for token, path in (
+        ("bolt", f"/api/v1/events/{returned}"),  # another tenant: not found, not forbidden
+        ("acme", "/api/v1/events/00000000-0000-4000-8000-000000000000"),
+        ("acme", "/api/v1/events/not-an-id"),
+    ):
+        missing = await api.get(path, token=token)
+        assert missing.status == 404 and missing.error_code == "not_found", missing.text

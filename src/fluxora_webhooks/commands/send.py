@@ -107,7 +107,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             "tenant": tenant,
             "event_type": args.event,
             "stream_id": args.stream,
-            "routed": routing.routed,
+            "routed": routing.routed,  # a dispatcher routed it (to no endpoint, maybe)
+            "routing": routing.routing,
             "deliveries": [{"endpoint_id": e, "delivery_id": d} for e, d in routing.deliveries],
         }
         if args.json:
@@ -115,10 +116,16 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         else:
             for endpoint_id, delivery_id in routing.deliveries:
                 print(f"{delivery_id} {endpoint_id}")
-        if routing.routed and not routing.deliveries:
+        if routing.routing == "unrouted":
             print(
                 f"event {sent.event_id}: no endpoint of tenant {tenant!r} subscribes to"
                 f" {args.event!r} (recorded as unrouted)",
+                file=sys.stderr,
+            )
+        elif routing.routing == "dead_letter":
+            print(
+                f"event {sent.event_id}: its fan-out was refused (a dead letter:"
+                " `fluxora-webhooks dlq list`)",
                 file=sys.stderr,
             )
         if not routing.routed and args.wait > 0:

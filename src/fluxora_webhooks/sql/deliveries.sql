@@ -75,6 +75,15 @@ FROM webhook_outbox
 WHERE id = %(id)s AND event_id IS NULL
   AND (NOT %(scoped)s OR (tenant = %(tenant)s AND tenant <> '!operator'));
 
+-- name: event_of_row
+-- The event whose own row has this delivery id (what enqueue returned for it): the event
+-- row (event_id IS NULL), by webhook_outbox_delivery_idx. Scoped as event_get.
+SELECT id FROM webhook_outbox
+WHERE delivery_id = %(delivery_id)s AND event_id IS NULL
+  AND (NOT %(scoped)s OR (tenant = %(tenant)s AND tenant <> '!operator'))
+ORDER BY id
+LIMIT 1;
+
 -- name: delivery_list
 -- One row per delivery (its first row), with its current row's status and its attempts.
 -- %(event)s: only that event's deliveries (served by webhook_outbox_event_idx and the key).

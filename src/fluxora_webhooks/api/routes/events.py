@@ -135,6 +135,11 @@ async def list_events(
 
 @router.get("/{event_id}", response_model=EventDetail, summary="One event and its deliveries")
 async def get_event(event_id: str, who: Reader, conn: Conn) -> dict[str, Any]:
-    if not event_id.isascii() or not event_id.isdigit() or len(event_id) > 18:
+    """``event_id``: the event's id, or the id ``enqueue`` returned for it (its row's
+    delivery id: a producer logs that one)."""
+    if event_id.isascii() and event_id.isdigit() and len(event_id) <= 18:
+        return await deliveries.get_event(conn, int(event_id), tenant=who.tenant)
+    found = await deliveries.event_of_row(conn, event_id, tenant=who.tenant)
+    if found is None:
         raise NotFoundError(f"no event {event_id[:40]!r}")
-    return await deliveries.get_event(conn, int(event_id), tenant=who.tenant)
+    return await deliveries.get_event(conn, found, tenant=who.tenant)
