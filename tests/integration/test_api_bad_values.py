@@ -335,3 +335,23 @@ async def test_validation_messages_speak_of_the_request_not_the_validator(api: A
     null_url = await api.call("PATCH", f"/api/v1/endpoints/{endpoint}", json={"url": None})
     refused(null_url, 422, "validation_error", "url cannot be null")
     assert "Value error" not in null_url.text and "body:" not in null_url.text
+
+
+async def test_a_query_parameter_the_path_does_not_take_is_refused_by_name(api: Api) -> None:
+    """A misspelt filter is told, not ignored: ``?endpoint=`` for ``?endpoint_id=`` would
+    otherwise answer every delivery as if it matched. After the token is checked."""
+    for path, bad, hint in [
+        ("/api/v1/deliveries?endpoint=ep_x", "'endpoint'", "endpoint_id"),
+        ("/api/v1/deliveries?status=delivered&event_id=15", "'event_id'", "status"),
+        ("/api/v1/endpoints?state=disabled", "'state'", "cursor"),
+        ("/api/v1/events/1?verbose=1", "'verbose'", "none"),
+        ("/api/v1/stats?windw=1h", "'windw'", "window"),
+    ]:
+        refused(await api.get(path), 422, "validation_error", bad, hint)
+    assert (await api.get("/api/v1/deliveries?endpoint=ep_x", token=None)).status == 401
+    # What a path takes still works, an empty filter included.
+    assert (await api.get("/api/v1/deliveries?endpoint_id=ep_x&stream_id=")).status == 200
+    created = await api.post(
+        "/api/v1/endpoints?dry_run=1", json={"url": "https://a.example.com/", "tenant": "acme"}
+    )
+    refused(created, 422, "validation_error", "'dry_run'")

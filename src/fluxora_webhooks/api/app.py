@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.exceptions import HTTPException
@@ -26,7 +26,7 @@ from ..logs import Notice
 from ..pgtypes import SESSION_SETTINGS_SQL, read_far_timestamps, session_name
 from ..settings import API_RATE_LIMIT, Settings
 from . import errors
-from .deps import FAILED_AUTH_PER_S, ApiState, FailureThrottle
+from .deps import FAILED_AUTH_PER_S, ApiState, FailureThrottle, known_query
 from .measured import ROUTED, Measured
 from .ratelimit import RateLimit
 
@@ -374,7 +374,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         },
     )
     for module in (endpoints, events, deliveries, stats):
-        app.include_router(module.router, prefix=API_PREFIX)
+        app.include_router(module.router, prefix=API_PREFIX, dependencies=[Depends(known_query)])
     pages.install(app)
     errors.install(app, render.error_page)
     # Inside the Guard: a 429 carries the security headers too.
@@ -495,8 +495,6 @@ def errors_model() -> type[Any]:
 
 def _require_token_for_openapi(app: FastAPI) -> None:
     """The document is served to a caller with a token, like every other API request."""
-    from fastapi import Depends
-
     from .deps import principal
 
     @app.get(

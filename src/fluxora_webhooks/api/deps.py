@@ -133,3 +133,42 @@ def scoped(who: Principal, requested: str | None) -> str | None:
     if requested is not None and requested != who.tenant:
         raise ApiError(403, "tenant_forbidden", "this token acts for its own tenant only")
     return who.tenant
+
+
+# The attribute of a route holding the query parameters it takes (its own and its
+# dependencies'), worked out at its first request with any.
+_QUERY_NAMES = "_fluxora_query_names"
+
+
+def _query_names(dependant: Any) -> frozenset[str]:
+    names: set[str] = set()
+    stack = [dependant]
+    while stack:
+        current = stack.pop()
+        names.update(param.alias for param in current.query_params)
+        stack.extend(current.dependencies)
+    return frozenset(names)
+
+
+async def known_query(request: Request, who: Reader) -> None:
+    """A query parameter the route does not take is refused (422), after the token is
+    checked: a misspelt filter (``?endpoint=`` for ``?endpoint_id=``) would otherwise be
+    ignored, and the whole list answered as if it matched."""
+    del who  # the token first: an unauthenticated request is told 401, not this
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known: frozenset[str] | None = getattr(route, _QUERY_NAMES, None)
+    if known is None:
+        known = _query_names(dependant)
+        setattr(route, _QUERY_NAMES, known)
+    unknown = sorted(set(request.query_params.keys()) - known)
+    if unknown:
+        takes = ", ".join(sorted(known)) if known else "none"
+        shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+        raise ApiError(
+            422,
+            "validation_error",
+            f"unknown query parameter {shown} (this path takes: {takes})",
+        )
