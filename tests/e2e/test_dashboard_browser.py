@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from playwright.async_api import Browser, Dialog, Page, expect
+from playwright.async_api import Browser, Dialog, Locator, Page, expect
 
 from tests.support.api import LOOPBACK, Api, serving
 from tests.support.dispatch import make_settings, running_dispatcher, scalar, wait_until
@@ -97,6 +97,16 @@ async def site(database_url: str) -> AsyncIterator[Site]:
                     return int(left) == 0
 
                 await wait_until(settled, timeout=30, what="every delivery finished")
+            # The bulk deliveries as if each took 15 s from its enqueue: the latency chart's
+            # scale goes to "20,000 ms", a label longer than the chart's least left margin.
+            slowed = await scalar(
+                database_url,
+                "WITH u AS (UPDATE webhook_outbox"
+                " SET enqueued_at = processed_at - interval '15 seconds'"
+                " WHERE outcome = 'delivered' AND stream_id LIKE 'bulk-%' RETURNING 1)"
+                " SELECT count(*) FROM u",
+            )
+            assert slowed == BULK
             event = (await api.get(f"/api/v1/events/{xss.body['id']}")).body
             by_endpoint = {d["endpoint_id"]: d["delivery_id"] for d in event["deliveries"]}
             bolt_list = await api.get("/api/v1/deliveries", params={"tenant": "bolt"})
@@ -623,3 +633,49 @@ async def test_each_charts_lines_differ_in_more_than_colour_and_have_a_table(
     await expect(table.locator("tbody tr")).to_have_count(30)
     for chart in await charts.all():
         await expect(chart.locator("details table tbody tr")).to_have_count(30)
+
+
+async def test_each_charts_labels_are_inside_it_and_its_legend_says_what_it_counts(
+    admin: Tab, site: Site
+) -> None:
+    """Every text of a chart is drawn inside its SVG's viewBox, the long "20,000 ms" of
+    the latency scale too; a legend names what its number is: the window's total of a
+    count (the card's number), the backlog now, a latency's latest bucket."""
+    page = admin.page
+
+    def card(title: str) -> Locator:
+        return page.locator(".card", has=page.get_by_role("heading", name=title))
+
+    for window, name, bucket in (("1h", "hour", "2 min"), ("15m", "15 minutes", "30 s")):
+        await admin.open(f"/?window={window}")
+        outside = await page.locator("svg.plot").evaluate_all(
+            """svgs => svgs.flatMap(svg => {
+                const v = svg.viewBox.baseVal;
+                return [...svg.querySelectorAll("text")].map(t => [t.textContent, t.getBBox()])
+                    .filter(([, b]) => b.x < v.x || b.y < v.y || b.x + b.width > v.x + v.width
+                                       || b.y + b.height > v.y + v.height)
+                    .map(([text, b]) => `${text} at ${b.x},${b.y} ${b.width}x${b.height}`);
+            })"""
+        )
+        assert outside == [], outside
+        charts = page.locator("figure.chart")
+        latency = charts.nth(1)
+        await expect(latency.locator("svg.plot text").first).to_have_text("20,000 ms")
+        legends = [await c.locator(".legend li").all_inner_texts() for c in await charts.all()]
+        # The totals are the cards' numbers of the same window.
+        delivered = await card(f"Delivered ({window})").locator(".big").inner_text()
+        failed = await card(f"Failed attempts ({window})").locator(".muted").inner_text()
+        found = re.fullmatch(r"(\d+) retried · (\d+) dead-lettered", failed)
+        assert found is not None, failed
+        assert legends[0] == [
+            f"delivered: {delivered} in the last {name}",
+            f"retry: {found[1]} in the last {name}",
+            f"dead letter: {found[2]} in the last {name}",
+        ], legends[0]
+        latest = rf"[\d,.]+ ms in the (last {bucket}|{bucket} to .+)"
+        assert len(legends[1]) == 2, legends[1]
+        assert re.fullmatch(f"p50: {latest}", legends[1][0]), legends[1]
+        assert re.fullmatch(f"p95: {latest}", legends[1][1]), legends[1]
+        assert legends[2] == ["pending deliveries: 0 now"], legends[2]
+        assert re.fullmatch(rf"dead-lettered: \d+ in the last {name}", legends[3][0]), legends[3]
+    assert admin.console_errors == []

@@ -145,12 +145,13 @@ async def overview(
     if window not in WINDOWS:
         window = "1h"
     state = api_state(request)
+    window_ms = parse_duration_ms(window, "window")
     async with state.connection() as conn:
         found = await read_stats(
             state,
             conn,
             who.tenant,
-            parse_duration_ms(window, "window"),
+            window_ms,
             with_series=True,
             detail=who.tenant is None,
         )
@@ -159,7 +160,7 @@ async def overview(
         "overview.html",
         who,
         stats=found,
-        charts=overview_charts(found["series"] or []),
+        charts=overview_charts(found["series"] or [], window_ms, WINDOW_NAMES[window]),
         window=window,
         windows=WINDOWS,
         window_names=WINDOW_NAMES,
