@@ -120,7 +120,7 @@ async def _dashboard(
     try:
         token = await demo_token(database_url)
         keep = serve and console.is_terminal
-        for line in describe(server.url, token, keep):
+        for line in describe(server.url, token, keep, asked=serve):
             console.print(line, markup=False)
         if keep:
             await serve_until_interrupted(server)

@@ -59,7 +59,8 @@ async def serve_until_interrupted(server: ApiServer) -> None:
             loop.remove_signal_handler(sig)
 
 
-def describe(url: str, token: str, serving: bool) -> list[Any]:
+def describe(url: str, token: str, serving: bool, asked: bool = False) -> list[Any]:
+    """The closing lines: ``serving`` (kept running), ``asked`` (--serve was given)."""
     lines = [
         f"Dashboard: {url}  (sign in with the admin token below)",
         f"API: {url}api/v1/stats, its OpenAPI document {url}api/v1/openapi.json"
@@ -70,7 +71,11 @@ def describe(url: str, token: str, serving: bool) -> list[Any]:
         lines.append("Serving until Ctrl-C.")
     else:
         lines.append(
-            "Not kept running (not a terminal, or no --serve): keep it with"
-            " `fluxora-webhooks demo --serve`, or serve it with `fluxora-webhooks api`."
+            "Not kept running: --serve keeps it only when the output is a terminal (it is"
+            " not here, so a script or CI does not wait); run the demo in a terminal, or"
+            " serve it with `fluxora-webhooks api`."
+            if asked
+            else "Not kept running: keep it with `fluxora-webhooks demo --serve` (in a"
+            " terminal), or serve it with `fluxora-webhooks api`."
         )
     return lines
