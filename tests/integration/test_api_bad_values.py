@@ -355,3 +355,22 @@ async def test_a_query_parameter_the_path_does_not_take_is_refused_by_name(api: 
         "/api/v1/endpoints?dry_run=1", json={"url": "https://a.example.com/", "tenant": "acme"}
     )
     refused(created, 422, "validation_error", "'dry_run'")
+
+
+async def test_a_payload_nested_too_deeply_and_a_bad_idempotency_key_say_so_briefly(
+    api: Api,
+) -> None:
+    """Nesting past what the validator takes names the field, not every step of the way
+    (a 1,900-character message before); past what the JSON reader takes, the 400 says
+    why (it said "There was an error parsing the body" of valid JSON); a bad
+    Idempotency-Key says what a key is, not a regular expression."""
+    headers = {"Content-Type": "application/json"}
+    for depth, status, code in ((400, 422, "validation_error"), (5000, 400, "bad_request")):
+        nested = '{"a":' * depth + "1" + "}" * depth
+        text = f'{{"stream_id": "s", "event_type": "t", "payload": {nested}}}'
+        reply = await api.post(EVENTS, data=text, headers=headers)
+        refused(reply, status, code, "nested too deeply")
+        assert len(reply.body["error"]["message"]) < 200, reply.text
+    key = await api.post(EVENTS, json=event({}), headers={"Idempotency-Key": "two words"})
+    refused(key, 422, "validation_error", "idempotency-key: must be 1-255 visible ASCII")
+    assert "[!-~]" not in key.text

@@ -112,10 +112,18 @@ def _validation_message(
         )
     parts = []
     for e in errors[:5]:
-        where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
+        loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path")]
         message = str(e.get("msg", "invalid"))
         # A check of ours raised in a validator: pydantic's "Value error, " says nothing.
         message = message.removeprefix("Value error, ")
+        if e.get("type") == "recursion_loop" or message.startswith("Recursion error"):
+            # Its location is the whole nesting (hundreds of steps): the field is enough.
+            loc, message = loc[:1], "nested too deeply (a JSON value of at most about 250 levels)"
+        elif e.get("type") == "string_pattern_mismatch" and loc[-1:] == ["idempotency-key"]:
+            message = "must be 1-255 visible ASCII characters (no space, no control character)"
+        where = ".".join(loc)
+        if len(where) > 80:
+            where = where[:77] + "..."
         if not where and e.get("type") == "missing":
             parts.append("the request needs a JSON body")
             continue
@@ -377,10 +385,18 @@ def install(app: FastAPI, html_error: Any) -> None:
         message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
         if exc.status_code == 404:
             message = "no such resource"
+        elif exc.status_code == 400 and message == _PARSE_FAILED:
+            # FastAPI's answer when reading the JSON raised anything but a decoding error:
+            # a body nested deeper than Python's JSON reader goes.
+            message = "the request body cannot be read: JSON nested too deeply"
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             headers["Allow"] = _allowed(request)
         return answer(request, exc.status_code, code, message, headers)
+
+
+# FastAPI's 400 when its JSON reader fails on a body for another reason than bad JSON.
+_PARSE_FAILED = "There was an error parsing the body"
 
 
 def _allowed(request: Request) -> str:

@@ -55,7 +55,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", metavar="ID", help="only this endpoint's")
     p.add_argument("--tenant", metavar="T", help="only this tenant's ('' for the default)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = actions.add_parser("show", help="one dead letter in full (payload, last error, response)")
+    p = actions.add_parser(
+        "show",
+        help="a delivery's dead letters in full (payload as stored, last error, response), as a"
+        " JSON array: one element per time it was dead-lettered",
+    )
     p.add_argument("id", help="delivery id (or dead-letter row id)")
     p.add_argument("--json", action="store_true", help="accepted: show prints JSON anyway")
     for action, text in (("replay", "send again, same delivery id"), ("purge", "discard")):
