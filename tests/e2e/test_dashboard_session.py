@@ -43,8 +43,14 @@ async def test_an_ended_session_is_said_and_the_sign_in_leads_back(
     try:
         await page.goto(api.url + "/login")
         await page.fill("#token", api.tokens["acme"])
-        await page.click("#login button[type=submit]")
+        posting = page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/login"))
+        async with posting as posted:
+            await page.click("#login button[type=submit]")
         await page.wait_for_url(api.url + "/")
+        # The browser's own sign-in: Origin null (the page's Referrer-Policy: no-referrer),
+        # taken because the browser says same-origin; another origin or site is refused.
+        sent = await (await posted.value).all_headers()
+        assert sent["origin"] == "null" and sent["sec-fetch-site"] == "same-origin"
         # The cookie is kept past its session's end: the server ends the session on time,
         # and the browser still names it then, to be told so.
         cookie = {c["name"]: c for c in await context.cookies()}["fx_session"]

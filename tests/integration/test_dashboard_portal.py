@@ -9,6 +9,7 @@ import dataclasses
 import html as markup
 import ipaddress
 import re
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -296,6 +297,111 @@ async def test_the_session_cookie_outlives_its_session_to_say_it_has_ended(
         database_url, "SELECT EXTRACT(EPOCH FROM max(expires_at) - now()) FROM webhook_api_sessions"
     )
     assert tokens.SESSION_TTL_S - 60 < float(left) <= tokens.SESSION_TTL_S
+
+
+# -- the sign-in form's value and origin (login CSRF) --------------------------------------
+
+FORM_REFUSED = "This sign-in did not come from this dashboard's form"
+
+
+async def login_post(
+    api: Api, cookie: str, nonce: str, token: str = "", headers: dict[str, str] | None = None
+) -> tuple[int, str, Any]:
+    """``curl -b fx_login=<cookie> --data-urlencode nonce=<nonce> ...``: a client that sets
+    the cookie it likes (another site's: a sibling subdomain, plain http). ``token``: the
+    token's text (acme's when not given)."""
+    form = {"token": token or api.tokens["acme"], "nonce": nonce}
+    cookies = {"Cookie": f"fx_login={cookie}", **(headers or {})}
+    async with (
+        aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client,
+        client.post(api.url + "/login", data=form, headers=cookies, allow_redirects=False) as resp,
+    ):
+        return resp.status, await resp.text(), resp.headers
+
+
+async def issued_value(api: Api) -> str:
+    async with (
+        aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client,
+        client.get(api.url + "/login") as resp,
+    ):
+        found = re.search(r'name="nonce" value="([^"]+)"', await resp.text())
+        assert found is not None
+        assert f"fx_login={found.group(1)};" in resp.headers["set-cookie"]
+        return found.group(1)
+
+
+async def sessions(database_url: str) -> int:
+    return int(await scalar(database_url, "SELECT count(*) FROM webhook_api_sessions"))
+
+
+async def test_a_login_value_the_server_did_not_issue_is_refused(
+    api: Api, database_url: str
+) -> None:
+    """A cookie and a form value made up together (a login CSRF's pair) sign nobody in, nor
+    does a value of the right shape under another key."""
+    for made_up in ("a", "x" * 32 + ".1700000000." + "A" * 43):
+        status, html, headers = await login_post(api, made_up, made_up)
+        assert status == 403, html
+        assert FORM_REFUSED in html and "fx_session" not in headers.get("set-cookie", "")
+    # A real value, but not the cookie's: refused as well.
+    status, _, _ = await login_post(api, "a", await issued_value(api))
+    assert status == 403
+    assert await sessions(database_url) == 0
+
+
+async def test_a_sign_in_from_another_origin_is_refused(api: Api, database_url: str) -> None:
+    value = await issued_value(api)
+    for header in (
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+        {"Origin": "https://evil.example", "Sec-Fetch-Site": "same-origin"},
+        {"Origin": api.url.replace("127.0.0.1", "localhost")},
+        {"Origin": api.url.replace("http:", "https:")},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+    ):
+        status, html, _ = await login_post(api, value, value, headers=header)
+        assert status == 403 and FORM_REFUSED in html, header
+    assert await sessions(database_url) == 0
+    # A browser's own form (Chromium's headers under the pages' no-referrer policy), or a
+    # post naming this origin: signed in; each value once.
+    own = {"Origin": "null", "Sec-Fetch-Site": "same-origin"}
+    status, html, headers = await login_post(api, value, value, headers=own)
+    assert status == 303 and headers["location"] == "/", html
+    value = await issued_value(api)
+    status, html, _ = await login_post(api, value, value, headers={"Origin": api.url})
+    assert status == 303, html
+    assert await sessions(database_url) == 2
+
+
+async def test_a_login_value_signs_in_once(api: Api, database_url: str) -> None:
+    value = await issued_value(api)
+    # A wrong token does not use it up.
+    status, _, _ = await login_post(api, value, value, token="fxa_wrong")
+    assert status == 401
+    status, _, _ = await login_post(api, value, value)
+    assert status == 303
+    status, html, _ = await login_post(api, value, value)
+    assert status == 403 and FORM_REFUSED in html
+    assert await sessions(database_url) == 1
+
+
+async def test_an_expired_login_value_is_refused(api: Api, database_url: str) -> None:
+    """A value signed with the database's key, issued just past the validity: refused; one
+    just inside it: taken (so the refusal is its age)."""
+    from fluxora_webhooks.api.dashboard import signin  # here: its test alone needs it
+
+    key = bytes(await scalar(database_url, "SELECT key FROM webhook_api_login_key"))
+    now = int(time.time())
+    old = signin.make_value(key, now - signin.VALUE_TTL_S - 5)
+    status, html, _ = await login_post(api, old, old)
+    assert status == 403 and FORM_REFUSED in html
+    assert await sessions(database_url) == 0
+    recent = signin.make_value(key, now - signin.VALUE_TTL_S + 60)
+    status, _, _ = await login_post(api, recent, recent)
+    assert status == 303
+    assert await sessions(database_url) == 1
 
 
 # -- why a delivery ended or waits ---------------------------------------------------------

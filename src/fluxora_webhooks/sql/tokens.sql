@@ -53,3 +53,16 @@ DELETE FROM webhook_api_sessions WHERE id_hash = %(id_hash)s;
 
 -- name: session_delete_for_token
 DELETE FROM webhook_api_sessions WHERE token_id = %(token_id)s;
+
+-- name: login_key
+SELECT key FROM webhook_api_login_key WHERE id = 1;
+
+-- name: login_value_use
+-- A sign-in's form value, recorded as used: no row returned when it already was.
+WITH expired AS (
+    DELETE FROM webhook_api_login_used WHERE expires_at < now()
+)
+INSERT INTO webhook_api_login_used (value_hash, expires_at)
+VALUES (%(value_hash)s, to_timestamp(%(expires_at)s))
+ON CONFLICT (value_hash) DO NOTHING
+RETURNING 1;

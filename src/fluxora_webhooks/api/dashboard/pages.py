@@ -4,7 +4,7 @@ delivery pages (:mod:`.endpoint_pages`, :mod:`.delivery_pages`)."""
 from __future__ import annotations
 
 import hmac
-import secrets
+import time
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -15,7 +15,7 @@ from ... import tokens
 from ...settings import parse_duration_ms
 from ..deps import api_state
 from ..routes.stats import read_stats
-from . import delivery_pages, endpoint_forms, endpoint_pages
+from . import delivery_pages, endpoint_forms, endpoint_pages, signin
 from .charts import overview_charts
 from .render import (
     HERE,
@@ -41,7 +41,6 @@ WINDOW_NAMES = {
     "24h": "24 hours",
     "7d": "7 days",
 }
-LOGIN_TTL_S = 600
 # The session cookie outlives its session by this much: a page asked for with a session
 # that has ended (expired, its token revoked) says so and leads back after the sign-in,
 # rather than a cookie gone with the session leaving a bare sign-in form. The cookie holds
@@ -83,26 +82,36 @@ async def login_form(
 ) -> HTMLResponse:
     """``expired=1``: a page was asked for with a session that has ended; ``next``: that
     page, gone to after the sign-in."""
-    return _login_page(request, ended=expired == "1", next_page=next_page)
+    return await _login_page(request, ended=expired == "1", next_page=next_page)
 
 
-def _login_page(
-    request: Request, *, failed: bool = False, ended: bool = False, next_page: str = ""
+async def _login_page(
+    request: Request,
+    *,
+    failed: bool = False,
+    refused: bool = False,
+    ended: bool = False,
+    next_page: str = "",
 ) -> HTMLResponse:
-    nonce = secrets.token_urlsafe(24)
+    """The form, with a new value issued by the server (:mod:`.signin`). ``failed``: the
+    token was wrong (401); ``refused``: the post was not one of this dashboard's forms, or
+    its value was not issued here, has expired or was used (403)."""
+    nonce = signin.make_value(await signin.login_key(request), int(time.time()))
     after = _after_sign_in(next_page)
+    shown = failed or refused
     response = render(
         request,
         "login.html",
         None,
-        status=401 if failed else 200,
+        status=403 if refused else 401 if failed else 200,
         nonce=nonce,
         failed=failed,
-        ended=ended and not failed,
-        result="Session ended" if ended and not failed else None,
+        refused=refused,
+        ended=ended and not shown,
+        result="Session ended" if ended and not shown else None,
         next_page=after if after != "/" else "",
     )
-    set_cookie(request, response, LOGIN_COOKIE, nonce, LOGIN_TTL_S)
+    set_cookie(request, response, LOGIN_COOKIE, nonce, signin.VALUE_TTL_S)
     return response
 
 
@@ -111,18 +120,33 @@ async def sign_in(request: Request) -> Response:
     token = str(form.get("token", "")).strip()
     nonce = str(form.get("nonce", ""))
     next_page = str(form.get("next", ""))
+    if signin.cross_site(request):
+        return await _login_page(request, refused=True, next_page=next_page)
+    # The form's value: the one its page set in the cookie, issued by this dashboard (its
+    # MAC), not expired, and (below, once the token is right) not used before.
     expected = request.cookies.get(LOGIN_COOKIE, "")
-    if not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
-        return _login_page(request, failed=True, next_page=next_page)
+    issued = signin.value_issued_at(await signin.login_key(request), nonce)
+    if (
+        not expected
+        or not hmac.compare_digest(nonce.encode(), expected.encode())
+        or issued is None
+        or not signin.valid_now(issued, time.time())
+    ):
+        return await _login_page(request, refused=True, next_page=next_page)
     state = api_state(request)
+    used = False
     async with state.connection() as conn:
         principal = await tokens.authenticate(conn, token)
         if principal is not None:
-            session_id, _ = await tokens.open_session(conn, principal)
+            used = not await signin.use_value(conn, nonce, issued)
+            if not used:
+                session_id, _ = await tokens.open_session(conn, principal)
+    if used:
+        return await _login_page(request, refused=True, next_page=next_page)
     if principal is None:
         # A wrong token waits its turn, as the API's 401s do (deps.FAILED_AUTH_PER_S).
         await state.failures.wait()
-        return _login_page(request, failed=True, next_page=next_page)
+        return await _login_page(request, failed=True, next_page=next_page)
     response = RedirectResponse(_after_sign_in(next_page), status_code=303)
     cookie_s = tokens.SESSION_TTL_S + ENDED_SESSION_NOTICE_S
     set_cookie(request, response, SESSION_COOKIE, session_id, cookie_s)

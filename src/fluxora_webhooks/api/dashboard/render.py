@@ -3,7 +3,8 @@
 Sign-in: the token is checked once and a session opened (:mod:`...tokens`): the browser
 keeps only a random session id in an HttpOnly, SameSite=Strict cookie. Every form carries
 the session's CSRF token, compared in constant time; the sign-in form itself carries a
-one-time value that is also in a cookie (a login CSRF cannot sign a browser in).
+one-time value issued by the server that is also in a cookie, and a sign-in from another
+origin is refused (:mod:`.signin`: a login CSRF cannot sign a browser in).
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""The sign-in form's checks against a login CSRF (another site signing a browser into an
+account of its own).
+
+A sign-in post is refused when its ``Origin`` is present and is not the dashboard's own
+(the scheme and ``Host`` the server sees: ``X-Forwarded-Proto`` from a trusted proxy, as
+uvicorn takes it), or when ``Sec-Fetch-Site`` says ``cross-site`` or ``same-site``.
+``Origin: null`` is what a browser sends for this dashboard's own form (its pages'
+``Referrer-Policy: no-referrer``): taken only with ``Sec-Fetch-Site: same-origin``.
+
+The form's value is issued by the server: ``<random>.<issue time>.<HMAC-SHA256>``, the MAC
+keyed with ``webhook_api_login_key`` (made by migration 0017, read once per process and
+shared by every API process of the database), valid for :data:`VALUE_TTL_S` and in the
+form's cookie too. A sign-in uses it up: its sha256 is recorded in
+``webhook_api_login_used`` until it would have expired, and it is refused after that.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+from fastapi import Request
+
+from ...queries import query
+from ..deps import api_state
+
+VALUE_TTL_S = 3600
+# A value issued this far in the future (another process's clock ahead) is still taken.
+CLOCK_SKEW_S = 300
+_MAX_VALUE = 200
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _mac(key: bytes, body: str) -> str:
+    return _b64(hmac.new(key, b"fluxora-webhooks sign-in\x00" + body.encode(), "sha256").digest())
+
+
+def make_value(key: bytes, issued_at: int) -> str:
+    """A new form value, issued at ``issued_at`` (Unix seconds)."""
+    body = f"{secrets.token_urlsafe(24)}.{issued_at}"
+    return f"{body}.{_mac(key, body)}"
+
+
+def value_issued_at(key: bytes, value: str) -> int | None:
+    """The issue time of a value this key signed, else None."""
+    if len(value) > _MAX_VALUE or value.count(".") != 2:
+        return None
+    body, _, mac = value.rpartition(".")
+    if not hmac.compare_digest(mac.encode(), _mac(key, body).encode()):
+        return None
+    issued = body.rpartition(".")[2]
+    return int(issued) if issued.isascii() and issued.isdigit() else None
+
+
+def valid_now(issued_at: int, now: float) -> bool:
+    return now - VALUE_TTL_S <= issued_at <= now + CLOCK_SKEW_S
+
+
+async def login_key(request: Request, conn: psycopg.AsyncConnection[Any] | None = None) -> bytes:
+    """The database's sign-in key, read once per app."""
+    key: bytes | None = getattr(request.app.state, "fluxora_login_key", None)
+    if key is None:
+        if conn is None:
+            async with api_state(request).connection() as own:
+                key = await _read_key(own)
+        else:
+            key = await _read_key(conn)
+        request.app.state.fluxora_login_key = key
+    return key
+
+
+async def _read_key(conn: psycopg.AsyncConnection[Any]) -> bytes:
+    cur = await conn.execute(query("login_key"))
+    row = await cur.fetchone()
+    if row is None:
+        raise RuntimeError("webhook_api_login_key has no key: run `fluxora-webhooks migrate`")
+    return bytes(row[0])
+
+
+async def use_value(conn: psycopg.AsyncConnection[Any], value: str, issued_at: int) -> bool:
+    """Records the value as used; False when it already was."""
+    cur = await conn.execute(
+        query("login_value_use"),
+        {
+            "value_hash": hashlib.sha256(value.encode()).hexdigest(),
+            "expires_at": issued_at + VALUE_TTL_S + CLOCK_SKEW_S,
+        },
+    )
+    return await cur.fetchone() is not None
+
+
+def _origin(scheme: str, netloc: str) -> tuple[str, str, int | None] | None:
+    try:
+        parts = urlsplit(f"{scheme}://{netloc}")
+        port = parts.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        return None
+    return scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def cross_site(request: Request) -> bool:
+    """Whether the post came from another site or origin, by its ``Origin`` (when present)
+    or ``Sec-Fetch-Site`` (when present)."""
+    fetch_site = request.headers.get("sec-fetch-site", "").strip().lower()
+    if fetch_site in ("cross-site", "same-site"):
+        return True
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    if origin.strip() == "null":
+        # The dashboard's pages say Referrer-Policy: no-referrer, so a browser posts its own
+        # form with Origin: null; it is taken when the browser says same-origin (any other
+        # null: a sandboxed frame, a page of no-referrer elsewhere, is refused).
+        return fetch_site != "same-origin"
+    given = urlsplit(origin.strip())
+    if not given.netloc or "@" in given.netloc or given.path or given.query or given.fragment:
+        return True  # not an origin
+    own = _origin(request.url.scheme, request.url.netloc)
+    theirs = _origin(given.scheme, given.netloc)
+    return own is None or theirs is None or own != theirs
