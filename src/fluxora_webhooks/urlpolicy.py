@@ -203,13 +203,13 @@ def validate_url(url: str) -> None:
         raise EndpointError("the URL has no host")
     if port == 0:
         raise EndpointError("port 0 is no port to connect to; write the consumer's port")
-    if "[" in parts.netloc and not _is_ipv6(host.partition("%")[0]):
+    if "[" in parts.netloc and not _is_ip(host.partition("%")[0], version=6):
         # "[v1.x]" (an RFC 3986 IPvFuture literal): both parsers read it as the name v1.x.
         raise EndpointError(
             f"the host [{shown_host(host)}] is in brackets but is no IPv6 address; write a"
             " host name without brackets"
         )
-    if "%" in host and _is_ipv6(host.partition("%")[0]):
+    if "%" in host and _is_ip(host.partition("%")[0], version=6):
         # "[fe80::1%25eth0]": the zone names an interface of one host (RFC 6874) and an
         # HTTP request may not carry it; the client can neither connect with it nor drop it.
         raise EndpointError(
@@ -292,20 +292,13 @@ def check_url_address(
         raise EndpointError(f"the URL's host {address} is refused: {reason}{hint}")
 
 
-def _is_ip(text: str) -> bool:
+def _is_ip(text: str, *, version: int | None = None) -> bool:
+    """An IP address (of that ``version`` if given), brackets aside."""
     try:
-        ipaddress.ip_address(text.strip("[]"))
+        address = ipaddress.ip_address(text.strip("[]"))
     except ValueError:
         return False
-    return True
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        ipaddress.IPv6Address(text.strip("[]"))
-    except ValueError:
-        return False
-    return True
+    return version is None or address.version == version
 
 
 def redacted(url: str) -> str:
