@@ -148,7 +148,9 @@ def header_texts(headers: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(found)
 
 
-@functools.lru_cache(maxsize=1024)
+# As many URLs as the HTTP client keeps origins for (httpclient._origin): a recorded
+# attempt reads its endpoint's parts here, parsed once.
+@functools.lru_cache(maxsize=4096)
 def _url_secrets(url: str) -> tuple[str, ...]:
     return url_secrets(url)
 
