@@ -16,6 +16,7 @@ from playwright.async_api import Browser, expect
 from fluxora_webhooks import tokens
 from tests.e2e.test_dashboard_browser import SHOTS
 from tests.support.api import Api, serving
+from tests.support.browser import chromium
 from tests.support.dispatch import scalar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -94,3 +95,22 @@ async def test_an_ended_session_is_said_and_the_sign_in_leads_back(
         assert errors == []
     finally:
         await context.close()
+
+
+async def test_a_browser_on_plain_http_to_a_named_host_signs_in(api: Api) -> None:
+    """A dashboard reached over plain http at a name other than localhost (a private
+    address, as the docs allow): the browser sends no Sec-Fetch-* there (not a secure
+    context) and Origin: null for the page's own form. It signs in; the server-issued,
+    one-time value is the check. The name is mapped to loopback inside the browser."""
+    port = api.url.rsplit(":", 1)[1]
+    named = f"http://dashboard.test:{port}"
+    async with chromium("--host-resolver-rules=MAP dashboard.test 127.0.0.1") as browser:
+        page = await browser.new_page()
+        await page.goto(named + "/login")
+        await page.fill("#token", api.tokens["acme"])
+        posting = page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/login"))
+        async with posting as posted:
+            await page.click("#login button[type=submit]")
+        await page.wait_for_url(named + "/")
+        sent = await (await posted.value).all_headers()
+        assert sent.get("origin") == "null" and "sec-fetch-site" not in sent, sent

@@ -22,12 +22,13 @@ ARGS = [
 
 
 @contextlib.asynccontextmanager
-async def chromium() -> AsyncIterator[Browser]:
-    """A launched browser, closed on the way out; a test fails (never skips) without it."""
+async def chromium(*extra: str) -> AsyncIterator[Browser]:
+    """A launched browser (``extra``: more command-line switches), closed on the way out;
+    a test fails (never skips) without it."""
     if not HAVE_CHROMIUM:
         pytest.fail("Debian's chromium is not installed (apt-get install chromium)")
     async with async_playwright() as pw:
-        launched = await pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        launched = await pw.chromium.launch(executable_path=str(CHROMIUM), args=[*ARGS, *extra])
         try:
             yield launched
         finally:

@@ -1,11 +1,10 @@
 """The sign-in form's checks against a login CSRF (another site signing a browser into an
 account of its own).
 
-A sign-in post is refused when its ``Origin`` is present and is not the dashboard's own
-(the scheme and ``Host`` the server sees: ``X-Forwarded-Proto`` from a trusted proxy, as
-uvicorn takes it), or when ``Sec-Fetch-Site`` says ``cross-site`` or ``same-site``.
-``Origin: null`` is what a browser sends for this dashboard's own form (its pages'
-``Referrer-Policy: no-referrer``): taken only with ``Sec-Fetch-Site: same-origin``.
+A sign-in post is refused when its ``Sec-Fetch-Site`` says ``cross-site`` or
+``same-site``, or, without that header, when its ``Origin`` is an origin other than the
+dashboard's own (the scheme and ``Host`` the server sees: ``X-Forwarded-Proto`` from a
+trusted proxy, as uvicorn takes it). See :func:`cross_site`.
 
 The form's value is issued by the server: ``<random>.<issue time>.<HMAC-SHA256>``, the MAC
 keyed with ``webhook_api_login_key`` (made by migration 0017, read once per process and
@@ -108,19 +107,22 @@ def _origin(scheme: str, netloc: str) -> tuple[str, str, int | None] | None:
 
 
 def cross_site(request: Request) -> bool:
-    """Whether the post came from another site or origin, by its ``Origin`` (when present)
-    or ``Sec-Fetch-Site`` (when present)."""
+    """Whether the post came from another site or origin. ``Sec-Fetch-Site`` first, where
+    the browser sends it (https, and localhost): ``cross-site`` or ``same-site`` is
+    refused, ``same-origin`` taken, whatever the ``Origin`` (the pages' ``Referrer-Policy:
+    no-referrer`` makes it ``null``; behind a proxy that rewrites ``Host`` it would not be
+    the origin the server sees anyway). Without it (plain http to another host than
+    localhost: a browser sends no ``Sec-Fetch-*`` there), an ``Origin`` that is an origin
+    must be the dashboard's own, and ``null`` or none is taken: the server-issued,
+    one-time value is the check then."""
     fetch_site = request.headers.get("sec-fetch-site", "").strip().lower()
     if fetch_site in ("cross-site", "same-site"):
         return True
-    origin = request.headers.get("origin")
-    if origin is None:
+    if fetch_site in ("same-origin", "none"):
         return False
-    if origin.strip() == "null":
-        # The dashboard's pages say Referrer-Policy: no-referrer, so a browser posts its own
-        # form with Origin: null; it is taken when the browser says same-origin (any other
-        # null: a sandboxed frame, a page of no-referrer elsewhere, is refused).
-        return fetch_site != "same-origin"
+    origin = request.headers.get("origin")
+    if origin is None or origin.strip() == "null":
+        return False
     given = urlsplit(origin.strip())
     if not given.netloc or "@" in given.netloc or given.path or given.query or given.fragment:
         return True  # not an origin
