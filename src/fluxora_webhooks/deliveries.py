@@ -438,10 +438,10 @@ async def event_of_row(
     """The id of the event whose row ``enqueue`` named by ``delivery_id`` (what it returns),
     or None (no such event in the scope, or not an id at all)."""
     try:
-        uuid.UUID(delivery_id)
+        canonical = str(uuid.UUID(delivery_id))  # "urn:uuid:..." and braces too
     except ValueError:
         return None
-    rows = await _rows(conn, "event_of_row", {"delivery_id": delivery_id, **_scope(tenant)})
+    rows = await _rows(conn, "event_of_row", {"delivery_id": canonical, **_scope(tenant)})
     return int(rows[0]["id"]) if rows else None
 
 

@@ -427,8 +427,7 @@ class Repeats(logging.Filter):
             if len(self._kinds) > 1000:  # kinds are a library's formats: few; bounded all the same
                 self._kinds = {key: (now, 0)}
         if left_out:
-            window = f"{self.window_s:.0f} s"
-            record.msg = f"{record.msg} ({left_out} more like it in the last {window} not logged)"
+            record.msg = f"{record.msg} ({left_out} more like it since the last one, not logged)"
         return True
 
 

@@ -411,6 +411,8 @@ async def test_the_id_enqueue_returns_finds_its_event(api: Api, database_url: st
     by_number = await api.get(f"/api/v1/events/{found.body['id']}", token="acme")
     assert by_number.body == found.body
     assert (await api.get(f"/api/v1/events/{returned}")).status == 200  # an admin
+    as_urn = await api.get(f"/api/v1/events/urn:uuid:{returned}", token="acme")
+    assert as_urn.status == 200 and as_urn.body["id"] == found.body["id"], as_urn.text
     for token, path in (
         ("bolt", f"/api/v1/events/{returned}"),  # another tenant: not found, not forbidden
         ("acme", "/api/v1/events/00000000-0000-4000-8000-000000000000"),

@@ -358,6 +358,15 @@ def test_several_deliveries_received_in_one_transaction_are_all_checked(
             assert take(c, kept) is not None
             c.execute("INSERT INTO seen VALUES (2)")
             check_committable(c)
+        # Received again after the savepoint it was first recorded in rolled back (as the
+        # refusal advises): recorded once more, and the check passes.
+        again = delivery()
+        with c.transaction():
+            with c.transaction() as savepoint:
+                assert take(c, again) is not None
+                raise psycopg.Rollback(savepoint)
+            assert take(c, again) is not None
+            check_committable(c)
         both = delivery(), delivery()
         with c.transaction():
             assert all(take(c, d) is not None for d in both)
@@ -365,7 +374,7 @@ def test_several_deliveries_received_in_one_transaction_are_all_checked(
             c.execute("INSERT INTO seen VALUES (3)")
             check_committable(c)
     ids = {r[0] for r in recorded(inbox_database_url)}
-    assert ids == {earlier.delivery_id} | {d.delivery_id for d in both}
+    assert ids == {earlier.delivery_id, again.delivery_id} | {d.delivery_id for d in both}
     with psycopg.connect(inbox_database_url) as c:
         assert c.execute("SELECT array_agg(id ORDER BY id) FROM seen").fetchone() == ([3],)
 

@@ -36,7 +36,7 @@ def test_repeats_of_a_kind_are_left_out_and_counted_on_the_next_line(
         "discarding broken connection: c1",
         "growing pool 'pool-1' to 2",
         "growing pool 'pool-1' to 3",
-        "error connecting in 'pool-1': refused 5 (4 more like it in the last 60 s not logged)",
+        "error connecting in 'pool-1': refused 5 (4 more like it since the last one, not logged)",
     ]
 
 

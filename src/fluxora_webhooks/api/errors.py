@@ -387,8 +387,8 @@ def install(app: FastAPI, html_error: Any) -> None:
             message = "no such resource"
         elif exc.status_code == 400 and message == _PARSE_FAILED:
             # FastAPI's answer when reading the JSON raised anything but a decoding error:
-            # a body nested deeper than Python's JSON reader goes.
-            message = "the request body cannot be read: JSON nested too deeply"
+            # a body that is not UTF-8, or nested deeper than Python's JSON reader goes.
+            message = await _unreadable_body(request)
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             headers["Allow"] = _allowed(request)
@@ -397,6 +397,17 @@ def install(app: FastAPI, html_error: Any) -> None:
 
 # FastAPI's 400 when its JSON reader fails on a body for another reason than bad JSON.
 _PARSE_FAILED = "There was an error parsing the body"
+
+
+async def _unreadable_body(request: Request) -> str:
+    """Why FastAPI could not read the body (it keeps the body it read)."""
+    try:
+        (await request.body()).decode("utf-8")
+    except UnicodeDecodeError:
+        return "the request body is not valid JSON: it is not UTF-8 text"
+    except Exception:  # the body is gone: say both
+        return "the request body cannot be read as JSON (not UTF-8, or nested too deeply)"
+    return "the request body cannot be read: JSON nested too deeply"
 
 
 def _allowed(request: Request) -> str:

@@ -320,7 +320,8 @@ def _received(
     transaction = str(row[0])
     recorded = _RECORDED_IN.get(conn)
     if recorded is not None and recorded[0] == transaction:
-        recorded[1].append(event.delivery_id)
+        if event.delivery_id not in recorded[1]:  # received again after its savepoint rolled back
+            recorded[1].append(event.delivery_id)
     else:
         _RECORDED_IN[conn] = (transaction, [event.delivery_id])
     return event
