@@ -382,6 +382,16 @@ RETENTION_RUNS = Counter(
 # worker never serves the API, and a series it created would come back from its files.
 
 API_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+# Not fluxora_webhook_build_info: that one says a dispatcher is scraped (the
+# FluxoraWebhooksAbsent alert, the Grafana dashboard's instances), and an API process is
+# none. Set by `fluxora-webhooks api` on its metrics port.
+API_BUILD_INFO = Gauge(
+    "fluxora_api_build_info",
+    "Always 1, labelled with the version of the management API process (`api`).",
+    ["version"],
+    registry=None,
+)
+
 API_REQUESTS = Counter(
     "fluxora_api_requests",
     "Requests the management API answered, by method, route template (none: answered before "

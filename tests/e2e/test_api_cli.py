@@ -125,6 +125,10 @@ async def test_the_api_command_serves_and_stops_on_sigterm(
         assert api_requests(text, "/api/v1/stats", 200) == 1, text
         assert "fluxora_api_request_duration_seconds_bucket" in text
         assert "fluxora_webhook_deliveries" not in text and token not in text
+        # Its own build series: not the dispatchers', whose absence the
+        # FluxoraWebhooksAbsent alert watches (an API scraped beside them silenced it).
+        assert 'fluxora_api_build_info{version="' in text, text
+        assert "fluxora_webhook_" not in text, text
         async with (
             aiohttp.ClientSession() as session,
             session.get(f"http://127.0.0.1:{port}/metrics") as resp,

@@ -119,13 +119,15 @@ async def _serve_metrics(settings: Any) -> Any:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
     from .. import metrics
+    from .._version import __version__
     from ..service import serve_health
 
     if not settings.metrics_port:
         return None
     metrics.without_created_series()
     registry = CollectorRegistry()
-    for own in (metrics.BUILD_INFO, metrics.API_REQUESTS, metrics.API_REQUEST_DURATION):
+    metrics.API_BUILD_INFO.labels(version=__version__).set(1)
+    for own in (metrics.API_BUILD_INFO, metrics.API_REQUESTS, metrics.API_REQUEST_DURATION):
         registry.register(own)
 
     async def scrape(request: web.Request) -> web.Response:
