@@ -40,7 +40,7 @@ from . import metrics
 from .delivery import EGRESS, EGRESS_HELD, HELD, AttemptResult
 from .endpoints import DEFAULT_ID
 from .errors import NotFoundError
-from .gate import Admission
+from .gate import ANSWERED, Admission, Signal
 from .outbox import (
     Claimed,
     Completion,
@@ -850,10 +850,13 @@ async def _disable(
         dispatcher.note_disabled(endpoint_id, reason)
 
 
-def breaker_signal(result: AttemptResult) -> bool | None:
+def breaker_signal(result: AttemptResult) -> Signal:
+    """What the attempt says of its consumer (:data:`~fluxora_webhooks.gate.Signal`)."""
     if result.kind is Kind.DELIVERED:
         return True
     if result.kind is Kind.RETRYABLE:
         # Failed at the egress proxy or the resolver: no word of the consumer.
         return None if result.reason in HELD else False
-    return None
+    # A permanent failure: answered (a 4xx, a 3xx) says the consumer is up; refused before
+    # any request (the URL policy, a row that cannot be sent) says nothing of it.
+    return ANSWERED if result.status is not None else None

@@ -51,7 +51,7 @@ from .connector import SafeResolver
 from .delivery import EGRESS, HELD, AttemptResult, attempt, secret_texts
 from .egress import EgressHold, ResolverWatch
 from .errors import ConfigError, EndpointError
-from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate
+from .gate import ALLOW, Admission, AdmitRequest, DeliveryGate, OpenGate, Signal
 from .httpclient import HttpClient, client_ssl_context, warm_ssl_context
 from .migrations import READ_ONLY_HINT, discard, read_only_reason
 from .outbox import (
@@ -941,10 +941,10 @@ class Dispatcher:
         for key in [k for k in self._tls_clients if k[1] not in used]:
             await self._tls_clients.pop(key).close()
 
-    async def report(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
+    async def report(self, reports: Mapping[str, Sequence[tuple[Admission, Signal]]]) -> None:
         """Tell the gate how the admitted attempts went, per URL."""
 
-        async def one(url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
+        async def one(url: str, results: Sequence[tuple[Admission, Signal]]) -> None:
             try:
                 await self.gate.report(url, results)
             except Exception:  # the gate fails open; a broken one must not undo the batch
@@ -952,7 +952,7 @@ class Dispatcher:
 
         await asyncio.gather(*(one(url, results) for url, results in reports.items()))
 
-    def report_later(self, reports: Mapping[str, Sequence[tuple[Admission, bool | None]]]) -> None:
+    def report_later(self, reports: Mapping[str, Sequence[tuple[Admission, Signal]]]) -> None:
         """:meth:`report` in a task of its own: the gate's reports wait for a connection of
         theirs (redis_gate.GATE_CONNECTIONS), and nothing that records attempts waits
         for them."""
@@ -981,7 +981,7 @@ class Dispatcher:
             if send.committed is not None:  # made with its lease
                 send.lease_written = True
                 send.committed.set()
-        reports: dict[str, list[tuple[Admission, bool | None]]] = {}
+        reports: dict[str, list[tuple[Admission, Signal]]] = {}
         # Counted once per outcome and batch: a counter's increment is a lock (and under
         # the supervisor a write to its file), not worth paying per row.
         tally: collections.Counter[tuple[Outcome, str | None]] = collections.Counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
+from typing import Literal, Protocol, TypeAlias
 
 
 class AdmitCode(IntEnum):
@@ -23,6 +23,13 @@ class AdmitCode(IntEnum):
     RATE_LIMITED = 2
     CIRCUIT_OPEN = 3
     ALLOWED_CLEAN = 4  # allowed, the breaker closed with no failure on record
+
+
+# What an attempt says of its consumer, for the breaker: True delivered, False a retryable
+# failure, ANSWERED a permanent one the consumer answered (a 4xx, a 3xx: it is up), None no
+# word of it (refused before connecting, held at the egress proxy or the resolver).
+ANSWERED: Literal["answered"] = "answered"
+Signal: TypeAlias = bool | Literal["answered"] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +79,10 @@ class DeliveryGate(Protocol):
         where the gate can."""
         ...
 
-    async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
-        """After the attempts that were allowed: ``True`` delivered, ``False`` retryable
-        failure, ``None`` neither (a permanent failure says the consumer is up)."""
+    async def report(self, url: str, results: Sequence[tuple[Admission, Signal]]) -> None:
+        """After the attempts that were allowed, what each said of the consumer
+        (:data:`Signal`): a half-open breaker's probe closes it when the consumer answered,
+        delivered or not."""
         ...
 
     async def close(self) -> None: ...
@@ -91,7 +99,7 @@ class OpenGate:
     async def admit_many(self, requests: Sequence[AdmitRequest]) -> list[list[Admission]]:
         return [[ALLOW] * len(r.attempts) for r in requests]
 
-    async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
+    async def report(self, url: str, results: Sequence[tuple[Admission, Signal]]) -> None:
         return None
 
     async def close(self) -> None:

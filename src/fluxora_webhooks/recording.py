@@ -39,6 +39,7 @@ from .retry import Decision
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
+    from .gate import Signal
     from .targets import Load
 
 log = logging.getLogger("fluxora_webhooks.dispatcher")
@@ -425,7 +426,7 @@ class Completer:
         self.settled([item.send for item in group])
         for decision in prepared.decisions:
             self.d.count(decision.outcome, decision.reason)
-        reports: dict[str, list[tuple[Any, bool | None]]] = {}
+        reports: dict[str, list[tuple[Any, Signal]]] = {}
         for item in group:
             if item.result is not None:
                 reports.setdefault(item.send.target.url, []).append(

@@ -91,7 +91,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import metrics
 from .errors import ConfigError
-from .gate import ALLOW, ALLOW_CLEAN, Admission, AdmitCode, AdmitRequest
+from .gate import ALLOW, ALLOW_CLEAN, ANSWERED, Admission, AdmitCode, AdmitRequest, Signal
 from .logs import Notice
 from .redis_connect import (
     REDIS_DOCS,
@@ -156,6 +156,10 @@ def hash_tagged(prefix: str, name: str, url: str) -> str:
 def rate_limit_key(url: str, prefix: str = "") -> str:
     """The sorted set of the attempts sent to ``url`` within the last window."""
     return hash_tagged(prefix, RATE_LIMIT_KEY, url)
+
+
+# A result's outcome as breaker.lua's cb_record takes it.
+_OUTCOME_ARG: dict[Signal, str] = {True: "1", False: "0", ANSWERED: "a", None: "-"}
 
 
 def breaker_key(url: str, prefix: str = "") -> str:
@@ -384,15 +388,19 @@ class RedisGate:
             return client.is_cluster is False
         return not isinstance(client, RedisCluster)
 
-    async def report(self, url: str, results: Sequence[tuple[Admission, bool | None]]) -> None:
+    async def report(self, url: str, results: Sequence[tuple[Admission, Signal]]) -> None:
         if self.breaker_threshold <= 0:
             return
         args: list[str | int] = [self.breaker_threshold, self.breaker_reset_ms, self._state_ttl_ms]
         changes = False  # whether recording these can change the breaker
         for admission, outcome in results:
-            if not admission.allowed or (outcome is None and not admission.probe):
-                continue  # nothing to record (a probe's None still releases its lease)
-            args.append("-" if outcome is None else "1" if outcome else "0")
+            if not admission.allowed or (
+                (outcome is None or outcome is ANSWERED) and not admission.probe
+            ):
+                # Nothing to record: a 4xx neither counts as a failure nor ends a streak;
+                # a probe's still releases its lease (and an answer closes the breaker).
+                continue
+            args.append(_OUTCOME_ARG[outcome])
             args.append(admission.probe_token if admission.probe else "")
             changes = changes or not (outcome is True and admission.clean)
         if not changes:

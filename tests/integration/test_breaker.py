@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from fluxora_webhooks.gate import ALLOW, Admission
+from fluxora_webhooks.gate import ALLOW, ANSWERED, Admission
 from fluxora_webhooks.metrics import REGISTRY
 from fluxora_webhooks.redis_gate import (
     CLOSED,
@@ -322,6 +322,27 @@ async def test_a_slow_probe_still_decides_if_nobody_took_over(
 
     await gate.report(URL, [(probe, False)])
     assert (await read_breaker_state(redis_client, URL, prefix)).state == OPEN
+
+
+async def test_a_probe_the_consumer_answered_with_a_4xx_closes_the_circuit(
+    redis_client: Redis, prefix: str
+) -> None:
+    """A 4xx (a permanent failure of that delivery) says the consumer is up: the probe
+    closes the breaker, as a 2xx does (it stayed half-open, one request at a time, for
+    as long as the consumer answered 4xx). In a closed breaker a 4xx changes nothing."""
+    gate = make_gate(redis_client, prefix)
+    await open_and_wait(gate, redis_client)
+    probe = await take_probe(gate)
+    closed = transitions(HALF_OPEN, CLOSED)
+
+    await gate.report(URL, [(probe, ANSWERED)])
+
+    assert await read_breaker_state(redis_client, URL, prefix) == BreakerState()
+    assert transitions(HALF_OPEN, CLOSED) - closed == 1
+    assert await gate.admit(URL, [1, 2]) == [ALLOW, ALLOW]
+    await fail(gate, 2)
+    await gate.report(URL, [(ALLOW, ANSWERED)])
+    assert await read_breaker_state(redis_client, URL, prefix) == BreakerState(CLOSED, 2)
 
 
 async def test_a_probe_without_a_verdict_releases_its_lease(

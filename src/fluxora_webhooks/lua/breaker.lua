@@ -60,7 +60,8 @@ local function cb_release_probe(cb, probe_key, token)
   cb.dirty = true
 end
 
--- One reported result: outcome '1' delivered, '0' retryable failure, '-' neither.
+-- One reported result: outcome '1' delivered, '0' retryable failure, 'a' a permanent
+-- failure the consumer answered (a 4xx: it is up), '-' no word of the consumer.
 local function cb_record(cb, outcome, token, now, threshold, reset_ms, probe_key)
   if cb.state == 'closed' then
     if outcome == '1' and cb.failures > 0 then
@@ -76,7 +77,7 @@ local function cb_record(cb, outcome, token, now, threshold, reset_ms, probe_key
     end
   elseif cb.state == 'half-open' and token ~= '' and token == cb.probe then
     cb_release_probe(cb, probe_key, token)
-    if outcome == '1' then
+    if outcome == '1' or outcome == 'a' then  -- the consumer answered: it is up
       cb.state = 'closed'
       cb.failures = 0
     elseif outcome == '0' then

@@ -1,6 +1,6 @@
 -- KEYS: breaker hash, probe lease. ARGV: threshold, reset_ms, state_ttl_ms, then one
 -- (outcome, probe token) pair per result: outcome '1' delivered, '0' retryable failure,
--- '-' neither. Returns the transitions made: {from1, to1, from2, to2, ...}.
+-- 'a' a permanent failure the consumer answered, '-' no word of the consumer. Returns the transitions made: {from1, to1, from2, to2, ...}.
 local threshold = tonumber(ARGV[1])
 local reset_ms = tonumber(ARGV[2])
 local now = now_ms()
