@@ -395,7 +395,7 @@ class RedisGate:
         changes = False  # whether recording these can change the breaker
         for admission, outcome in results:
             if not admission.allowed or (
-                (outcome is None or outcome is ANSWERED) and not admission.probe
+                (outcome is None or outcome == ANSWERED) and not admission.probe
             ):
                 # Nothing to record: a 4xx neither counts as a failure nor ends a streak;
                 # a probe's still releases its lease (and an answer closes the breaker).
