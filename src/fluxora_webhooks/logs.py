@@ -401,31 +401,31 @@ def json_configured() -> bool:
 
 class Repeats(logging.Filter):
     """Lets one record of a kind through per ``window_s`` (a kind: the logger and the
-    message's format, not its arguments) and says how many were left out on the next one.
-    For a library's logger that writes a line per retry: psycopg_pool warns at each of its
-    connections' failed reconnects, tens of lines for a few seconds of a database outage
-    that the claim loops already report."""
+    message's format, not its arguments; a :class:`Notice` each) and says how many were
+    left out on the next one. For a library's logger that writes a line per retry:
+    psycopg_pool warns at each of its connections' failed reconnects, tens of lines for a
+    few seconds of a database outage that the claim loops already report."""
 
     def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.window_s = window_s
         self._clock = clock
-        self._kinds: dict[tuple[str, object], tuple[float, int]] = {}
+        self._kinds: dict[tuple[str, object], Notice] = {}
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
         key = (record.name, record.msg)
-        now = self._clock()
         with self._lock:
-            said, left_out = self._kinds.get(key, (-self.window_s, 0))
-            if now - said < self.window_s:
-                self._kinds[key] = (said, left_out + 1)
-                return False
-            self._kinds[key] = (now, 0)
-            if len(self._kinds) > 1000:  # kinds are a library's formats: few; bounded all the same
-                self._kinds = {key: (now, 0)}
+            notice = self._kinds.get(key)
+            if notice is None:
+                if len(self._kinds) >= 1000:  # a library's formats: few; bounded all the same
+                    self._kinds.clear()
+                notice = self._kinds[key] = Notice(self.window_s, self._clock)
+            left_out = notice.due()
+        if left_out is None:
+            return False
         if left_out:
             record.msg = f"{record.msg} ({left_out} more like it since the last one, not logged)"
         return True

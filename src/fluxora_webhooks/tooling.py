@@ -50,14 +50,18 @@ class Sent:
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """Where an event went: ``routed`` once a dispatcher routed it; ``deliveries`` as
-    (endpoint id, delivery id), by endpoint id."""
+    """Where an event went: ``routing`` as the API's event says it (``pending`` until a
+    dispatcher routed it, ``routed``, ``unrouted``: no endpoint of its tenant subscribed to
+    its type, ``dead_letter``: its fan-out was refused); ``deliveries`` as (endpoint id,
+    delivery id), by endpoint id."""
 
-    routed: bool
-    deliveries: tuple[tuple[str, str], ...] = ()
-    # As the API's event "routing" says it: pending, routed, unrouted (no endpoint of its
-    # tenant subscribed to its type) or dead_letter (its fan-out was refused).
     routing: str = "pending"
+    deliveries: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def routed(self) -> bool:
+        """Whether a dispatcher routed it (to no endpoint, maybe)."""
+        return self.routing != "pending"
 
 
 async def send_event(
@@ -84,21 +88,21 @@ async def read_routing(conn: psycopg.AsyncConnection[Any], sent: Sent) -> Routin
     cur = await conn.execute(query("event_routing"), params)
     row = await cur.fetchone()
     if row is None:  # pruned: long routed
-        return Routing(True, routing="routed")
+        return Routing("routed")
     endpoint_id, processed, outcome, delivery_id = row
     if endpoint_id is None and not processed:
-        return Routing(False)
+        return Routing()
     if outcome in ("unrouted", "dead_letter") and endpoint_id is None:
-        return Routing(True, routing=outcome)
+        return Routing(outcome)
     cur = await conn.execute(query("event_deliveries"), {"id": sent.event_id})
     found = {str(e): str(d) for e, d in await cur.fetchall()}
     if endpoint_id == DEFAULT_ID:
         found[DEFAULT_ID] = delivery_id  # the event row is the default endpoint's delivery
-    return Routing(True, tuple(sorted(found.items())), routing="routed")
+    return Routing("routed", tuple(sorted(found.items())))
 
 
 async def wait_routed(conn: psycopg.AsyncConnection[Any], sent: Sent, timeout_s: float) -> Routing:
-    """The event's routing once a dispatcher has routed it, or ``Routing(False)`` after
+    """The event's routing once a dispatcher has routed it, or ``Routing()`` (pending) after
     ``timeout_s`` (no dispatcher running, or all busy)."""
     deadline = time.monotonic() + timeout_s
     while True:

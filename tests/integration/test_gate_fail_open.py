@@ -4,6 +4,7 @@ by itself when Redis does: no restart of the gate, no permanent "disabled" state
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import tempfile
@@ -158,11 +159,15 @@ async def test_a_silent_redis_times_out_then_is_left_alone_during_the_back_off()
     assert fail_opens("ratelimit") - before == 20
 
 
-async def _hung_later(
+@contextlib.asynccontextmanager
+async def _frozen_after_a_decision(
     own_redis: RedisServer, *, failure_backoff_ms: int, timeout_ms: int
-) -> RedisGate:
-    """A gate on ``own_redis`` (which the test freezes), at rps 1 with a breaker."""
-    return await connect_gate(
+) -> AsyncIterator[tuple[RedisGate, float]]:
+    """A gate on ``own_redis`` at rps 1 with a breaker, which decided once (of two retries,
+    the second over the limit); then Redis is frozen (it accepts nothing, answers
+    nothing). Yields the gate and the fail-open count before the freeze; thawed and closed
+    on the way out."""
+    gate = await connect_gate(
         f"redis://127.0.0.1:{own_redis.port}",
         retry_rps=1,
         breaker_threshold=1,
@@ -171,14 +176,20 @@ async def _hung_later(
         failure_backoff_ms=failure_backoff_ms,
         timeout_ms=timeout_ms,
     )
+    try:
+        assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
+        own_redis.freeze()
+        yield gate, fail_opens("gate")
+    finally:
+        own_redis.thaw()
+        await gate.close()
 
 
 async def test_without_back_off_every_call_is_still_bounded(own_redis: RedisServer) -> None:
-    gate = await _hung_later(own_redis, failure_backoff_ms=0, timeout_ms=300)
-    try:
-        assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
-        own_redis.freeze()  # hung: accepts nothing, answers nothing
-        before = fail_opens("gate")
+    async with _frozen_after_a_decision(own_redis, failure_backoff_ms=0, timeout_ms=300) as (
+        gate,
+        before,
+    ):
         async with asyncio.timeout(10):
             for _ in range(3):
                 assert await gate.admit(URL, [2, 2]) == [ALLOW, ALLOW]
@@ -193,9 +204,6 @@ async def test_without_back_off_every_call_is_still_bounded(own_redis: RedisServ
         # Redis decides again: of two retries at rps 1, the second is over the limit.
         assert admissions[-1] == RETRY_DENIED
         assert gate.available
-    finally:
-        own_redis.thaw()
-        await gate.close()
 
 
 async def test_a_node_that_failed_is_tried_again_off_the_deliveries_path(
@@ -205,11 +213,10 @@ async def test_a_node_that_failed_is_tried_again_off_the_deliveries_path(
     bound again while it still hangs: each goes ahead without the gate at once, and a try
     in the background finds out when Redis answers (a dead cluster node held every batch,
     whatever its consumers' nodes, for the whole bound once per back-off)."""
-    gate = await _hung_later(own_redis, failure_backoff_ms=50, timeout_ms=4_000)
-    try:
-        assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
-        own_redis.freeze()  # hung: accepts nothing, answers nothing
-        before = fail_opens("gate")
+    async with _frozen_after_a_decision(own_redis, failure_backoff_ms=50, timeout_ms=4_000) as (
+        gate,
+        before,
+    ):
         async with asyncio.timeout(10):
             assert await gate.admit(URL, [2, 2]) == [ALLOW, ALLOW]  # waits the bound once
         assert not gate.available
@@ -230,9 +237,6 @@ async def test_a_node_that_failed_is_tried_again_off_the_deliveries_path(
         # retries at rps 1, the second is over the limit.
         await asyncio.sleep(1.1)
         assert await gate.admit(URL, [2, 2]) == [ALLOW, RETRY_DENIED]
-    finally:
-        own_redis.thaw()
-        await gate.close()
 
 
 async def test_error_answers_fail_open_and_protection_resumes(

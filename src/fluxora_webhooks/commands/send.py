@@ -101,7 +101,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             sent = await send_event(
                 conn, tenant=tenant, event_type=args.event, payload=payload, stream_id=args.stream
             )
-            routing = await wait_routed(conn, sent, args.wait) if args.wait > 0 else Routing(False)
+            routing = await wait_routed(conn, sent, args.wait) if args.wait > 0 else Routing()
         out = {
             "event_id": sent.event_id,
             "tenant": tenant,

@@ -64,14 +64,11 @@ def valid_now(issued_at: int, now: float) -> bool:
     return now - VALUE_TTL_S <= issued_at <= now + CLOCK_SKEW_S
 
 
-async def login_key(request: Request, conn: psycopg.AsyncConnection[Any] | None = None) -> bytes:
+async def login_key(request: Request) -> bytes:
     """The database's sign-in key, read once per app."""
     key: bytes | None = getattr(request.app.state, "fluxora_login_key", None)
     if key is None:
-        if conn is None:
-            async with api_state(request).connection() as own:
-                key = await _read_key(own)
-        else:
+        async with api_state(request).connection() as conn:
             key = await _read_key(conn)
         request.app.state.fluxora_login_key = key
     return key
