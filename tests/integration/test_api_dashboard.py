@@ -272,3 +272,42 @@ async def test_a_rotation_posted_without_its_confirmation_only_asks(
     )
     assert status == 200 and await secret() != before
     assert 'id="kept">stopped signing now' in html
+
+
+async def test_a_rotation_posted_again_rotates_once(browser: Browser, database_url: str) -> None:
+    """A reload of the page that showed the new secret posts its confirmation again: the
+    secret shown then keeps signing, and the first one stays the previous one for the
+    time chosen (a second rotation would have dropped it at once)."""
+    endpoint_id = await one_endpoint(database_url)
+
+    async def secrets_now() -> tuple[Any, Any]:
+        async with await psycopg.AsyncConnection.connect(database_url) as conn:
+            cur = await conn.execute(
+                "SELECT secret, secret_previous FROM webhook_endpoints WHERE id = %s",
+                (endpoint_id,),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            return row[0], row[1]
+
+    first, _ = await secrets_now()
+    await browser.sign_in("acme")
+    _, html, _ = await browser.get(f"/endpoints/{endpoint_id}/rotate")
+    key = re.search(r'name="form_key" value="([A-Za-z0-9_-]{24})"', html)
+    assert key is not None
+    form = {"keep_previous": "24h", "confirm": "yes", "form_key": key.group(1)}
+    status, html, _ = await browser.post(f"/endpoints/{endpoint_id}/rotate", form)
+    assert status == 200 and "Secret rotated" in html
+    rotated = await secrets_now()
+    assert rotated[0] != first and rotated[1] == first
+    status, html, _ = await browser.post(f"/endpoints/{endpoint_id}/rotate", form)
+    assert status == 409 and 'id="rotated-before"' in html
+    assert await secrets_now() == rotated
+    # Another confirmation (the form opened again) rotates again.
+    _, html, _ = await browser.get(f"/endpoints/{endpoint_id}/rotate")
+    again = re.search(r'name="form_key" value="([A-Za-z0-9_-]{24})"', html)
+    assert again is not None and again.group(1) != key.group(1)
+    status, _, _ = await browser.post(
+        f"/endpoints/{endpoint_id}/rotate", {**form, "form_key": again.group(1)}
+    )
+    assert status == 200 and (await secrets_now())[1] == rotated[0]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -21,7 +19,16 @@ from ...errors import ConfigError, EndpointLimitReached
 from ..deps import api_state
 from ..routes.endpoints import audit
 from .endpoint_pages import FROM_DASHBOARD
-from .render import Forbidden, Viewer, posted, render, require_write, viewer
+from .render import (
+    FORM_KEY,
+    Forbidden,
+    Viewer,
+    new_form_key,
+    posted,
+    render,
+    require_write,
+    viewer,
+)
 
 router = APIRouter(include_in_schema=False)
 
@@ -41,10 +48,6 @@ LABELS = {
     "stream_id": "Stream id",
     "payload": "Payload",
 }
-# A form's one-time key (secrets.token_urlsafe(18)): the same form posted again (a reload
-# of the page that shows the new secret, a second click) adds no second endpoint. Kept as
-# an idempotency key of the tenant, "dashboard:" + it, for as long as the API's keys.
-_FORM_KEY = re.compile(r"[A-Za-z0-9_-]{24}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def _form_values(endpoint: Mapping[str, Any] | None = None) -> dict[str, str]:
             "description": "",
             "headers": "",
             "rate_limit": "",
-            "form_key": secrets.token_urlsafe(18),
+            "form_key": new_form_key(),
         }
     return {
         "url": endpoint["url"],
@@ -157,8 +160,8 @@ async def create(request: Request) -> HTMLResponse:
     state = api_state(request)
     tenant = who.tenant if who.tenant is not None else form.get("tenant", "").strip()
     form_key = form.get("form_key", "")
-    if not _FORM_KEY.fullmatch(form_key):
-        form_key = secrets.token_urlsafe(18)
+    if not FORM_KEY.fullmatch(form_key):
+        form_key = new_form_key()
         form = {**form, "form_key": form_key}
     key = "dashboard:" + form_key
     try:

@@ -18,7 +18,17 @@ from ..deps import api_state
 from ..pagination import decode, encode
 from ..routes.endpoints import audit
 from ..routes.stats import with_breakers
-from .render import Viewer, back_to, env, posted, render, require_write, viewer
+from .render import (
+    FORM_KEY,
+    Viewer,
+    back_to,
+    env,
+    new_form_key,
+    posted,
+    render,
+    require_write,
+    viewer,
+)
 
 FROM_DASHBOARD = " from the dashboard"
 
@@ -184,7 +194,13 @@ def _rotate_form(
     request: Request, who: Viewer, endpoint: dict[str, Any], keep_previous: str
 ) -> HTMLResponse:
     chosen = keep_previous.strip() if keep_previous.strip() in dict(KEEP_CHOICES) else "24h"
-    return render(request, "rotate.html", who, endpoint=endpoint, chosen=chosen)
+    return render(
+        request, "rotate.html", who, endpoint=endpoint, chosen=chosen, form_key=new_form_key()
+    )
+
+
+class _RotatedBefore(Exception):
+    """This confirmation form rotated the secret already (a reload of its answer)."""
 
 
 @router.post("/endpoints/{endpoint_id}/rotate", response_class=HTMLResponse)
@@ -200,10 +216,25 @@ async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
             endpoint = await endpoints.get(conn, endpoint_id, tenant=who.tenant)
         return _rotate_form(request, who, endpoint.as_json(), keep_text)
     keep_ms = endpoints.keep_previous_ms(keep_text)
-    async with api_state(request).connection() as conn:
-        rotated, secret = await endpoints.rotate_secret(
-            conn, endpoint_id, keep_previous_ms=keep_ms, tenant=who.tenant
-        )
+    # The form's one-time key: the same confirmation posted again (a reload of the page
+    # that showed the new secret) rotates nothing more, or the secret shown then, which
+    # consumers may have now, would be dropped and the first one with it.
+    form_key = form.get("form_key", "")
+    try:
+        async with api_state(request).connection() as conn, conn.transaction():
+            tenant = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).tenant
+            key = "dashboard:rotate:" + form_key
+            if FORM_KEY.fullmatch(form_key) and await deliveries.answered_before(conn, tenant, key):
+                raise _RotatedBefore
+            rotated, secret = await endpoints.rotate_secret(
+                conn, endpoint_id, keep_previous_ms=keep_ms, tenant=who.tenant
+            )
+            if FORM_KEY.fullmatch(form_key) and not await deliveries.keep_answer(
+                conn, tenant, key, {"endpoint_id": endpoint_id}
+            ):
+                raise _RotatedBefore  # the same form, posted at the same moment, rotated it
+    except _RotatedBefore:
+        return render(request, "rotated_before.html", who, status=409, endpoint_id=endpoint_id)
     name = who.principal.name  # never the secret
     audit("secret of endpoint %s rotated", rotated.id, who=name, where=FROM_DASHBOARD)
     return render(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +32,16 @@ from ..ratelimit import proven
 HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "fx_session"
 LOGIN_COOKIE = "fx_login"
+# A form's one-time key (secrets.token_urlsafe(18)): the same form posted again (a reload
+# of the page that shows a new secret, a second click) does its work once. Kept as an
+# idempotency key of the tenant, "dashboard:" + what the form does + it, for as long as the
+# API's keys.
+FORM_KEY = re.compile(r"[A-Za-z0-9_-]{24}")
+
+
+def new_form_key() -> str:
+    return secrets.token_urlsafe(18)
+
 
 # autoescape on for every template: stored text is always escaped, and no template marks
 # stored data safe.
