@@ -339,6 +339,12 @@ async def test_removing_an_endpoint_adds_no_attempt_and_a_410_shows_as_parked(
     # What `dlq list` shows.
     dead = await deadletters.list_dead(database_url, tenant="acme")
     assert {d["delivery_id"]: d["attempts"] for d in dead} == counts
+    # The statistics (the overview's failed attempts, its chart) count the one request.
+    stats = (await api.get("/api/v1/stats", params={"series": "true", "window": "15m"})).body
+    assert sum(outcome["attempts"] for outcome in stats["recent"].values()) == 1
+    outcomes = ("delivered", "retry", "dead_letter")
+    assert sum(b[o] for b in stats["series"] for o in outcomes) == 1
+    assert sum(b["dead_letters"] for b in stats["series"]) == 2  # both are dead letters
 
 
 async def test_an_events_delivery_id_names_a_delivery_or_is_null(

@@ -411,7 +411,9 @@ SELECT count(*) FROM (
 ) h
 
 -- name: stats_outcomes
--- Attempts completed within the window, by outcome (webhook_outbox_processed_at_idx).
+-- Attempts completed within the window, by outcome (webhook_outbox_processed_at_idx): a
+-- dead letter no request was made for (its endpoint removed, a row that could not be
+-- sent: no status, no duration) is no attempt, as delivery_list counts them.
 SELECT outcome, count(*) AS attempts,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS p50_ms,
        percentile_cont(0.95) WITHIN GROUP (ORDER BY duration_ms) AS p95_ms,
@@ -419,6 +421,7 @@ SELECT outcome, count(*) AS attempts,
 FROM webhook_outbox
 WHERE processed AND processed_at >= now() - %(window_ms)s * interval '1 millisecond'
   AND outcome IN ('delivered', 'retry', 'dead_letter')
+  AND NOT (outcome = 'dead_letter' AND status_code IS NULL AND duration_ms IS NULL)
   AND (NOT %(scoped)s OR tenant = %(tenant)s)
 GROUP BY outcome
 ORDER BY outcome;
@@ -446,6 +449,7 @@ recent AS (
     FROM webhook_outbox
     WHERE processed AND processed_at >= now() - %(window_ms)s * interval '1 millisecond'
       AND outcome IN ('delivered', 'retry', 'dead_letter')
+      AND NOT (outcome = 'dead_letter' AND status_code IS NULL AND duration_ms IS NULL)
       AND endpoint_id IN (SELECT id FROM eps)
     GROUP BY endpoint_id
 )
@@ -470,6 +474,9 @@ WITH w AS (
 ),
 done AS (
     SELECT o.processed_at, o.outcome, o.enqueued_at, o.replay,
+           -- a request was made (as stats_outcomes counts attempts)
+           NOT (o.outcome = 'dead_letter' AND o.status_code IS NULL AND o.duration_ms IS NULL)
+               AS attempted,
            LEAST(%(buckets)s - 1,
                  floor(EXTRACT(EPOCH FROM o.processed_at - w.start) / w.width_s))::int AS b
     FROM webhook_outbox o, w
@@ -500,7 +507,7 @@ attempts AS (
     SELECT b,
            count(*) FILTER (WHERE outcome = 'delivered') AS delivered,
            count(*) FILTER (WHERE outcome = 'retry') AS retry,
-           count(*) FILTER (WHERE outcome = 'dead_letter') AS dead_letter,
+           count(*) FILTER (WHERE outcome = 'dead_letter' AND attempted) AS dead_letter,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM processed_at - enqueued_at) * 1000)
                FILTER (WHERE outcome = 'delivered' AND NOT replay) AS p50_ms,
            percentile_cont(0.95) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM processed_at - enqueued_at) * 1000)
