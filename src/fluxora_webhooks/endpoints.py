@@ -38,7 +38,7 @@ from .queries import query
 from .secretbox import PREFIX as SEALED_PREFIX
 from .secretbox import Keyring, SecretLocked, is_sealed, sealed_length
 from .settings import environ_keyring, looks_like_duration, parse_duration_ms, retry_rps
-from .urlpolicy import IPNetwork, check_url_address, validate_url
+from .urlpolicy import IPNetwork, check_url_address, refuse_invisible_format, validate_url
 
 DEFAULT_ID = "default"
 OPERATOR_ID = "operator"
@@ -425,6 +425,7 @@ def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str
         raise ConfigError(name, f"must be at most {MAX_URL_LENGTH} characters (is {len(url)})")
     try:
         validate_url(url)
+        refuse_invisible_format(url)
         check_url_address(url, allowed_networks=allowed_networks, registered=True)
     except EndpointError as exc:
         raise ConfigError(name, str(exc)) from None
@@ -544,6 +545,13 @@ def check_rate_limit(value: int | None, name: str = "rate_limit") -> int | None:
 def check_description(value: str, name: str = "description") -> str:
     if not isinstance(value, str) or len(value) > MAX_DESCRIPTION:
         raise ConfigError(name, f"must be text of at most {MAX_DESCRIPTION} characters")
+    for ch in value:
+        if "\u202a" <= ch <= "\u202e" or "\u2066" <= ch <= "\u2069":
+            raise ConfigError(
+                name,
+                f"contains a bidirectional control character (U+{ord(ch):04X}), which changes"
+                " how the text around it is shown; remove it",
+            )
     return value
 
 

@@ -324,7 +324,7 @@ def _consumer_url(
     required: bool,
 ) -> str:
     """A built-in endpoint's URL: the operator's own, so a loopback URL is allowed."""
-    from .urlpolicy import check_url_address, validate_url
+    from .urlpolicy import check_url_address, refuse_invisible_format, validate_url
 
     raw = env.get(name)
     if raw is None and not required:
@@ -335,6 +335,7 @@ def _consumer_url(
         raise ConfigError(name, f"is required to be {what} when set (unset it to serve without it)")
     try:
         validate_url(url)
+        refuse_invisible_format(url)
         check_url_address(url, allowed_networks=allowed)
     except EndpointError as exc:
         raise ConfigError(name, str(exc)) from None

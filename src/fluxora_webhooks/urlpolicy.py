@@ -62,6 +62,21 @@ def has_space_or_control(text: str) -> bool:
     return any(ch.isspace() or unicodedata.category(ch) == "Cc" for ch in text)
 
 
+def refuse_invisible_format(url: str) -> None:
+    """Refuse a URL given to be kept (registered, configured) that holds an invisible
+    formatting character (Unicode category Cf: the bidirectional overrides and isolates,
+    zero-width spaces and joiners, the byte order mark, the soft hyphen). Shown, such a
+    character changes what the URL appears to be (a right-to-left override shows
+    ``/exe.jpg`` for ``/gpj.exe``), and a host name's IDNA mapping drops some silently. A
+    URL stored before this check is still sent to; only new ones are refused."""
+    for ch in url:
+        if unicodedata.category(ch) == "Cf":
+            raise EndpointError(
+                f"the URL contains an invisible formatting character (U+{ord(ch):04X}), which"
+                " changes how it is shown; percent-encode it, or remove it"
+            )
+
+
 def is_loopback_host(host: str) -> bool:
     """True for ``localhost``, 127.0.0.0/8 and ::1 written literally in a URL.
 

@@ -311,3 +311,30 @@ async def test_a_rotation_posted_again_rotates_once(browser: Browser, database_u
         f"/endpoints/{endpoint_id}/rotate", {**form, "form_key": again.group(1)}
     )
     assert status == 200 and (await secrets_now())[1] == rotated[0]
+
+
+async def test_a_bidirectional_control_in_stored_text_is_shown_not_obeyed(
+    api: Api, browser: Browser, database_url: str
+) -> None:
+    """A right-to-left override in a payload (or in a URL or description stored before
+    they were refused) would show '/gpj.exe' as '/exe.jpg': every page shows its escape."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO webhook_endpoints (id, tenant, url, secret, description)"
+            " VALUES ('ep_rtl', 'acme', 'https://a.example.com/ok/\u202egpj.exe',"
+            " 'whsec_' || md5('rtl'), 'old \u202edescription')"
+        )
+    body = {"stream_id": "s", "event_type": "t", "payload": {"file": "\u202egpj.exe"}}
+    accepted = await api.post("/api/v1/events", token="acme", json=body)
+    assert accepted.status == 202, accepted.text
+    await browser.sign_in("acme")
+    pages = ["/endpoints", "/endpoints/ep_rtl", "/endpoints/ep_rtl/edit"]
+    pages.append(f"/events/{accepted.body['id']}")
+    for path in pages:
+        status, html, _ = await browser.get(path)
+        assert status == 200, path
+        assert "\u202e" not in html, path
+        assert "\\u202egpj.exe" in html, path
+    # The form shows the stored description's escape; saved as shown, it passes.
+    status, html, _ = await browser.get("/endpoints/ep_rtl/edit")
+    assert "old \\u202edescription" in html

@@ -5,6 +5,7 @@ literals, IDNA hosts, a trailing dot, a default port written out, non-ASCII path
 from __future__ import annotations
 
 import ipaddress
+import re
 
 import pytest
 
@@ -65,3 +66,33 @@ def test_port_0_and_an_ipv6_zone_identifier_are_refused(url: str, problem: str) 
 def test_the_shapes_a_consumer_may_write_pass(url: str) -> None:
     validate_url(url)
     check_url(url, allowed_networks=LOOPBACK)
+
+
+@pytest.mark.parametrize(
+    ("url", "char"),
+    [
+        ("https://example.com/ok/\u202egpj.exe", "U+202E"),
+        ("https://example.com/\u2066x\u2069", "U+2066"),
+        ("https://example.com/a\u200bb", "U+200B"),
+        ("https://example.com/?q=\ufeff", "U+FEFF"),
+    ],
+    ids=["rlo", "isolate", "zero-width-space", "bom"],
+)
+def test_a_url_with_an_invisible_formatting_character_is_not_registered(
+    url: str, char: str
+) -> None:
+    """Shown in a list, a right-to-left override makes '/gpj.exe' read '/exe.jpg'; such a
+    URL is refused with the character named, and percent-encoded it is taken."""
+    with pytest.raises(ConfigError, match=re.escape(f"invisible formatting character ({char})")):
+        check_url(url)
+    check_url(url.replace("\u202e", "%E2%80%AE").replace("\u2066", "%E2%81%A6")
+              .replace("\u2069", "%E2%81%A9").replace("\u200b", "%E2%80%8B")
+              .replace("\ufeff", "%EF%BB%BF"))  # fmt: skip
+
+
+def test_a_description_with_a_bidirectional_control_is_refused() -> None:
+    from fluxora_webhooks.endpoints import check_description
+
+    with pytest.raises(ConfigError, match=r"bidirectional control character \(U\+202E\)"):
+        check_description("invoices \u202eftp")
+    assert check_description("فواتير العملاء 2026") == "فواتير العملاء 2026"

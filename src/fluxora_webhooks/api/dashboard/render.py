@@ -22,6 +22,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader
+from markupsafe import Markup
 
 from ... import tokens
 from ..._version import __version__
@@ -43,9 +44,24 @@ def new_form_key() -> str:
     return secrets.token_urlsafe(18)
 
 
+# The bidirectional embeddings, overrides and isolates: inside text a page shows (a
+# payload, a response body, an error, a description stored before they were refused),
+# one reverses or reorders what follows it, so that '/gpj.exe' shows as '/exe.jpg'.
+_BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
+def _shown(value: Any) -> Any:
+    """Every value a template prints: a bidirectional control in text is shown as its
+    escape (``\\u202e``, which a JSON string reads as the same character), not obeyed.
+    Markup built by the pages themselves is left as it is."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return _BIDI_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+    return value
+
+
 # autoescape on for every template: stored text is always escaped, and no template marks
 # stored data safe.
-env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=True)
+env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=True, finalize=_shown)
 
 
 def _when(value: str | datetime | None) -> str:
