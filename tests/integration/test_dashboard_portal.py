@@ -669,6 +669,29 @@ async def test_a_tenants_search_naming_another_tenant_is_refused_not_answered_as
     assert status == 200 and mine not in html
 
 
+async def test_a_search_the_list_cannot_answer_is_refused_not_answered_with_everything(
+    api: Api, portal: Portal, database_url: str
+) -> None:
+    """A misspelt filter, a status that is none, or a tenant with 'default tenant only'
+    listed every delivery (the status menu saying 'any'): each is a 400 that says why, as
+    the API's 422 does; the form's own submission, empty fields and all, still lists."""
+    acme = await add_endpoint(api, "https://a.example.com/hook")
+    mine = await pending_delivery(database_url, acme)
+    await portal.sign_in("admin")
+    refusals = {
+        "endpoint=x": "unknown filter 'endpoint' (this list takes: cursor, default_tenant,",
+        "status=bogus": "status 'bogus' is not one of pending, retrying, parked, delivered,",
+        "tenant=acme&default_tenant=1": "give a tenant or tick 'default tenant only', not both",
+    }
+    for query, said in refusals.items():
+        status, html, _ = await portal.get(f"/deliveries?{query}")
+        assert status == 400 and said in field(html, "error"), query
+        assert mine not in html, query
+    form = "stream_id=&event_type=&delivery_id=&endpoint_id=&tenant=acme&status="
+    status, html, _ = await portal.get(f"/deliveries?{form}")
+    assert status == 200 and mine in html
+
+
 async def test_every_dead_letter_reason_has_words_of_its_own(
     api: Api, portal: Portal, database_url: str
 ) -> None:

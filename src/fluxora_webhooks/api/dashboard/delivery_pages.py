@@ -14,6 +14,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from ... import deliveries
 from ...errors import NotFoundError
 from ..deps import api_state
+from ..errors import ApiError
 from ..pagination import decode_int, encode
 from .render import Forbidden, Viewer, posted, render, viewer
 
@@ -36,6 +37,8 @@ async def existing_endpoints(conn: Any, ids: Iterable[str], tenant: str | None) 
 
 PAGE = 50
 FILTERS = ("stream_id", "event_type", "tenant", "status", "endpoint_id")
+# What the deliveries' list takes in its query: its form's fields and its links'.
+_SEARCH_TAKES = frozenset((*FILTERS, "delivery_id", "default_tenant", "held", "cursor"))
 
 PARKED = "its endpoint is disabled; it is sent when the endpoint is enabled"
 # The reasons a dead letter can have without a request made (delivery_rows: no status, no
@@ -114,6 +117,15 @@ async def search(
     request: Request, who: Annotated[Viewer, Depends(viewer)], cursor: str = ""
 ) -> Response:
     query = request.query_params
+    unknown = sorted(set(query.keys()) - _SEARCH_TAKES)
+    if unknown:
+        # As the API's: a misspelt filter (?endpoint= for ?endpoint_id=) would list every
+        # delivery as if they matched it.
+        shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+        takes = ", ".join(sorted(_SEARCH_TAKES))
+        raise ApiError(
+            400, "validation_error", f"unknown filter {shown} (this list takes: {takes})"
+        )
     wanted = {k: query.get(k, "").strip() for k in (*FILTERS, "delivery_id")}
     if wanted["delivery_id"]:
         # Only a delivery id is a path to go to (never "../login"): in the form stored.
@@ -124,7 +136,17 @@ async def search(
         return RedirectResponse(f"/deliveries/{found_id}", status_code=303)
     status = wanted["status"] or None
     if status not in (None, *deliveries.STATUSES):
-        status = None
+        raise ApiError(
+            400,
+            "validation_error",
+            f"status {status[:40]!r} is not one of {', '.join(deliveries.STATUSES)}",
+        )
+    if query.get("default_tenant") == "1" and wanted["tenant"]:
+        raise ApiError(
+            400,
+            "validation_error",
+            "give a tenant or tick 'default tenant only', not both",
+        )
     held = query.get("held") == "1"  # the overview's held notice links here
     tenant_filter = None  # a tenant's portal is scoped to it anyway
     if who.tenant is not None and (
