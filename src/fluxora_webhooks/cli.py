@@ -65,6 +65,11 @@ def build_parser(modules: Sequence[ModuleType] | None = None) -> argparse.Argume
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] in (["run"], ["api"]):
+        # The process's own command: a stop signal during start-up is kept for it.
+        from .host import hold_early_stops
+
+        hold_early_stops()
     argv = list(sys.argv[1:] if argv is None else argv)
     _not_a_metrics_worker()
     env = dict(os.environ)

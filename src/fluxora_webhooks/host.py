@@ -23,6 +23,29 @@ _UNLIMITED_NOFILE = 1 << 20
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
 
+_early: list[signal.Signals] = []  # a stop signal that came before the event loop's handlers
+
+
+def hold_early_stops() -> None:
+    """Keep a stop signal that arrives before the command's event loop takes the stop
+    signals over (``add_signal_handler``), instead of Python's default for it: a SIGTERM
+    in the first second of start-up (imports, configuration) ended the process at once,
+    exit 143 and no line, where `run` and `api` promise exit 0. The loop's handler then
+    stops the command as if the signal came then (:func:`early_stop`)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _keep_early)
+
+
+def _keep_early(signum: int, frame: object) -> None:
+    if not _early:
+        _early.append(signal.Signals(signum))
+
+
+def early_stop() -> signal.Signals | None:
+    """The stop signal :func:`hold_early_stops` kept, if any (once: it is forgotten)."""
+    return _early.pop() if _early else None
+
+
 def stopped_by(sig: signal.Signals | None) -> str:
     """The words " on SIGTERM" for a stop's log line ("stopping on SIGTERM: ..."); "" for a stop
     asked in code."""

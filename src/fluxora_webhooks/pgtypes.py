@@ -125,12 +125,17 @@ async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.commit()
 
 
-async def open_session(conninfo: str, **options: Any) -> psycopg.AsyncConnection[Any]:
+async def open_session(
+    conninfo: str, *, name: str | None = None, **options: Any
+) -> psycopg.AsyncConnection[Any]:
     """A connection of ours (``options`` are psycopg's), configured by
-    :func:`configure_session`; psycopg prepares none of its statements unless
+    :func:`configure_session`, named ``name`` in ``pg_stat_activity`` as
+    :func:`session_name` allows; psycopg prepares none of its statements unless
     ``prepare_threshold`` is given (what such a connection runs is not its hot path, and a
     pooler in transaction mode hands a prepared statement's name to other sessions)."""
     options.setdefault("prepare_threshold", None)
+    if name is not None:
+        options = {**session_name(conninfo, name), **options}
     conn = await psycopg.AsyncConnection.connect(conninfo, **options)
     try:
         await configure_session(conn)

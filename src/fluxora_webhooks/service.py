@@ -25,11 +25,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logs, metrics
-from .dispatcher import Dispatcher, unless_stopping
+from .dispatcher import APPLICATION_NAME, Dispatcher, unless_stopping
 from .endpoints import BUILTIN_SEEN_S, DEFAULT_ID, OPERATOR_ID
 from .errors import ConfigError, FluxoraError, SchemaError
 from .gate import DeliveryGate, OpenGate
-from .host import STOP_SIGNALS, raise_open_files_limit, stopped_by
+from .host import STOP_SIGNALS, early_stop, raise_open_files_limit, stopped_by
 from .migrations import (
     READ_ONLY_HINT,
     check_dispatcher_privileges,
@@ -337,7 +337,7 @@ async def _writable_connection(
     stop came first. Raises psycopg's error, or :class:`_ReadOnly`; no connection is left
     open but the one returned."""
     conn = await unless_stopping(
-        open_session(url, autocommit=True, connect_timeout=10),
+        open_session(url, name=APPLICATION_NAME, autocommit=True, connect_timeout=10),
         stopping,
         late=_close,
     )
@@ -407,7 +407,7 @@ class Service:
         newer schema; return why it refuses writes (a standby, as a fresh connection finds
         it or as the claim loops last found it), or None."""
         async with await open_session(
-            self.database_url, autocommit=True, connect_timeout=10
+            self.database_url, name=APPLICATION_NAME, autocommit=True, connect_timeout=10
         ) as conn:
             await check_schema(conn)
             why = await read_only_reason(conn)
@@ -428,6 +428,8 @@ class Service:
         if install_signals:  # before anything slow, so a signal during start-up is clean
             for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.stop, sig)
+            if (early := early_stop()) is not None:
+                self.stop(early)
         gate: DeliveryGate = OpenGate()
         background: Any = None
         task: asyncio.Task[None] | None = None
@@ -674,7 +676,10 @@ class Service:
                 try:
                     if conn is None or conn.closed or conn.broken:
                         conn = await open_session(
-                            self.database_url, autocommit=True, connect_timeout=5
+                            self.database_url,
+                            name=APPLICATION_NAME,
+                            autocommit=True,
+                            connect_timeout=5,
                         )
                     async with asyncio.timeout(max(self.gauge_interval_s, 5.0)):
                         set_backlog_gauges(await read_backlog(conn, BACKLOG_COUNT_CAP))
@@ -729,7 +734,7 @@ class Service:
         while True:
             try:
                 async with await open_session(
-                    self.database_url, autocommit=True, connect_timeout=10
+                    self.database_url, name=APPLICATION_NAME, autocommit=True, connect_timeout=10
                 ) as conn:
                     result = await self._retention_run(conn)
             except (psycopg.Error, OSError) as exc:
@@ -803,7 +808,7 @@ class Service:
         while True:
             try:
                 async with await open_session(
-                    self.database_url, autocommit=True, connect_timeout=10
+                    self.database_url, name=APPLICATION_NAME, autocommit=True, connect_timeout=10
                 ) as conn:
                     if (await partitions.layout(conn)).partitioned:
                         async with session_lock(conn, partitions.PARTITION_LOCK_KEY) as held:

@@ -48,8 +48,9 @@ from prometheus_client import (
 )
 
 from . import logs, metrics
+from .dispatcher import APPLICATION_NAME
 from .errors import EXIT_CONFIG, EXIT_SCHEMA, ConfigError, SchemaError
-from .host import STOP_SIGNALS, stopped_by
+from .host import STOP_SIGNALS, early_stop, stopped_by
 from .migrations import (
     check_dispatcher_privileges,
     check_schema,
@@ -238,6 +239,8 @@ class Supervisor:
         if install_signals:
             for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.stop, sig)
+            if (early := early_stop()) is not None:
+                self.stop(early)
         logs.add_sensitive(self.settings.secret, self.settings.secret_previous)
         logs.add_sensitive_url(self.settings.webhook_url)
         register_engine_secrets(self.database_url, self.redis_url)
@@ -553,7 +556,7 @@ class Supervisor:
             try:
                 async with asyncio.timeout(ENDPOINT_READING_TIMEOUT_MS / 1000 + 2):
                     async with await open_session(
-                        self.database_url, autocommit=True, connect_timeout=3
+                        self.database_url, name=APPLICATION_NAME, autocommit=True, connect_timeout=3
                     ) as conn:
                         health = await read_endpoint_health(
                             conn, METRIC_ENDPOINTS, timeout_ms=ENDPOINT_READING_TIMEOUT_MS
@@ -573,7 +576,7 @@ class Supervisor:
         try:
             async with asyncio.timeout(3):
                 async with await open_session(
-                    self.database_url, autocommit=True, connect_timeout=3
+                    self.database_url, name=APPLICATION_NAME, autocommit=True, connect_timeout=3
                 ) as conn:
                     await check_schema(conn)
                     read_only = await read_only_reason(conn)

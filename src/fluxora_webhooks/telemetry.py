@@ -67,7 +67,9 @@ def exporters_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
     for name in names:
         if name not in EXPORTERS:
             raise ConfigError(
-                "OTEL_TRACES_EXPORTER", f"{name[:40]!r} is not one of {', '.join(EXPORTERS)}"
+                "OTEL_TRACES_EXPORTER",
+                f"{name[:40]!r} is not one of {', '.join(EXPORTERS)} (a comma-separated list"
+                " of them, such as otlp,console, takes several)",
             )
     if "none" in names:
         return ()

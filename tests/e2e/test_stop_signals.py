@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from pathlib import Path
 
 import psutil
@@ -87,3 +88,39 @@ async def test_sigquit_drains_the_in_flight_batches_and_exits_0(
 
 async def _logged(log: str, text: str, times: int) -> bool:
     return log.count(text) >= times
+
+
+# `fluxora-webhooks <command>` as its console script runs it, with SIGTERM sent to itself
+# while the command's modules load: before its event loop's handlers exist.
+_EARLY_SIGTERM = """
+import os, signal, sys
+from fluxora_webhooks import cli
+load = cli._modules
+def loading():
+    os.kill(os.getpid(), signal.SIGTERM)
+    return load()
+cli._modules = loading
+sys.argv = ["fluxora-webhooks", sys.argv[1]]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "api"])
+async def test_a_sigterm_during_start_up_stops_it_cleanly(
+    command: str, database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A SIGTERM in the first second (imports, configuration) ended the process with 143
+    and no line; now it stops as soon as it can, says so, exit 0."""
+    env = dispatcher_env(
+        database_url, redis_url, "https://hooks.example.com/x", redis_prefix,
+        WEBHOOK_API_PORT="0",
+    )  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _EARLY_SIGTERM, command, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    log = out.decode(errors="replace")
+    assert proc.returncode == 0, log
+    assert "stopping on SIGTERM" in log and tracebacks(log) == 0, log
+    assert "serving on" not in log, log

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 import psutil
+import psycopg
 import pytest
 from aiohttp import web
 
@@ -55,6 +56,15 @@ def _sent_to(pid: int, receiver: Receiver) -> bool:
     )
 
 
+async def _session_names(database_url: str) -> set[str]:
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        cur = await conn.execute(
+            "SELECT application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return {str(name) for (name,) in await cur.fetchall()}
+
+
 async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothing(
     database_url: str, redis_url: str, redis_prefix: str, receiver: Receiver, tmp_path: Path
 ) -> None:
@@ -92,6 +102,10 @@ async def test_two_workers_one_replaced_one_metrics_and_a_drain_that_loses_nothi
         samples = await scrape(port)
         assert total(samples, "fluxora_webhook_deliveries_total", outcome="delivered") == 200
         assert total(samples, "fluxora_webhook_workers", state="dispatching") == 2
+        # Every session of the run is named as the docs say (pg_stat_activity): the
+        # supervisor's and the workers' own (backlog gauges, readiness) were unnamed.
+        names = await _session_names(database_url)
+        assert names == {"fluxora-webhooks dispatcher"}, names
 
         # One worker killed (idle, so nothing of it is in flight): another takes its place.
         victim = min(first)
@@ -274,6 +288,10 @@ async def test_a_stopped_worker_is_not_counted_then_killed_and_replaced(
             key = ("fluxora_webhook_worker_restarts_total", frozenset({("cause", cause)}))
             assert samples.get(key) == 0, (cause, sorted(k for k in samples if "restart" in k[0]))
         assert total(samples, "fluxora_webhook_workers", state="dispatching") == 2
+        # Every session of the run is named as the docs say (pg_stat_activity): the
+        # supervisor's and the workers' own (backlog gauges, readiness) were unnamed.
+        names = await _session_names(database_url)
+        assert names == {"fluxora-webhooks dispatcher"}, names
         first = _workers(supervisor)
         victim = max(first)
         index = _index_of(supervisor, victim)
@@ -313,6 +331,10 @@ async def test_a_stopped_worker_is_not_counted_then_killed_and_replaced(
         assert total(samples, "fluxora_webhook_worker_restarts_total", cause="unresponsive") == 1
         assert total(samples, "fluxora_webhook_worker_restarts_total") == 1
         assert total(samples, "fluxora_webhook_workers", state="dispatching") == 2
+        # Every session of the run is named as the docs say (pg_stat_activity): the
+        # supervisor's and the workers' own (backlog gauges, readiness) were unnamed.
+        names = await _session_names(database_url)
+        assert names == {"fluxora-webhooks dispatcher"}, names
         supervisor.terminate()
         code = await supervisor.wait(5 + 5 + 10)
     finally:

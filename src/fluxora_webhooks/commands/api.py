@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import signal
 
     from .. import logs
-    from ..host import STOP_SIGNALS, stopped_by
+    from ..host import STOP_SIGNALS, early_stop, stopped_by
     from ..settings import Settings, register_engine_secrets
 
     settings = Settings.from_env(env)
@@ -88,6 +88,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
+        if (early := early_stop()) is not None:
+            on_signal(early)
+        if stop.is_set():
+            return 0  # stopped before it served: nothing in flight, no "serving on" line
         web = await _serve_metrics(settings) if "WEBHOOK_METRICS_PORT" in env else None
         try:
             await server.start()
