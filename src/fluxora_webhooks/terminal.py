@@ -10,6 +10,7 @@ in width; ``--json`` output keeps the full data (JSON escapes these characters i
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
@@ -45,8 +46,12 @@ def bounded(text: str, width: int | None) -> str:
 
 def cell(value: Any, width: int | None = None) -> Text:
     """A table cell or a line of output from stored text: literal (no markup), control
-    characters visible, at most ``width`` characters."""
-    text = "" if value is None else str(value)
+    characters visible, at most ``width`` characters. A time is ISO 8601 to the second with
+    its offset, as every command shows times (not ``str``'s space and microseconds)."""
+    if isinstance(value, datetime):
+        text = value.isoformat(timespec="seconds")
+    else:
+        text = "" if value is None else str(value)
     return Text(bounded(visible(text), width))
 
 

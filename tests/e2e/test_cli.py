@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -215,6 +216,9 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     assert all(len(i) == 36 for i in ids)  # full delivery ids
     code, out = await run_command("dlq", "list", env=env)
     assert code == 0 and all(i in out for i in ids), out
+    # Times as every command shows them: ISO 8601 to the second, with the offset.
+    newest = datetime.fromisoformat(listed[0]["dead_at"]).isoformat(timespec="seconds")
+    assert newest in out, out
     code, out = await run_command("dlq", "show", ids[0], env=env)
     assert code == 0 and json.loads(json.loads(out)[0]["payload"]) == {"g": 1}
     code, out = await run_command("dlq", "replay", ids[0], env=env)
