@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -800,14 +801,16 @@ async def breaker_states(
     redis_url: str | None, prefix: str, urls: Sequence[str], timeout_s: float = 2.0
 ) -> tuple[dict[str, dict[str, Any]], str | None]:
     """Each URL's shared circuit breaker from Redis: ({url: state}, None), or ({}, why)
-    when Redis is not configured or cannot be read (shown, never an error)."""
+    when Redis is not configured or cannot be read (shown, never an error). An open
+    breaker whose time is up is half-open: its next request is the probe (the stored
+    state changes only then, and never while no dispatcher sends to it)."""
     if not redis_url:
         return {}, "REDIS_URL is not set"
     if not urls:
         return {}, None
     from .logs import scrub
     from .redis_connect import client_for
-    from .redis_gate import read_breaker_state
+    from .redis_gate import HALF_OPEN, OPEN, read_breaker_state
 
     client = client_for(
         redis_url, socket_connect_timeout=timeout_s / 2, socket_timeout=timeout_s / 2
@@ -821,7 +824,11 @@ async def breaker_states(
         return {}, f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     finally:
         await client.aclose()
+    now_ms = int(time.time() * 1000)  # this host's clock: a reading, not a decision
     return {
-        url: {"state": s.state, "failures": s.failures}
+        url: {
+            "state": HALF_OPEN if s.state == OPEN and s.reset_at_ms <= now_ms else s.state,
+            "failures": s.failures,
+        }
         for url, s in zip(unique, found, strict=True)
     }, None

@@ -31,7 +31,7 @@ async def _seed(database_url: str) -> None:
             "INSERT INTO webhook_endpoints (id, tenant, url, secret, state, disabled_reason,"
             " disabled_at, failing_since) VALUES"
             " ('ep_gone', 'acme', 'https://a.example/x?token=t1', 'whsec_x', 'disabled',"
-            "  'gone', now(), NULL),"
+            "  'gone', now() - interval '30 minutes', now() - interval '90 minutes'),"
             " ('ep_old', 'acme', 'https://b.example/', 'whsec_x', 'enabled', NULL, NULL,"
             "  now() - interval '2 hours'),"
             " ('ep_new', 'bolt', 'https://c.example/', 'whsec_x', 'enabled', NULL, NULL,"
@@ -56,7 +56,22 @@ async def _seed(database_url: str) -> None:
                 (endpoint, hold, attempt, hold, n),
             )
 
-        await pending("ep_gone", 3, "parked")
+        # ep_gone's last failure, the 410 that disabled it: its retry row parked, then
+        # 250 more parked deliveries (newer than the retry row: the first way of finding a
+        # last failure, the newest 200 pending rows, does not reach it).
+        await conn.execute(
+            "WITH failed AS ("
+            " INSERT INTO webhook_outbox (stream_id, event_type, payload, endpoint_id,"
+            "  processed, processed_at, outcome, status_code, error)"
+            " SELECT 'g', 'e', '{}', 'ep_gone', true, disabled_at - interval '200 ms', 'retry',"
+            "  410, 'HTTP 410' FROM webhook_endpoints WHERE id = 'ep_gone'"
+            " RETURNING delivery_id)"
+            " INSERT INTO webhook_outbox (stream_id, event_type, payload, endpoint_id,"
+            "  delivery_id, attempt, hold, created_at)"
+            " SELECT 'g', 'e', '{}', 'ep_gone', delivery_id, 2, 'parked', 'infinity'"
+            " FROM failed"
+        )
+        await pending("ep_gone", 250, "parked")
         await pending("ep_old", 4)
         await pending("ep_big", 30)
         for i, endpoint in enumerate(HEALTHY):
@@ -90,12 +105,15 @@ async def test_status_shows_the_worst_endpoints_in_text_and_json(database_url: s
     endpoints = json.loads(out)["endpoints"]
     assert endpoints["total"] == 5 + len(HEALTHY)
     assert endpoints["disabled"] == 2 and endpoints["failing"] == 2
-    assert endpoints["pending"] == 3 + 5 + 30 + sum(range(1, 11))
+    assert endpoints["pending"] == 251 + 5 + 30 + sum(range(1, 11))
     worst = endpoints["worst"]
     assert [e["id"] for e in worst] == ["ep_gone", "ep_old", "ep_new", "ep_big", "ep_h0"]
     gone, old, new, big, _ = worst
     assert gone["state"] == "disabled" and gone["disabled_reason"] == "gone"
-    assert gone["pending"] == 3 and gone["parked"] == 3 and gone["tenant"] == "acme"
+    assert gone["pending"] == 251 and gone["parked"] == 251 and gone["tenant"] == "acme"
+    assert gone["last_error"]["status_code"] == 410, gone
+    # Its failure streak ended when it was disabled: an hour, not still growing.
+    assert 3595 <= gone["failing_for_seconds"] <= 3605, gone
     assert old["failing_for_seconds"] > 7000 and old["pending"] == 5 and old["parked"] == 0
     assert old["last_error"]["status_code"] == 503 and old["last_error"]["error"] == "HTTP 503"
     assert 30 <= new["failing_for_seconds"] < 600
@@ -133,7 +151,7 @@ async def test_per_endpoint_series_are_bounded_and_never_stale(database_url: str
         assert len(pending) == METRIC_ENDPOINTS + 1  # 15 endpoints: 10 named, one _other
         named = ["ep_gone", "ep_old", "ep_new", "ep_big", *HEALTHY[:6]]
         assert set(pending) == {*named, metrics.OTHER_ENDPOINTS}
-        assert pending["ep_big"] == 30 and pending["ep_gone"] == 3
+        assert pending["ep_big"] == 30 and pending["ep_gone"] == 251
         # The others: ep_h6..ep_h9 (4, 3, 2, 1 pending) and ep_manual (none).
         assert pending[metrics.OTHER_ENDPOINTS] == 4 + 3 + 2 + 1
         failing = _samples("fluxora_webhook_endpoint_failing_seconds")
@@ -145,7 +163,7 @@ async def test_per_endpoint_series_are_bounded_and_never_stale(database_url: str
         # ep_gone is enabled again and its deliveries go: it leaves the named series.
         await conn.execute(
             "UPDATE webhook_endpoints SET state = 'enabled', disabled_reason = NULL,"
-            " disabled_at = NULL WHERE id = 'ep_gone'"
+            " disabled_at = NULL, failing_since = NULL WHERE id = 'ep_gone'"
         )
         await conn.execute("DELETE FROM webhook_outbox WHERE endpoint_id = 'ep_gone'")
         set_endpoint_gauges(await read_endpoint_health(conn, METRIC_ENDPOINTS))

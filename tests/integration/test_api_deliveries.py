@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -426,3 +427,24 @@ async def test_the_id_enqueue_returns_finds_its_event(api: Api, database_url: st
     ):
         missing = await api.get(path, token=token)
         assert missing.status == 404 and missing.error_code == "not_found", missing.text
+
+
+async def test_an_open_breaker_whose_time_is_up_shows_half_open(
+    api: Api, redis_client: Any, prefix: str
+) -> None:
+    """A breaker opened by an earlier run and never probed since (no dispatcher sends to
+    it, or the breaker is off now) showed 'open' for the day its key lives; once its time
+    is up, its next request is the probe: half-open."""
+    from fluxora_webhooks.redis_gate import breaker_key
+
+    urls = {"up": "https://up.example.com/hook", "still": "https://still.example.com/hook"}
+    ids = {name: await add_endpoint(api, url, "acme") for name, url in urls.items()}
+    now_ms = int(time.time() * 1000)
+    for name, reset_at in (("up", now_ms - 360_000), ("still", now_ms + 60_000)):
+        await redis_client.hset(
+            breaker_key(urls[name], prefix),
+            mapping={"state": "open", "failures": 5, "reset_at": reset_at},
+        )
+    health = {h["id"]: h for h in (await api.get("/api/v1/stats")).body["endpoints"]}
+    assert health[ids["up"]]["breaker"] == {"state": "half-open", "failures": 5}
+    assert health[ids["still"]]["breaker"] == {"state": "open", "failures": 5}

@@ -47,7 +47,9 @@ LIMIT %(limit)s;
 -- costs at most that many index entries per endpoint however large a backlog grows; the
 -- window totals cover every endpoint, not only those returned.
 SELECT e.id, e.tenant, e.state, e.disabled_reason, e.disabled_at, e.failing_since,
-       EXTRACT(EPOCH FROM now() - e.failing_since)::float8 AS failing_for_s,
+       -- a disabled endpoint's streak ended when it was disabled (nothing is sent to it)
+       EXTRACT(EPOCH FROM COALESCE(e.disabled_at, now()) - e.failing_since)::float8
+           AS failing_for_s,
        p.pending, p.parked,
        count(*) OVER () AS endpoints_total,
        count(*) FILTER (WHERE e.state = 'disabled') OVER () AS disabled_total,
@@ -70,7 +72,10 @@ LIMIT %(limit)s;
 -- name: endpoint_last_errors
 -- The last failure of each of %(ids)s: the attempt before its newest pending retry (among
 -- its newest pending rows, through webhook_outbox_endpoint_pending_idx and the delivery
--- id), or its newest dead letter (webhook_dead_letter_endpoint_idx), whichever is later.
+-- id), its newest dead letter (webhook_dead_letter_endpoint_idx), or, for an endpoint the
+-- dispatcher disabled, the failure recorded as it did (webhook_outbox_processed_at_idx,
+-- the seconds around its disabled_at: its parked deliveries, newer than its retries, hide
+-- them from the first), whichever is latest.
 SELECT e.id, f.status_code, f.error, f.at
 FROM unnest(%(ids)s::text[]) AS e(id)
 CROSS JOIN LATERAL (
@@ -94,6 +99,17 @@ CROSS JOIN LATERAL (
          FROM webhook_dead_letter d
          WHERE d.endpoint_id = e.id AND d.state = 'dead'
          ORDER BY d.dead_at DESC, d.id DESC
+         LIMIT 1)
+        UNION ALL
+        (SELECT a.status_code, a.error, a.processed_at
+         FROM webhook_endpoints ep
+         JOIN webhook_outbox a
+           ON a.processed
+          AND a.processed_at BETWEEN ep.disabled_at - interval '10 seconds'
+                                 AND ep.disabled_at + interval '1 second'
+          AND a.endpoint_id = ep.id AND a.outcome IN ('retry', 'dead_letter')
+         WHERE ep.id = e.id AND ep.state = 'disabled' AND ep.disabled_reason <> 'manual'
+         ORDER BY a.processed_at DESC
          LIMIT 1)
     ) c
     ORDER BY c.at DESC
