@@ -149,6 +149,9 @@ async def _watch_supervisor(service: Service, supervisor: int) -> None:
     process is then re-parented), so no worker outlives it."""
     while os.getppid() == supervisor:  # noqa: ASYNC110 - nothing signals a parent's death
         await asyncio.sleep(PARENT_CHECK_S)
+    logging.getLogger(__name__).warning(
+        "the supervisor (pid %d) is gone: this worker stops too", supervisor
+    )
     service.stop()
 
 
