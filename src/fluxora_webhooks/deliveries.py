@@ -585,7 +585,7 @@ async def get_delivery(
         "dead_letter_reason": reason,
         # A pending row's error is what holds it (complete_held), never an attempt's; a
         # parked one waits for its endpoint, whatever held it before (its status says so).
-        "wait_reason": None if current["processed"] or status == "parked" else current["error"],
+        "wait_reason": _wait_reason(current, status),
         "attempt_count": len(attempts),
         "created_at": _iso(first["enqueued_at"]),
         "last_attempt_at": attempts[-1]["at"] if attempts else None,
@@ -594,6 +594,25 @@ async def get_delivery(
         "attempts": attempts,
         "trace_id": delivery_trace_id(first["delivery_id"], current["traceparent"]),
     }
+
+
+# What a delivery of an ordered endpoint that is not its stream's head waits for.
+STREAM_WAIT = (
+    "waiting for the earlier events of its stream (its endpoint is ordered): it is sent once"
+    " the one before it is delivered or ends"
+)
+
+
+def _wait_reason(current: Mapping[str, Any], status: str) -> str | None:
+    """Why a pending delivery is held with no attempt used: an outage of this service's
+    way out (its row's error, complete_held's words) or its stream's earlier events; None
+    for any other (a parked one's status says why)."""
+    if current["processed"] or status == "parked":
+        return None
+    if current["hold"] == "waiting":
+        return STREAM_WAIT
+    error: str | None = current["error"]
+    return error
 
 
 async def replay(

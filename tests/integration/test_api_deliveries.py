@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from fluxora_webhooks import deadletters, endpoints
+from fluxora_webhooks import deadletters, deliveries, endpoints
 from tests.support.api import LOOPBACK, Api
 from tests.support.dispatch import make_settings, running_dispatcher, wait_until
 from tests.support.receiver import Received, Receiver, answering
@@ -448,3 +448,35 @@ async def test_an_open_breaker_whose_time_is_up_shows_half_open(
     health = {h["id"]: h for h in (await api.get("/api/v1/stats")).body["endpoints"]}
     assert health[ids["up"]]["breaker"] == {"state": "half-open", "failures": 5}
     assert health[ids["still"]]["breaker"] == {"state": "open", "failures": 5}
+
+
+async def test_an_ordered_streams_later_event_says_it_waits_for_the_earlier_one(
+    api: Api, database_url: str, receiver: Receiver
+) -> None:
+    """Behind its stream's first event, which the consumer refuses for now (503), the
+    second waits with no attempt used: its wait_reason (and the dashboard's 'why it
+    waits') says so; it showed only 'pending', 'next attempt -'."""
+    receiver.respond = lambda r: web.Response(status=503)
+    endpoint = await add_endpoint(api, receiver.url, "acme", ordered=True)
+    sent = []
+    for n in (1, 2):
+        body = {"stream_id": "order-7", "event_type": "t", "payload": {"n": n}}
+        reply = await api.post("/api/v1/events", token="acme", json=body)
+        assert reply.status == 202, reply.text
+        sent.append(reply.body["id"])
+
+    async def routed() -> bool:
+        found = [(await api.get(f"/api/v1/events/{e}")).body["deliveries"] for e in sent]
+        return all(found)
+
+    async with running_dispatcher(dispatcher_settings(), database_url):
+        await receiver.wait_for(1)
+        await wait_until(routed, what="both events routed")
+    first, second = [
+        (await api.get(f"/api/v1/events/{e}")).body["deliveries"][0]["delivery_id"] for e in sent
+    ]
+    assert (await delivery(api, first))["wait_reason"] is None  # retrying: its attempt says
+    waiting = await delivery(api, second)
+    assert waiting["status"] == "pending" and waiting["attempt_count"] == 0
+    assert waiting["wait_reason"] == deliveries.STREAM_WAIT
+    assert endpoint == waiting["endpoint_id"]

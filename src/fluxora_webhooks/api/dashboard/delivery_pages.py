@@ -94,7 +94,7 @@ def why_it_waits_or_ended(delivery: Mapping[str, Any]) -> str | None:
     if delivery["status"] == "dead_letter":
         return why_it_ended(delivery)
     if delivery["status"] == "parked":
-        return f"waiting: {PARKED}"
+        return PARKED
     if delivery.get("wait_reason"):
         return str(delivery["wait_reason"])
     return None
@@ -215,8 +215,17 @@ async def delivery_page(
         why=why_it_waits_or_ended(found),
         no_attempts=no_attempts(found),
         result="Replay queued" if replayed else None,
-        flash="Replay queued under the same delivery id." if replayed else None,
+        flash=_replay_flash(found) if replayed else None,
     )
+
+
+def _replay_flash(delivery: Mapping[str, Any]) -> str:
+    if delivery["status"] == "parked":
+        return (
+            "Replay queued under the same delivery id; it stays parked until its endpoint"
+            " is enabled."
+        )
+    return "Replay queued under the same delivery id."
 
 
 @router.post("/deliveries/{delivery_id}/replay")
