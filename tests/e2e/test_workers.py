@@ -193,8 +193,8 @@ async def test_workers_drain_by_themselves_when_the_supervisor_is_killed(
             os.kill(pid, signal.SIGKILL)
     assert supervisor.log().count("stopped") == 2, supervisor.log()
     # Each says why it stops (no signal named it).
-    gone = f"the supervisor (pid {supervisor.pid}) is gone: this worker stops too"
-    assert supervisor.log().count(gone) == 2, supervisor.log()
+    said = f"the supervisor (pid {supervisor.pid}) is gone: this worker stops too"
+    assert supervisor.log().count(said) == 2, supervisor.log()
 
 
 async def test_workers_that_would_not_fit_in_max_connections_are_refused(
