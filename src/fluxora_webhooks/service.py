@@ -791,8 +791,10 @@ class Service:
 
         assert self.settings.retention_ms is not None
         try:
+            # Waited for (the partitions loop or another instance holds it for moments):
+            # skipped, the expired partitions' rows would be deleted one by one below.
             dropped = await partitions.drop_expired_exclusive(
-                conn, older_than_ms=self.settings.retention_ms
+                conn, older_than_ms=self.settings.retention_ms, wait=True
             )
         except partitions.PartitionsNotDropped as exc:  # their rows are pruned one by one
             log.warning("retention: %s", exc)

@@ -207,6 +207,55 @@ def check_builtin_pairs(env: Mapping[str, str]) -> None:
 #: Variables that hold a secret. Each may name a file instead (``DATABASE_URL_FILE``, ...),
 #: as container platforms mount secrets (Docker, Kubernetes): the value is then in no
 #: environment a deployment's manifest or ``docker inspect`` shows.
+# Every WEBHOOK_* and FLUXORA_* variable a command reads (tests/unit/test_settings.py keeps
+# it in step with the source): one set that names none of them is a typo, warned about.
+KNOWN_VARIABLES = frozenset(
+    {
+        "WEBHOOK_ALLOWED_NETWORKS", "WEBHOOK_API_HOST", "WEBHOOK_API_PORT",
+        "WEBHOOK_API_RATE_LIMIT", "WEBHOOK_BATCH_SIZE", "WEBHOOK_CIRCUIT_BREAKER_RESET_MS",
+        "WEBHOOK_CIRCUIT_BREAKER_THRESHOLD", "WEBHOOK_CLAIM_LOOPS", "WEBHOOK_DISABLE_AFTER",
+        "WEBHOOK_ENCRYPTION_KEY", "WEBHOOK_ENCRYPTION_KEY_PREVIOUS",
+        "WEBHOOK_ENDPOINT_CONCURRENCY", "WEBHOOK_MAX_ATTEMPTS", "WEBHOOK_MAX_CONNECTIONS",
+        "WEBHOOK_MAX_ENDPOINTS_PER_TENANT", "WEBHOOK_MAX_RESPONSE_BYTES",
+        "WEBHOOK_METRICS_HOST", "WEBHOOK_METRICS_PORT", "WEBHOOK_NO_PROXY",
+        "WEBHOOK_OPERATOR_SECRET", "WEBHOOK_OPERATOR_URL", "WEBHOOK_POLL_INTERVAL_MS",
+        "WEBHOOK_PROXY_URL", "WEBHOOK_RETENTION", "WEBHOOK_RETRY_RPS",
+        "WEBHOOK_RETRY_SCHEDULE", "WEBHOOK_SECRET", "WEBHOOK_SECRET_PREVIOUS",
+        "WEBHOOK_STARTUP_WAIT_MS", "WEBHOOK_TIMEOUT_MS", "WEBHOOK_TLS_CLIENT_CERT",
+        "WEBHOOK_TLS_CLIENT_KEY", "WEBHOOK_URL", "WEBHOOK_WORKERS",
+        "FLUXORA_HOME", "FLUXORA_REDIS_PREFIX", "FLUXORA_WORKER", "FLUXORA_WORKER_SILENT_S",
+        "FLUXORA_WORKER_UNRESPONSIVE_S", "FLUXORA_BENCH_DIR",
+    }
+)  # fmt: skip
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """What to warn about at start-up: each ``WEBHOOK_*`` variable that names nothing a
+    command reads (a misspelt retention variable left retention off without a word), and each
+    ``FLUXORA_*`` one close to a name of ours (that prefix is shared with test and bench
+    tooling), with the closest name when one is close. Values are never shown."""
+    import difflib
+
+    known = KNOWN_VARIABLES | {f"{name}_FILE" for name in SECRET_FILE_VARIABLES}
+    found = []
+    for name in sorted(env):
+        if name in known or not name.startswith(("WEBHOOK_", "FLUXORA_")):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if name.startswith("FLUXORA_") and not close:
+            continue
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        shown = ascii(name)[1:-1]
+        found.append(f"{shown} is set but is no variable fluxora-webhooks reads{hint}")
+    return found
+
+
+def warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """:func:`unknown_variables` as warnings (``run`` and ``api``, once configured)."""
+    for line in unknown_variables(env):
+        log.warning("%s", line)
+
+
 SECRET_FILE_VARIABLES = (
     "DATABASE_URL",
     "REDIS_URL",

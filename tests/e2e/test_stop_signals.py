@@ -113,7 +113,7 @@ async def test_a_sigterm_during_start_up_stops_it_cleanly(
     and no line; now it stops as soon as it can, says so, exit 0."""
     env = dispatcher_env(
         database_url, redis_url, "https://hooks.example.com/x", redis_prefix,
-        WEBHOOK_API_PORT="0",
+        WEBHOOK_API_PORT="0", WEBHOOK_RETENTON="7d",
     )  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _EARLY_SIGTERM, command, env=env,
@@ -124,3 +124,5 @@ async def test_a_sigterm_during_start_up_stops_it_cleanly(
     assert proc.returncode == 0, log
     assert "stopping on SIGTERM" in log and tracebacks(log) == 0, log
     assert "serving on" not in log, log
+    # A misspelt variable is warned about (its value never shown).
+    assert "WEBHOOK_RETENTON is set but is no variable fluxora-webhooks reads (did you mean" in log

@@ -402,3 +402,44 @@ async def test_run_says_when_a_partition_of_the_outbox_is_not_vacuumed(
             await conn.execute(f'ALTER TABLE "{first}" RESET (autovacuum_enabled)')
             assert await warn_if_not_vacuumed(conn) is server_off
             assert said not in caplog.text
+
+
+async def test_retention_waits_for_the_partitions_lock_and_drops_the_partition_whole(
+    database_url: str, receiver: Receiver
+) -> None:
+    """The partitions' lock held a moment (the partitions loop making partitions ahead,
+    another instance) when a run's retention started: the expired partition's rows were
+    deleted one by one, the write load partitioning is there to avoid. It waits, then
+    drops the partition whole."""
+    import dataclasses
+
+    from fluxora_webhooks.service import Service
+
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT date_trunc('day', now()) - interval '5 days'")
+        row = await cur.fetchone()
+        assert row is not None
+        old_day: dt.datetime = row[0]
+        await partitions.convert(conn, interval_ms=DAY, first_partition_at=old_day)
+        await partitions.create_partition(conn, old_day, DAY)
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
+            " processed, processed_at, outcome, endpoint_id)"
+            " SELECT 's', 'e', '{}', %s + interval '1 hour', true, %s + interval '2 hours',"
+            " 'delivered', 'default' FROM generate_series(1, 300)",
+            (old_day, old_day),
+        )
+    settings = dataclasses.replace(make_settings(receiver.url), retention_ms=2 * DAY)
+    service = Service(settings, database_url=database_url, redis_url=None)
+    async with (
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as holder,
+        await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn,
+    ):
+        await holder.execute("SELECT pg_advisory_lock(%s)", (partitions.PARTITION_LOCK_KEY,))
+        run = asyncio.create_task(service._retention_run(conn))
+        await asyncio.sleep(1.0)
+        assert not run.done()  # waiting for the lock, nothing deleted meanwhile
+        await holder.execute("SELECT pg_advisory_unlock(%s)", (partitions.PARTITION_LOCK_KEY,))
+        result = await asyncio.wait_for(run, 30)
+    assert partitions.partition_name(old_day) not in await _partitions(database_url)
+    assert result.outbox_rows == 0  # dropped whole, not deleted row by row

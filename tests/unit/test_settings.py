@@ -201,3 +201,47 @@ def test_a_dispatcher_built_in_code_checks_url_and_secret() -> None:
         Dispatcher(dataclasses.replace(good, webhook_url="http://example.com/x"), conninfo="")
     with pytest.raises(ConfigError, match="secret"):
         Dispatcher(dataclasses.replace(good, secret=b""), conninfo="")
+
+
+def test_a_misspelt_variable_is_warned_about_with_the_name_it_may_mean() -> None:
+    """WEBHOOK_RETENTON=7d left retention off, without a word; the value is never shown."""
+    from fluxora_webhooks.settings import unknown_variables
+
+    env = {
+        "WEBHOOK_RETENTON": "7d",
+        "WEBHOOK_BATCHSIZE": "50",
+        "WEBHOOK_SOMETHING_ELSE": "x",
+        "FLUXORA_REDIS_PREFX": "secret-ish",
+        "FLUXORA_TEST_DATABASE_URL": "postgresql://t",  # test tooling's prefix: not ours
+        "WEBHOOK_SECRET_FILE": "/run/secrets/s",
+        "WEBHOOK_RETENTION": "7d",
+        "PATH": "/usr/bin",
+    }
+    assert unknown_variables(env) == [
+        "FLUXORA_REDIS_PREFX is set but is no variable fluxora-webhooks reads"
+        " (did you mean FLUXORA_REDIS_PREFIX?)",
+        "WEBHOOK_BATCHSIZE is set but is no variable fluxora-webhooks reads"
+        " (did you mean WEBHOOK_BATCH_SIZE?)",
+        "WEBHOOK_RETENTON is set but is no variable fluxora-webhooks reads"
+        " (did you mean WEBHOOK_RETENTION?)",
+        "WEBHOOK_SOMETHING_ELSE is set but is no variable fluxora-webhooks reads",
+    ]
+
+
+def test_every_variable_the_source_reads_is_known() -> None:
+    """The known set is every WEBHOOK_*/FLUXORA_* name the package's source spells out,
+    so a new variable is not warned about as a typo."""
+    import re
+    from pathlib import Path
+
+    import fluxora_webhooks
+    from fluxora_webhooks.settings import KNOWN_VARIABLES, SECRET_FILE_VARIABLES
+
+    root = Path(fluxora_webhooks.__file__).parent
+    named = {
+        m.group()
+        for path in root.rglob("*.py")
+        for m in re.finditer(r"\b(?:WEBHOOK|FLUXORA)_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())
+    }
+    files = {f"{name}_FILE" for name in SECRET_FILE_VARIABLES}
+    assert named - files <= KNOWN_VARIABLES

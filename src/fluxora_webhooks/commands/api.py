@@ -47,10 +47,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     from .. import logs
     from ..host import STOP_SIGNALS, early_stop, stopped_by
-    from ..settings import Settings, register_engine_secrets
+    from ..settings import Settings, register_engine_secrets, warn_unknown_variables
 
     settings = Settings.from_env(env)
     logs.configure(settings.log_format)
+    warn_unknown_variables(env)
     log = logging.getLogger("fluxora_webhooks.api")
     require_api_extra()
     database_url, _ = engines(env, redis=False)

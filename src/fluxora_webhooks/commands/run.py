@@ -26,12 +26,18 @@ def serve(env: Mapping[str, str], *, clock: Callable[[], float] = time.time) -> 
     clock (tests run a dispatcher whose clock is hours off)."""
     from .. import logs
     from ..service import Service
-    from ..settings import Settings, check_builtin_pairs, check_client_certificate
+    from ..settings import (
+        Settings,
+        check_builtin_pairs,
+        check_client_certificate,
+        warn_unknown_variables,
+    )
 
     check_builtin_pairs(env)  # first: a secret it refuses is not warned about as short
     settings = Settings.from_env(env)
     check_client_certificate(settings)
     logs.configure(settings.log_format)
+    warn_unknown_variables(env)
     database_url, redis_url = engines(env, redis=True)
     if settings.workers > 1:
         from ..supervisor import Supervisor
