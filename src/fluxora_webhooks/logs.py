@@ -335,7 +335,8 @@ class TextFormatter(logging.Formatter):
 def _level(level: int | str | None) -> int:
     if isinstance(level, int):
         return level
-    name = (level or os.environ.get("LOG_LEVEL", "") or "INFO").strip().upper()
+    # blank is unset, as the service's settings read it
+    name = (level or os.environ.get("LOG_LEVEL", "")).strip().upper() or "INFO"
     value = logging.getLevelName(name)
     if isinstance(value, int):
         return value

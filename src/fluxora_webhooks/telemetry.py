@@ -88,11 +88,34 @@ def otlp_protocol(env: Mapping[str, str]) -> str:
     return protocol
 
 
+def check_otlp_endpoints(env: Mapping[str, str]) -> None:
+    """The collector's URL, when given, is an http(s) URL with a host: the exporter took
+    'not a url' at start-up and failed every export later. Its value is not shown."""
+    from urllib.parse import urlsplit
+
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            parts = urlsplit(raw)
+            host = parts.hostname
+            _ = parts.port
+        except ValueError:
+            host = None
+        if parts.scheme not in ("http", "https") or not host or any(c.isspace() for c in raw):
+            raise ConfigError(
+                name,
+                "must be the collector's http:// or https:// URL, such as http://collector:4318",
+            )
+
+
 def check_env(env: Mapping[str, str]) -> None:
     """Refuse OTEL_* values that are not understood (without importing anything): the
     supervisor's check before it starts workers that would each refuse them."""
     if "otlp" in exporters_from_env(env):
         otlp_protocol(env)
+        check_otlp_endpoints(env)
 
 
 def from_env(env: Mapping[str, str]) -> AttemptTracer | None:
@@ -102,6 +125,8 @@ def from_env(env: Mapping[str, str]) -> AttemptTracer | None:
     if not exporters:
         return None
     protocol = otlp_protocol(env) if "otlp" in exporters else ""
+    if protocol:
+        check_otlp_endpoints(env)
     try:
         return AttemptTracer(_provider(exporters, protocol))
     except ImportError as exc:

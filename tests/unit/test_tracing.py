@@ -206,3 +206,17 @@ def test_an_attempts_span_is_in_the_trace_the_api_names(stored: str | None) -> N
     assert f"{span.context.trace_id:032x}" == delivery_trace_id("d-7", stored)
     assert "tracestate" not in headers  # an invalid stored one is not passed on
     provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "value", ["not a url", "ftp://collector:4318", "http://", "collector:4318", "http://c:99999"]
+)
+def test_a_collector_url_that_is_none_is_refused_at_start_up(value: str) -> None:
+    """It was taken, and every export failed later ('Failed to parse: Host ...')."""
+    from fluxora_webhooks.telemetry import check_env
+
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        with pytest.raises(ConfigError, match=f"{name}: must be the collector's http"):
+            check_env({name: value})
+    check_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    check_env({"OTEL_EXPORTER_OTLP_ENDPOINT": value, "OTEL_TRACES_EXPORTER": "console"})
