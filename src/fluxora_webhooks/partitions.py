@@ -615,15 +615,14 @@ async def drop_expired_exclusive(
     dry_run: bool = False,
     wait: bool = False,
     on_wait: Callable[[], None] | None = None,
-) -> list[Dropped] | None:
-    """:func:`drop_expired` under the partitions' session lock (instances and the
-    ``prune`` command take turns); None when another holds it now, unless ``wait`` (the
-    command's: it waits, ``on_wait`` called first)."""
+) -> tuple[list[Dropped], list[str]] | None:
+    """:func:`drop_expired` (dropped, kept) under the partitions' session lock (instances
+    and the ``prune`` command take turns); None when another holds it now, unless ``wait``
+    (it waits, ``on_wait`` called first)."""
     async with session_lock(conn, PARTITION_LOCK_KEY, wait=wait, on_wait=on_wait) as held:
         if not held:
             return None
-        dropped, _ = await drop_expired(conn, older_than_ms=older_than_ms, dry_run=dry_run)
-    return dropped
+        return await drop_expired(conn, older_than_ms=older_than_ms, dry_run=dry_run)
 
 
 async def _drop_one(

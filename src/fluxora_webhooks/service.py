@@ -793,13 +793,13 @@ class Service:
         try:
             # Waited for (the partitions loop or another instance holds it for moments):
             # skipped, the expired partitions' rows would be deleted one by one below.
-            dropped = await partitions.drop_expired_exclusive(
+            done = await partitions.drop_expired_exclusive(
                 conn, older_than_ms=self.settings.retention_ms, wait=True
             )
         except partitions.PartitionsNotDropped as exc:  # their rows are pruned one by one
             log.warning("retention: %s", exc)
             return
-        for one in dropped or ():
+        for one in done[0] if done else ():
             metrics.RETENTION_DELETED.labels(table="outbox").inc(one.rows)
 
     async def _partitions_loop(self) -> None:

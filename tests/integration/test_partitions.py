@@ -169,6 +169,13 @@ async def test_prune_drops_expired_partitions_and_leaves_the_later_ones_rows_to_
             " FROM generate_series(0, 4) d, generate_series(1, 100) n",
             (five_days_ago, five_days_ago),
         )
+        # Day 0 still holds a parked delivery: kept, said so, its processed rows deleted.
+        await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
+            " endpoint_id, hold, created_at)"
+            " VALUES ('kept', 'stream.updated', '{}', %s, 'gone-endpoint', 'parked', 'infinity')",
+            (five_days_ago + dt.timedelta(hours=3),),
+        )
     # The cutoff at noon of day 2 (of 0-4): days 0 and 1 have ended before it.
     cutoff = five_days_ago + dt.timedelta(days=2, hours=12)
     older_than_ms = int((now - cutoff).total_seconds() * 1000)
@@ -178,12 +185,13 @@ async def test_prune_drops_expired_partitions_and_leaves_the_later_ones_rows_to_
     code, out = await run_command(*args, "--dry-run", env=env)
     assert code == 0, out
     dry = json.loads(out.strip().splitlines()[-1])
-    assert dry["dry_run"] is True and dry["outbox_rows"] == 30  # the rows it would delete
-    assert [(d["name"], d["rows"]) for d in dry["partitions_dropped"]] == [
-        (days[0], 100),
-        (days[1], 100),
-    ]
-    assert await scalar(database_url, "SELECT count(*) FROM webhook_outbox") == 530
+    # The rows it would delete: the old table's and the kept day 0's processed ones.
+    assert dry["dry_run"] is True and dry["outbox_rows"] == 130
+    assert [(d["name"], d["rows"]) for d in dry["partitions_dropped"]] == [(days[1], 100)]
+    assert dry["partitions_kept"] == [days[0]]
+    code, out = await run_command(*args[:-1], "--dry-run", env=env)
+    assert f"kept outbox partition {days[0]}: it still holds a row not processed" in out, out
+    assert await scalar(database_url, "SELECT count(*) FROM webhook_outbox") == 531
     # A dispatcher making partitions holds their lock a moment: prune waits for it, rather
     # than skip the drops and delete those partitions' rows one by one.
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as holder:
@@ -204,14 +212,15 @@ async def test_prune_drops_expired_partitions_and_leaves_the_later_ones_rows_to_
     assert code == 0, out
     assert "waiting for another process to finish with the outbox's partitions" in out, out
     result = json.loads(out.strip().splitlines()[-1])  # after the log lines (stderr)
-    assert sorted(d["name"] for d in result["partitions_dropped"]) == days[:2]
-    assert all(d["rows"] == 100 for d in result["partitions_dropped"])
-    assert result["outbox_rows"] == 30  # the old table's, and no row of day 2
+    assert [(d["name"], d["rows"]) for d in result["partitions_dropped"]] == [(days[1], 100)]
+    assert result["partitions_kept"] == [days[0]]
+    assert result["outbox_rows"] == 130  # the old table's and day 0's, and no row of day 2
     left = dict(
         await rows(database_url, "SELECT stream_id, count(*) FROM webhook_outbox GROUP BY 1")
     )
-    assert left == {"day2": 100, "day3": 100, "day4": 100}
-    assert set(days[:2]).isdisjoint(await _partitions(database_url))
+    assert left == {"kept": 1, "day2": 100, "day3": 100, "day4": 100}
+    remaining = set(await _partitions(database_url))
+    assert days[1] not in remaining and days[0] in remaining
 
 
 async def test_a_new_installation_can_be_partitioned_from_the_start(

@@ -83,13 +83,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         ):
             # Waited for as the retention lock is: a dispatcher making partitions holds it
             # a moment; skipped, the expired partitions' rows would be deleted one by one.
-            dropped = await drop_expired_exclusive(
+            done = await drop_expired_exclusive(
                 conn,
                 older_than_ms=older_than_ms,
                 dry_run=opts.dry_run,
                 wait=True,
                 on_wait=_say_waiting_for_partitions,
             )
+            dropped, kept = done if done else ([], [])
             result = await prune(
                 conn,
                 older_than_ms=older_than_ms,
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             # Counted as rows by the dry run's count; they would go with their partitions.
             rows = result.outbox_rows - sum(d.rows for d in dropped)
             result = dataclasses.replace(result, outbox_rows=max(rows, 0))
-        report(result, opts, dropped or [])
+        report(result, opts, dropped, kept)
         return 0
 
     return run_async(main())
@@ -125,10 +126,16 @@ def _say_waiting_for_partitions() -> None:
     )
 
 
-def report(result: PruneResult, opts: argparse.Namespace, dropped: Sequence[Dropped] = ()) -> None:
+def report(
+    result: PruneResult,
+    opts: argparse.Namespace,
+    dropped: Sequence[Dropped] = (),
+    kept: Sequence[str] = (),
+) -> None:
     if opts.json:
         shown = result.as_dict()
         shown["partitions_dropped"] = [{"name": d.name, "rows": d.rows} for d in dropped]
+        shown["partitions_kept"] = list(kept)
         print(json.dumps(shown))
         return
     verb = "would delete" if result.dry_run else "deleted"
@@ -136,6 +143,11 @@ def report(result: PruneResult, opts: argparse.Namespace, dropped: Sequence[Drop
     dropping = "would drop" if result.dry_run else "dropped"
     for one in dropped:
         print(f"{dropping} outbox partition {one.name} ({one.rows} processed row(s))")
+    for name in kept:
+        print(
+            f"kept outbox partition {name}: it still holds a row not processed before the"
+            " cutoff (its older processed rows are deleted one by one)"
+        )
     print(f"{verb} {result.outbox_rows} processed outbox row(s) older than {cutoff}")
     if opts.dead_letters:
         print(f"{verb} {result.dead_letters} replayed or purged dead letter(s)")
