@@ -33,7 +33,12 @@ from .delivery import HELD_WORDS
 from .endpoints import DEFAULT_ID, OPERATOR_TENANT, ClientCert, Endpoint, check_event_type
 from .endpoints import get as get_endpoint
 from .errors import ConfigError, ConflictError, IdempotencyKeyReused, NotFoundError
-from .outbox import enqueue_with_context, promote_after_commit
+from .outbox import (
+    MAX_PAYLOAD_DEPTH,
+    enqueue_with_context,
+    payload_too_deep,
+    promote_after_commit,
+)
 from .queries import query
 from .secretbox import Key, Keyring, SecretLocked
 from .tracing import delivery_trace_id, traceparent_header
@@ -84,13 +89,28 @@ def _page(
 # -- events -----------------------------------------------------------------------------
 
 
+# Why an answer shows a payload as null (payload_omitted).
+PAYLOAD_OMITTED = (
+    f"nested deeper than {MAX_PAYLOAD_DEPTH} levels, which this API does not serialize"
+    " (stored by SQL; it is sent to the consumers as stored)"
+)
+
+
+def shown_payload(payload: Any) -> dict[str, Any]:
+    """An answer's ``payload`` and ``payload_omitted``: a payload a SQL producer stored
+    deeper than the API serializes is left out, said why (it failed the whole list, 500)."""
+    if payload_too_deep(payload):
+        return {"payload": None, "payload_omitted": PAYLOAD_OMITTED}
+    return {"payload": payload}
+
+
 def event_json(row: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "id": int(row["id"]),
         "tenant": _tenant(row["tenant"]),
         "stream_id": row["stream_id"],
         "event_type": row["event_type"],
-        "payload": row["payload"],
+        **shown_payload(row["payload"]),
         "created_at": _iso(row["created_at"]),
     }
 
@@ -590,7 +610,7 @@ async def get_delivery(
         "created_at": _iso(first["enqueued_at"]),
         "last_attempt_at": attempts[-1]["at"] if attempts else None,
         "next_attempt_at": None if current["processed"] else _iso(current["due_at"]),
-        "payload": first["payload"],
+        **shown_payload(first["payload"]),
         "attempts": attempts,
         "trace_id": delivery_trace_id(first["delivery_id"], current["traceparent"]),
     }

@@ -73,6 +73,10 @@ MAX_EVENT_TYPE = 200
 EVENT_TYPE = re.compile(rf"[!-~](?:[ -~]{{0,{MAX_EVENT_TYPE - 2}}}[!-~])?", re.ASCII)
 MAX_STREAM_ID = 500
 MAX_PAYLOAD_BYTES = 1 << 20
+# How deep a payload may nest (an array or object counts one level): the API's refusal of
+# a deeper request body ("about 250 levels") and what its answers can serialize; one
+# stored deeper (by SQL) is shown without its payload (:func:`payload_too_deep`).
+MAX_PAYLOAD_DEPTH = 250
 # A NUL escaped in JSON text (after an even number of backslashes, which are escapes of
 # their own): PostgreSQL's jsonb cannot hold one.
 _JSON_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
@@ -117,10 +121,59 @@ _NOT_A_JSON_NUMBER = (
 )
 
 
+def _walk(payload: Any, limit: int) -> tuple[bool, int]:
+    """(deeper than ``limit``, bytes jsonb's text adds to Python's JSON): one pass over the
+    containers, with no recursion. jsonb prints a number with no exponent, so a float
+    Python writes as ``1e+308`` is 309 digits as stored and sent."""
+    extra = 0
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        items = value.values() if isinstance(value, dict) else value
+        if depth > limit:
+            return True, extra
+        for item in items:
+            if isinstance(item, (dict, list, tuple)):
+                stack.append((item, depth + 1))
+            elif isinstance(item, float):
+                extra += _expanded(item)
+    return False, extra
+
+
+def _expanded(number: float) -> int:
+    """How much longer jsonb writes a float than Python's JSON does (0 without exponent)."""
+    text = repr(number)
+    if "e" not in text:
+        return 0
+    from decimal import Decimal
+
+    return max(0, len(format(Decimal(text), "f")) - len(text))
+
+
+def payload_too_deep(payload: Any) -> bool:
+    """Whether a stored payload nests deeper than :data:`MAX_PAYLOAD_DEPTH` (SQL producers
+    are not checked by :func:`enqueue`): the API shows such an event without it."""
+    if not isinstance(payload, (dict, list)):
+        return False
+    return _walk(payload, MAX_PAYLOAD_DEPTH)[0]
+
+
 def _payload_json(payload: Any) -> bytes:
     """``payload`` as the JSON PostgreSQL is sent (UTF-8, as its jsonb text prints it), or a
     ``ValueError`` naming what it cannot hold; before anything reaches the database, where
     the same value would abort the caller's transaction."""
+    deep, extra = (
+        _walk(payload, MAX_PAYLOAD_DEPTH)
+        if isinstance(payload, (dict, list, tuple))
+        else (False, 0)
+    )
+    if deep:
+        raise ValueError(
+            f"payload is nested too deeply: at most {MAX_PAYLOAD_DEPTH} levels of arrays and"
+            " objects (as the API takes)"
+        )
+    if isinstance(payload, float):
+        extra = _expanded(payload)
     try:
         text = json.dumps(payload, ensure_ascii=False, allow_nan=False)
     except ValueError as exc:  # NaN or Infinity, or a circular reference
@@ -134,9 +187,11 @@ def _payload_json(payload: Any) -> bytes:
         raise ValueError(
             "payload holds an unpaired surrogate: it is not valid Unicode text"
         ) from None
-    if len(data) > MAX_PAYLOAD_BYTES:
+    if len(data) + extra > MAX_PAYLOAD_BYTES:
         raise ValueError(
-            f"payload must be at most {MAX_PAYLOAD_BYTES} bytes (1 MiB) as JSON (is {len(data)})"
+            f"payload must be at most {MAX_PAYLOAD_BYTES} bytes (1 MiB) as JSON as it is stored"
+            f" and sent (jsonb's text: ', ' and ': ' between items, numbers with no exponent;"
+            f" is {len(data) + extra})"
         )
     if b"\\u0000" in data and _JSON_NUL.search(data):
         raise ValueError(

@@ -377,3 +377,11 @@ async def test_a_payload_nested_too_deeply_and_a_bad_idempotency_key_say_so_brie
     key = await api.post(EVENTS, json=event({}), headers={"Idempotency-Key": "two words"})
     refused(key, 422, "validation_error", "idempotency-key: must be 1-255 visible ASCII")
     assert "[!-~]" not in key.text
+
+
+async def test_a_payload_over_1_mib_as_stored_is_refused(api: Api) -> None:
+    """jsonb writes 1e308 as 309 digits: 875 KB of such numbers in a request was stored and
+    sent to each endpoint as 39 MB."""
+    body = {"stream_id": "s", "event_type": "t", "payload": [1e308] * 5000}
+    reply = await api.post(EVENTS, json=body)
+    refused(reply, 422, "validation_error", "payload must be at most 1048576 bytes", "1555000")

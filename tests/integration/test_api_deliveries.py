@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -480,3 +481,28 @@ async def test_an_ordered_streams_later_event_says_it_waits_for_the_earlier_one(
     assert waiting["status"] == "pending" and waiting["attempt_count"] == 0
     assert waiting["wait_reason"] == deliveries.STREAM_WAIT
     assert endpoint == waiting["endpoint_id"]
+
+
+async def test_a_payload_stored_deeper_than_the_api_serializes_is_left_out_not_a_500(
+    api: Api, database_url: str
+) -> None:
+    """A SQL producer is not checked as enqueue is: one event nested 300 levels deep made
+    every list it was on answer 500 (the newest events, its tenant's). It is listed, its
+    payload null and why; one of 250 levels is shown whole."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, tenant)"
+            " SELECT 's-' || d, 'deep', (repeat('[', d) || '1' || repeat(']', d))::jsonb, 'acme'"
+            " FROM unnest(ARRAY[250, 300]) d RETURNING id"
+        )
+        shallow, deep = [r[0] for r in await cur.fetchall()]
+    for token in ("admin", "acme"):
+        listed = await api.get("/api/v1/events", token=token)
+        assert listed.status == 200, listed.text
+        by_id = {e["id"]: e for e in listed.body["data"]}
+        assert by_id[deep]["payload"] is None
+        assert by_id[deep]["payload_omitted"] == deliveries.PAYLOAD_OMITTED
+        assert by_id[shallow]["payload_omitted"] is None
+        assert json.dumps(by_id[shallow]["payload"]).count("[") == 250
+    one = await api.get(f"/api/v1/events/{deep}")
+    assert one.status == 200 and one.body["payload_omitted"] == deliveries.PAYLOAD_OMITTED

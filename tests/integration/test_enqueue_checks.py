@@ -472,3 +472,31 @@ def test_many_events_copied_or_enqueued_in_one_transaction_are_each_one_delivery
     assert len({d for d, _, _ in found}) == 20_100  # a delivery id each
     assert [p for _, _, p in found[:20_000]] == [e["data"] for e in events]
     assert [d for d, _, _ in found[20_000:]] == looped
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_enqueue_refuses_a_payload_deeper_or_larger_as_stored_than_the_api_takes(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Deeper than 250 levels: the API refuses such a body and could not show such an
+    event (its lists answered 500); a RecursionError past 1,000. Over 1 MiB as stored:
+    jsonb writes 1e308 as 309 digits, so [1e308] * 5000 (40 KB as Python writes it) reached
+    each consumer as 1.5 MB, over its inbox's limit. Refused before anything is written."""
+    for depth, shown in ((251, "at most 250 levels"), (5000, "at most 250 levels")):
+        with pytest.raises(ValueError, match=f"payload is nested too deeply: {shown}"):
+            enqueue(conn, **{**EVENT, "payload": _nested(depth)})
+    with pytest.raises(ValueError, match=r"as it is stored and sent .* is 1555000\)"):
+        enqueue(conn, **{**EVENT, "payload": [1e308] * 5000})
+    assert rows(conn) == []
+    enqueue(conn, **{**EVENT, "payload": _nested(250)})
+    enqueue(conn, **{**EVENT, "payload": [1e308] * 3000})  # 933,000 bytes as stored
+    stored = conn.execute(
+        "SELECT max(octet_length(payload::text)) FROM webhook_outbox"
+    ).fetchone()
+    assert stored == (933000,)  # as counted

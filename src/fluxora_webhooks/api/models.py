@@ -191,6 +191,14 @@ class EventIn(_In):
     payload: JsonValue
 
 
+_OMITTED = Field(
+    default=None,
+    description="why `payload` is null though the event has one: stored by SQL nested deeper"
+    " than the 250 levels the API serializes (the outbox row holds it, and it is sent as"
+    " stored); null otherwise",
+)
+
+
 class Event(BaseModel):
     id: int
     tenant: str | None
@@ -198,6 +206,7 @@ class Event(BaseModel):
     event_type: str
     payload: Any
     created_at: Timestamp | None
+    payload_omitted: str | None = _OMITTED
 
 
 class EventAccepted(Event):
@@ -248,6 +257,7 @@ class DeliveryDetail(Delivery):
         " when that ends; null otherwise",
     )
     payload: Any
+    payload_omitted: str | None = _OMITTED
     attempts: list[Attempt] = Field(
         description="the requests sent (a dead letter made when its endpoint was removed is"
         " none: `dead_letter_reason` says so)"
