@@ -496,7 +496,5 @@ def test_enqueue_refuses_a_payload_deeper_or_larger_as_stored_than_the_api_takes
     assert rows(conn) == []
     enqueue(conn, **{**EVENT, "payload": _nested(250)})
     enqueue(conn, **{**EVENT, "payload": [1e308] * 3000})  # 933,000 bytes as stored
-    stored = conn.execute(
-        "SELECT max(octet_length(payload::text)) FROM webhook_outbox"
-    ).fetchone()
+    stored = conn.execute("SELECT max(octet_length(payload::text)) FROM webhook_outbox").fetchone()
     assert stored == (933000,)  # as counted
