@@ -158,7 +158,7 @@ def payload_too_deep(payload: Any) -> bool:
     return _walk(payload, MAX_PAYLOAD_DEPTH)[0]
 
 
-def _payload_json(payload: Any) -> bytes:
+def payload_json(payload: Any) -> bytes:
     """``payload`` as the JSON PostgreSQL is sent (UTF-8, as its jsonb text prints it), or a
     ``ValueError`` naming what it cannot hold; before anything reaches the database, where
     the same value would abort the caller's transaction."""
@@ -261,13 +261,24 @@ def enqueue(
         return _enqueue_async(target, params)
     # A cursor of its own: the caller's row factory (dict_row, a class) may not index by
     # position, and a failure after the INSERT ran would invite a retry that enqueues twice.
-    with target.cursor(row_factory=tuple_row) as cur:
+    # Bound as psycopg binds by default whatever the connection's cursor factory (a raw
+    # cursor takes $1 placeholders, not the statement's named ones).
+    cursor = psycopg.Cursor if issubclass(target.cursor_factory, psycopg.RawCursor) else None
+    with (
+        cursor(target, row_factory=tuple_row) if cursor else target.cursor(row_factory=tuple_row)
+    ) as cur:
         try:
             row = cur.execute(query("enqueue"), params).fetchone()
         except _SCHEMA_FAULTS as exc:
             raise _schema_error(exc) from exc
     assert row is not None
-    return str(row[0])
+    return _id_text(row[0])
+
+
+def _id_text(value: Any) -> str:
+    """The id as text: a SQL_ASCII connection reads text as bytes (it was returned as
+    ``"b'...'"``)."""
+    return value.decode("ascii") if isinstance(value, bytes) else str(value)
 
 
 async def enqueue_with_context(
@@ -308,7 +319,8 @@ _OTHER_DRIVERS = {
     "asyncpg": "enqueue cannot run on asyncpg: use a psycopg AsyncConnection, or the plain"
     " SQL INSERT INTO webhook_outbox in your transaction (examples/README.md)",
     "sqlalchemy": "with SQLAlchemy (postgresql+psycopg), pass"
-    " session.connection().connection.driver_connection",
+    " session.connection().connection.driver_connection; with its asyncio extension,"
+    " (await (await session.connection()).get_raw_connection()).driver_connection",
     "psycopg2": "psycopg2 is not supported: use psycopg 3, or the plain SQL INSERT INTO"
     " webhook_outbox in your transaction",
     "psycopg_pool": "take a connection from the pool: with pool.connection() as conn",
@@ -356,7 +368,7 @@ def _enqueue_params(
 ) -> dict[str, Any]:
     """The enqueue statement's parameters, every value checked first."""
     _check_names(tenant, stream_id, event_type)
-    data = _payload_json(payload)
+    data = payload_json(payload)
     encoding = conn.info.encoding
     if encoding != "utf-8":
         data = _in_client_encoding(payload, stream_id, encoding, conn)
@@ -402,14 +414,19 @@ def _trace_context() -> dict[str, str | None]:
 
 
 async def _enqueue_async(conn: psycopg.AsyncConnection[Any], params: dict[str, Any]) -> str:
-    async with conn.cursor(row_factory=tuple_row) as cur:  # as enqueue's
+    raw = issubclass(conn.cursor_factory, psycopg.AsyncRawCursor)  # as enqueue's
+    async with (
+        psycopg.AsyncCursor(conn, row_factory=tuple_row)
+        if raw
+        else conn.cursor(row_factory=tuple_row)
+    ) as cur:
         try:
             await cur.execute(query("enqueue"), params)
         except _SCHEMA_FAULTS as exc:
             raise _schema_error(exc) from exc
         row = await cur.fetchone()
     assert row is not None
-    return str(row[0])
+    return _id_text(row[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,6 +178,13 @@ def test_send_refuses_bad_input_and_says_when_nothing_routes_it(
     assert code == 2 and "--payload" in out and "NaN" in out
     code, out = cli("send", "--event", "x", "--payload", '{"a": "\\u0000"}')
     assert code == 2 and "--payload" in out and "NUL" in out
+    # What enqueue refuses is a bad option too (a traceback and exit 1 before, which
+    # reads as "no dispatcher routed it").
+    for payload, said in (("[1e999]", "past a double's range"), ('"\ud800"', "surrogate")):
+        code, out = cli("send", "--event", "x", "--payload", payload)
+        assert code == 2 and "--payload" in out and said in out and "Traceback" not in out
+    code, out = cli("send", "--event", "x", "--payload", "{}", "--stream", "s" * 501)
+    assert code == 2 and "--stream: must be at most 500 characters (is 501)" in out, out
     code, out = cli("send", "--tenant", "bad tenant", "--event", "x", "--payload", "{}")
     assert code == 2 and "--tenant" in out
     code, out = cli("send", "--event", "bad\ttype", "--payload", "{}")

@@ -326,6 +326,40 @@ async def test_the_sqlalchemy_asyncpg_recipe_enqueues_in_the_session(
     assert conn.execute("SELECT status FROM streams").fetchall() == [("paused",)]
 
 
+async def test_the_sqlalchemy_async_psycopg_recipe_enqueues_in_the_session(
+    conn: psycopg.Connection[Any], database_url: str
+) -> None:
+    """The recipe the TypeError's hint points an AsyncSession user to: committed with the
+    session's write, nothing when the session's transaction rolls back."""
+    if not database_url.startswith("postgresql://"):
+        pytest.skip("a URL SQLAlchemy's psycopg dialect takes is needed")
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    conn.execute(STREAMS)
+    conn.execute("INSERT INTO streams (id) VALUES ('s-1'), ('s-2')")
+    recipe: dict[str, Any] = {}
+    exec(snippet("SQLAlchemy async with psycopg"), recipe)
+    engine = create_async_engine(database_url.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        async with AsyncSession(engine) as session:
+            delivery_id = await recipe["pause_stream"](session, "s-1")
+            with pytest.raises(TypeError, match=r"get_raw_connection\(\)\)\.driver_connection"):
+                enqueue(session, **EVENT)  # type: ignore[call-overload]
+        async with AsyncSession(engine) as session:
+            with pytest.raises(LookupError):
+                async with session.begin():
+                    await session.execute(text("UPDATE streams SET status = 'x'"))
+                    raw = await (await session.connection()).get_raw_connection()
+                    driver = raw.driver_connection
+                    assert isinstance(driver, psycopg.AsyncConnection)
+                    await enqueue(driver, **EVENT)
+                    raise LookupError
+    finally:
+        await engine.dispose()
+    assert rows(conn) == [(delivery_id, "s-1", {"id": "s-1", "status": "paused"})]
+
+
 @pytest.fixture
 def producer_roles(
     pg_admin_url: str, database_url: str
@@ -498,3 +532,32 @@ def test_enqueue_refuses_a_payload_deeper_or_larger_as_stored_than_the_api_takes
     enqueue(conn, **{**EVENT, "payload": [1e308] * 3000})  # 933,000 bytes as stored
     stored = conn.execute("SELECT max(octet_length(payload::text)) FROM webhook_outbox").fetchone()
     assert stored == (933000,)  # as counted
+
+
+async def test_enqueue_on_a_raw_cursor_or_sql_ascii_connection_returns_a_usable_id(
+    database_url: str,
+) -> None:
+    """A connection whose cursors are raw (psycopg.RawCursor: $1 placeholders) failed with
+    psycopg's own TypeError; one in SQL_ASCII returned "b'...'" for the id."""
+    import uuid
+
+    ids = []
+    with psycopg.connect(database_url, cursor_factory=psycopg.RawCursor) as raw:
+        ids.append(enqueue(raw, **EVENT))
+    with psycopg.connect(database_url, client_encoding="SQL_ASCII") as ascii_conn:
+        ids.append(enqueue(ascii_conn, **EVENT))
+    async with await psycopg.AsyncConnection.connect(
+        database_url, cursor_factory=psycopg.AsyncRawCursor
+    ) as araw:
+        ids.append(await enqueue(araw, **EVENT))
+    async with await psycopg.AsyncConnection.connect(
+        database_url, client_encoding="SQL_ASCII"
+    ) as aascii:
+        ids.append(await enqueue(aascii, **EVENT))
+    assert [str(uuid.UUID(i)) for i in ids] == ids
+    with psycopg.connect(database_url) as check:
+        found = check.execute(
+            "SELECT delivery_id::text FROM webhook_outbox WHERE delivery_id::text = ANY(%s)",
+            (ids,),
+        ).fetchall()
+    assert sorted(r[0] for r in found) == sorted(ids)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..endpoints import check_event_type
 from ..errors import ConfigError
+from ..outbox import MAX_STREAM_ID, payload_json
 from .common import EXIT_FAILED, EXIT_OK, connect, engines, run_async
 
 NAME = "send"
@@ -80,8 +81,11 @@ def parse_payload(text: str) -> Any:
         ) from None
     except (ValueError, RecursionError) as exc:
         raise ConfigError("--payload", f"is not valid JSON: {exc}") from None
-    if "\\u0000" in json.dumps(payload):
-        raise ConfigError("--payload", "holds a NUL character (\\u0000), which jsonb cannot store")
+
+    try:  # what enqueue refuses, refused as an option is: exit 2, no traceback
+        payload_json(payload)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("--payload", str(exc).removeprefix("payload ")) from None
     return payload
 
 
@@ -92,6 +96,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     tenant = check_tenant(args.tenant, "--tenant")
     if not args.stream:
         raise ConfigError("--stream", "must not be empty")
+    if len(args.stream) > MAX_STREAM_ID:
+        raise ConfigError(
+            "--stream", f"must be at most {MAX_STREAM_ID} characters (is {len(args.stream)})"
+        )
     check_event_type(args.event, "--event")
     payload = parse_payload(args.payload)
     database_url, _ = engines(env, redis=False)
