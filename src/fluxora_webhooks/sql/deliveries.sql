@@ -480,7 +480,11 @@ done AS (
            LEAST(%(buckets)s - 1,
                  floor(EXTRACT(EPOCH FROM o.processed_at - w.start) / w.width_s))::int AS b
     FROM webhook_outbox o, w
-    WHERE o.processed AND o.processed_at >= w.start AND o.endpoint_id IS NOT NULL
+    -- The bound is written out, not w.start: a CTE's column is no index condition, and
+    -- with it every window read the whole outbox (a sequential scan) instead of
+    -- webhook_outbox_processed_at_idx. now() is the statement's, as in w.
+    WHERE o.processed AND o.processed_at >= now() - %(window_ms)s * interval '1 millisecond'
+      AND o.endpoint_id IS NOT NULL
       AND o.outcome IN ('delivered', 'retry', 'dead_letter')
       AND (NOT %(scoped)s OR o.tenant = %(tenant)s)
 ),
@@ -519,7 +523,8 @@ dead AS (
                  floor(EXTRACT(EPOCH FROM d.dead_at - w.start) / w.width_s))::int AS b,
            count(*) AS n
     FROM webhook_dead_letter d, w
-    WHERE d.dead_at >= w.start AND (NOT %(scoped)s OR d.tenant = %(tenant)s)
+    WHERE d.dead_at >= now() - %(window_ms)s * interval '1 millisecond'
+      AND (NOT %(scoped)s OR d.tenant = %(tenant)s)
       AND NOT (%(scoped)s AND d.tenant = '!operator')
     GROUP BY 1
 )

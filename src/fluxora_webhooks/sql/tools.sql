@@ -101,16 +101,23 @@ CROSS JOIN LATERAL (
          ORDER BY d.dead_at DESC, d.id DESC
          LIMIT 1)
         UNION ALL
+        -- LATERAL: the endpoint row first, so that its disabled_at bounds are the index
+        -- condition. As a join under ORDER BY processed_at DESC LIMIT 1 it was planned as a
+        -- backward walk of the whole processed_at index filtered by endpoint, for every
+        -- endpoint asked about, disabled or not (1.6 s each at 3.6 million rows).
         (SELECT a.status_code, a.error, a.processed_at
          FROM webhook_endpoints ep
-         JOIN webhook_outbox a
-           ON a.processed
-          AND a.processed_at BETWEEN ep.disabled_at - interval '10 seconds'
-                                 AND ep.disabled_at + interval '1 second'
-          AND a.endpoint_id = ep.id AND a.outcome IN ('retry', 'dead_letter')
-         WHERE ep.id = e.id AND ep.state = 'disabled' AND ep.disabled_reason <> 'manual'
-         ORDER BY a.processed_at DESC
-         LIMIT 1)
+         CROSS JOIN LATERAL (
+             SELECT a.status_code, a.error, a.processed_at
+             FROM webhook_outbox a
+             WHERE a.processed
+               AND a.processed_at BETWEEN ep.disabled_at - interval '10 seconds'
+                                      AND ep.disabled_at + interval '1 second'
+               AND a.endpoint_id = ep.id AND a.outcome IN ('retry', 'dead_letter')
+             ORDER BY a.processed_at DESC
+             LIMIT 1
+         ) a
+         WHERE ep.id = e.id AND ep.state = 'disabled' AND ep.disabled_reason <> 'manual')
     ) c
     ORDER BY c.at DESC
     LIMIT 1
