@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import logs
 from ._version import __version__
@@ -32,7 +32,14 @@ def _modules() -> list[ModuleType]:
 
 class _Parser(argparse.ArgumentParser):
     """A usage error is a record like any other line with ``LOG_FORMAT=json`` (a service's
-    command line is written in its deployment, where a pipeline reads JSON)."""
+    command line is written in its deployment, where a pipeline reads JSON). An option is
+    taken only as spelled out: with argparse's prefixes, `dlq purge --a --y` purged every
+    dead letter. The commands' own parsers are of this class too (argparse makes a
+    subcommand's parser of its parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if logs.json_configured():

@@ -216,6 +216,9 @@ async def test_dlq_list_show_replay_purge(database_url: str) -> None:
     assert all(len(i) == 36 for i in ids)  # full delivery ids
     code, out = await run_command("dlq", "list", env=env)
     assert code == 0 and all(i in out for i in ids), out
+    assert "there may be more" not in out
+    code, out = await run_command("dlq", "list", "--limit", "2", env=env)
+    assert code == 0 and "the newest 2 shown; there may be more (--limit N" in out, out
     # Times as every command shows them: ISO 8601 to the second, with the offset.
     newest = datetime.fromisoformat(listed[0]["dead_at"]).isoformat(timespec="seconds")
     assert newest in out, out

@@ -5,6 +5,7 @@ naming the option, stored text shown as data, ``--all`` confirmed.
 from __future__ import annotations
 
 import io
+import sys
 from typing import Any
 
 import pytest
@@ -245,3 +246,35 @@ def test_endpoints_add_says_when_its_client_certificate_is_not_valid_yet(
         "client certificate: CN=a, issued by CN=ca, NOT VALID before 2999-01-01T00:00:00+00:00"
         f" (until 3000-01-01T00:00:00+00:00), sha256 {'ab' * 32}"
     )
+
+
+def test_ids_are_never_cut_in_the_tables_of_a_narrow_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a 120-column terminal `dlq list` showed '66cb75c6-8a79-9dcb-6a09-cb12f5569...':
+    an id an operator copies into `dlq replay` was cut (docs: never)."""
+    from fluxora_webhooks.commands.dlq import LIST_COLUMNS, print_rows
+    from fluxora_webhooks.commands.endpoints import _print_list
+
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    delivery_id = "66cb75c6-8a79-4dcb-8a09-cb12f5569e11"
+    endpoint_id = "ep_" + "z" * 24
+    row = {c: "x" * 60 for c in LIST_COLUMNS}
+    row.update(delivery_id=delivery_id, endpoint_id=endpoint_id)
+    print_rows([row], LIST_COLUMNS, as_json=False)
+    out = capsys.readouterr().out
+    assert delivery_id in out and endpoint_id in out, out
+    _print_list([{
+        "id": endpoint_id, "tenant": "acme", "url": "https://hooks.example.com/" + "p" * 90,
+        "event_types": ["*"], "state": "enabled", "disabled_reason": None, "ordered": False,
+    }], as_json=False)  # fmt: skip
+    assert endpoint_id in capsys.readouterr().out
+
+
+def test_an_option_is_taken_only_as_spelled_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's prefixes made `dlq purge --a --y` purge every dead letter."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["dlq", "purge", "--a", "--y"])
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: --a --y" in capsys.readouterr().err

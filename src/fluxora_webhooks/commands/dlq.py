@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -109,6 +108,12 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 async with connect(database_url) as conn:
                     await endpoints.get(conn, args.endpoint)
             print_rows(found, LIST_COLUMNS, args.json)
+            if len(found) == args.limit:  # more may be waiting: said, not left unsaid
+                print(
+                    f"the newest {args.limit} shown; there may be more (--limit N shows"
+                    " more, `status` counts them)",
+                    file=sys.stderr,
+                )
             return 0
         if args.dlq_command == "show":
             found = await deadletters.show(database_url, args.id)
@@ -186,11 +191,14 @@ def print_rows(rows: list[dict[str, Any]], columns: Sequence[str], as_json: bool
 
     table = Table(show_lines=False)
     for col in columns:
-        table.add_column(col, no_wrap=True, overflow="ellipsis")
+        # Ids are what an operator copies into `dlq replay/show`: never shrunk or cut.
+        keep = {"delivery_id": 36, "endpoint_id": 27}.get(col)
+        table.add_column(col, no_wrap=True, overflow="ellipsis", min_width=keep)
     for row in rows:
         # Text cells: stored text is never read as markup, its control characters visible.
         table.add_row(*(_cell(c, row.get(c)) for c in columns))
-    width = max(160, os.get_terminal_size(1).columns if sys.stdout.isatty() else 260)
+    # The terminal's width (COLUMNS honoured); a pipe gets rows that never wrap.
+    width = None if sys.stdout.isatty() else 260
     console(width=width, highlight=False).print(table)
 
 

@@ -401,7 +401,9 @@ def _print_list(items: list[dict[str, Any]], as_json: bool) -> None:
 
     table = Table()
     for column in ("id", "tenant", "url", "event_types", "state", "ordered"):
-        table.add_column(column, overflow="fold")
+        # The id is what an operator copies into the other commands: kept on one line.
+        whole = {"no_wrap": True, "min_width": 27} if column == "id" else {}
+        table.add_column(column, overflow="fold", **whole)  # type: ignore[arg-type]
     for item in items:
         state = item["state"] + (f" ({item['disabled_reason']})" if item["disabled_reason"] else "")
         table.add_row(

@@ -259,7 +259,11 @@ def _render_endpoints(console: Any, endpoints: dict[str, Any]) -> None:
         ("endpoint", "left"), ("tenant", "left"), ("state", "left"), ("pending", "right"),
         ("parked", "right"), ("failing for", "right"), ("last error", "left"),
     ):  # fmt: skip
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        table.add_column(
+            column,
+            justify=justify,  # type: ignore[arg-type]
+            min_width=27 if column == "endpoint" else None,  # an id: never cut
+        )
     for e in worst:
         state = e["state"] + (f" ({e['disabled_reason']})" if e["disabled_reason"] else "")
         last = e["last_error"]
