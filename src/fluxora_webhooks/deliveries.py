@@ -39,6 +39,7 @@ from .outbox import (
     payload_too_deep,
     promote_after_commit,
 )
+from .pgtypes import TOO_DEEP
 from .queries import query
 from .secretbox import Key, Keyring, SecretLocked
 from .tracing import delivery_trace_id, traceparent_header
@@ -99,7 +100,7 @@ PAYLOAD_OMITTED = (
 def shown_payload(payload: Any) -> dict[str, Any]:
     """An answer's ``payload`` and ``payload_omitted``: a payload a SQL producer stored
     deeper than the API serializes is left out, said why (it failed the whole list, 500)."""
-    if payload_too_deep(payload):
+    if payload is TOO_DEEP or payload_too_deep(payload):
         return {"payload": None, "payload_omitted": PAYLOAD_OMITTED}
     return {"payload": payload}
 

@@ -38,7 +38,13 @@ from .queries import query
 from .secretbox import PREFIX as SEALED_PREFIX
 from .secretbox import Keyring, SecretLocked, is_sealed, sealed_length
 from .settings import environ_keyring, looks_like_duration, parse_duration_ms, retry_rps
-from .urlpolicy import IPNetwork, check_url_address, refuse_invisible_format, validate_url
+from .urlpolicy import (
+    BIDI_CONTROLS,
+    IPNetwork,
+    check_url_address,
+    refuse_invisible_format,
+    validate_url,
+)
 
 DEFAULT_ID = "default"
 OPERATOR_ID = "operator"
@@ -545,13 +551,13 @@ def check_rate_limit(value: int | None, name: str = "rate_limit") -> int | None:
 def check_description(value: str, name: str = "description") -> str:
     if not isinstance(value, str) or len(value) > MAX_DESCRIPTION:
         raise ConfigError(name, f"must be text of at most {MAX_DESCRIPTION} characters")
-    for ch in value:
-        if "\u202a" <= ch <= "\u202e" or "\u2066" <= ch <= "\u2069":
-            raise ConfigError(
-                name,
-                f"contains a bidirectional control character (U+{ord(ch):04X}), which changes"
-                " how the text around it is shown; remove it",
-            )
+    found = BIDI_CONTROLS.search(value)
+    if found:
+        raise ConfigError(
+            name,
+            f"contains a bidirectional control character (U+{ord(found.group()):04X}), which"
+            " changes how the text around it is shown; remove it",
+        )
     return value
 
 

@@ -39,6 +39,10 @@ def hold_early_stops() -> None:
 def _keep_early(signum: int, frame: object) -> None:
     if not _early:
         _early.append(signal.Signals(signum))
+        return
+    # A second one (Ctrl-C again): Python's default, at once.
+    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def early_stop() -> signal.Signals | None:

@@ -121,28 +121,45 @@ _NOT_A_JSON_NUMBER = (
 )
 
 
-def _walk(payload: Any, limit: int) -> tuple[bool, int]:
-    """(deeper than ``limit``, bytes jsonb's text adds to Python's JSON): one pass over the
-    containers, with no recursion. jsonb prints a number with no exponent, so a float
-    Python writes as ``1e+308`` is 309 digits as stored and sent."""
-    extra = 0
+_CONTAINERS = (dict, list, tuple)
+# A number Python's JSON writes with an exponent (1e+308, 1.5e-07): only then can jsonb's
+# text be longer than Python's (a text value matching it costs one needless look).
+_EXPONENT = re.compile(rb"[0-9]e[-+]")
+
+
+def _nested_deeper(payload: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than ``limit`` (one level each); no
+    recursion."""
     stack: list[tuple[Any, int]] = [(payload, 1)]
     while stack:
         value, depth = stack.pop()
-        items = value.values() if isinstance(value, dict) else value
         if depth > limit:
-            return True, extra
-        for item in items:
-            if isinstance(item, (dict, list, tuple)):
-                stack.append((item, depth + 1))
-            elif isinstance(item, float):
-                extra += _expanded(item)
-    return False, extra
+            return True
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((item, depth + 1) for item in items if isinstance(item, _CONTAINERS))
+    return False
+
+
+def _expansion(payload: Any) -> int:
+    """The bytes jsonb's text adds to Python's JSON: jsonb writes a number with no exponent,
+    so a float Python writes as ``1e+308`` is 309 digits as stored and sent."""
+    extra = 0
+    stack = [payload]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, float):
+            extra += _expanded(value)
+        elif isinstance(value, _CONTAINERS):
+            stack.extend(value.values() if isinstance(value, dict) else value)
+    return extra
 
 
 def _expanded(number: float) -> int:
-    """How much longer jsonb writes a float than Python's JSON does (0 without exponent)."""
-    text = repr(number)
+    """How much longer jsonb writes a float than Python's JSON does (0 without exponent).
+    ``float.__repr__``: what json.dumps writes for a float subclass too (numpy's)."""
+    if number == 0 or 1e-4 <= abs(number) < 1e16:
+        return 0  # written without exponent by both
+    text = float.__repr__(number)
     if "e" not in text:
         return 0
     from decimal import Decimal
@@ -153,29 +170,33 @@ def _expanded(number: float) -> int:
 def payload_too_deep(payload: Any) -> bool:
     """Whether a stored payload nests deeper than :data:`MAX_PAYLOAD_DEPTH` (SQL producers
     are not checked by :func:`enqueue`): the API shows such an event without it."""
-    if not isinstance(payload, (dict, list)):
-        return False
-    return _walk(payload, MAX_PAYLOAD_DEPTH)[0]
+    return isinstance(payload, _CONTAINERS) and _nested_deeper(payload, MAX_PAYLOAD_DEPTH)
+
+
+def _too_large(size: int) -> ValueError:
+    return ValueError(
+        f"payload must be at most {MAX_PAYLOAD_BYTES} bytes (1 MiB) as JSON as it is stored"
+        f" and sent (jsonb's text: ', ' and ': ' between items, numbers with no exponent;"
+        f" is {size})"
+    )
+
+
+_TOO_DEEP = (
+    f"payload is nested too deeply: at most {MAX_PAYLOAD_DEPTH} levels of arrays and objects"
+    " (as the API takes)"
+)
 
 
 def payload_json(payload: Any) -> bytes:
     """``payload`` as the JSON PostgreSQL is sent (UTF-8, as its jsonb text prints it), or a
     ``ValueError`` naming what it cannot hold; before anything reaches the database, where
-    the same value would abort the caller's transaction."""
-    deep, extra = (
-        _walk(payload, MAX_PAYLOAD_DEPTH)
-        if isinstance(payload, (dict, list, tuple))
-        else (False, 0)
-    )
-    if deep:
-        raise ValueError(
-            f"payload is nested too deeply: at most {MAX_PAYLOAD_DEPTH} levels of arrays and"
-            " objects (as the API takes)"
-        )
-    if isinstance(payload, float):
-        extra = _expanded(payload)
+    the same value would abort the caller's transaction. The walks over the value (its
+    depth, its floats' length as stored) run only when the JSON text says they may
+    matter: more brackets than the depth allowed, a number with an exponent."""
     try:
         text = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    except RecursionError:
+        raise ValueError(_TOO_DEEP) from None
     except ValueError as exc:  # NaN or Infinity, or a circular reference
         why = _NOT_A_JSON_NUMBER if "float" in str(exc) else str(exc)
         raise ValueError(f"payload cannot be stored as JSON: {why}") from None
@@ -187,12 +208,15 @@ def payload_json(payload: Any) -> bytes:
         raise ValueError(
             "payload holds an unpaired surrogate: it is not valid Unicode text"
         ) from None
-    if len(data) + extra > MAX_PAYLOAD_BYTES:
-        raise ValueError(
-            f"payload must be at most {MAX_PAYLOAD_BYTES} bytes (1 MiB) as JSON as it is stored"
-            f" and sent (jsonb's text: ', ' and ': ' between items, numbers with no exponent;"
-            f" is {len(data) + extra})"
-        )
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise _too_large(len(data))
+    brackets = data.count(b"[") + data.count(b"{")
+    if brackets > MAX_PAYLOAD_DEPTH and _nested_deeper(payload, MAX_PAYLOAD_DEPTH):
+        raise ValueError(_TOO_DEEP)
+    if _EXPONENT.search(data):
+        size = len(data) + _expansion(payload)
+        if size > MAX_PAYLOAD_BYTES:
+            raise _too_large(size)
     if b"\\u0000" in data and _JSON_NUL.search(data):
         raise ValueError(
             "payload contains a NUL character (\\u0000), which PostgreSQL's JSON cannot hold"
@@ -252,7 +276,8 @@ def enqueue(
     ``ValueError`` naming the field: an invalid tenant, a stream id not of 1 to 500
     characters, an event type not of 1 to 200 printable ASCII characters (or starting or
     ending with a space, which the header it is sent in would drop), a payload over
-    1 MiB as JSON, with NaN or Infinity, a NUL character or an unpaired surrogate in text.
+    1 MiB as JSON as stored and sent (jsonb's text) or nested deeper than 250 levels, with
+    NaN or Infinity, a NUL character or an unpaired surrogate in text.
     A database whose schema is older than the code raises :class:`SchemaError`.
     """
     target = _connection(conn)

@@ -56,6 +56,35 @@ def as_utc(moment: datetime) -> datetime:
         return moment
 
 
+class TooDeep:
+    """What a ``json``/``jsonb`` value nested deeper than Python's JSON reader goes (about
+    1,000 levels) is read as on a connection of :func:`read_deep_json`."""
+
+    def __repr__(self) -> str:
+        return "TOO_DEEP"
+
+
+TOO_DEEP = TooDeep()
+
+
+def read_deep_json(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Make ``conn`` read a JSON value too deep for ``json.loads`` as :data:`TOO_DEEP`: its
+    ``RecursionError`` failed the whole statement (a SQL producer's payload made every list
+    of the API it was on answer 500)."""
+    from psycopg.types.json import JsonbLoader, JsonLoader
+
+    for name, base in (("json", JsonLoader), ("jsonb", JsonbLoader)):
+
+        class _Lenient(base):  # type: ignore[valid-type,misc]
+            def load(self, data: Any) -> Any:
+                try:
+                    return super().load(data)
+                except RecursionError:
+                    return TOO_DEEP
+
+        conn.adapters.register_loader(name, _Lenient)
+
+
 def read_far_timestamps(conn: psycopg.AsyncConnection[Any]) -> None:
     """Make ``conn`` read out-of-range ``timestamptz`` values as above (text format, which
     the dispatcher's statements use)."""

@@ -794,7 +794,13 @@ class Service:
             # Waited for (the partitions loop or another instance holds it for moments):
             # skipped, the expired partitions' rows would be deleted one by one below.
             done = await partitions.drop_expired_exclusive(
-                conn, older_than_ms=self.settings.retention_ms, wait=True
+                conn,
+                older_than_ms=self.settings.retention_ms,
+                wait=True,
+                on_wait=lambda: log.info(
+                    "retention: waiting for another process to finish with the outbox's"
+                    " partitions (a dispatcher making or dropping them, or `prune`)"
+                ),
             )
         except partitions.PartitionsNotDropped as exc:  # their rows are pruned one by one
             log.warning("retention: %s", exc)

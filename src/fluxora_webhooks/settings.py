@@ -204,9 +204,6 @@ def check_builtin_pairs(env: Mapping[str, str]) -> None:
                 )
 
 
-#: Variables that hold a secret. Each may name a file instead (``DATABASE_URL_FILE``, ...),
-#: as container platforms mount secrets (Docker, Kubernetes): the value is then in no
-#: environment a deployment's manifest or ``docker inspect`` shows.
 # Every WEBHOOK_* and FLUXORA_* variable a command reads (tests/unit/test_settings.py keeps
 # it in step with the source): one set that names none of them is a typo, warned about.
 KNOWN_VARIABLES = frozenset(
@@ -256,6 +253,9 @@ def warn_unknown_variables(env: Mapping[str, str]) -> None:
         log.warning("%s", line)
 
 
+#: Variables that hold a secret. Each may name a file instead (``DATABASE_URL_FILE``, ...),
+#: as container platforms mount secrets (Docker, Kubernetes): the value is then in no
+#: environment a deployment's manifest or ``docker inspect`` shows.
 SECRET_FILE_VARIABLES = (
     "DATABASE_URL",
     "REDIS_URL",

@@ -99,11 +99,10 @@ def check_otlp_endpoints(env: Mapping[str, str]) -> None:
             continue
         try:
             parts = urlsplit(raw)
-            host = parts.hostname
-            _ = parts.port
-        except ValueError:
-            host = None
-        if parts.scheme not in ("http", "https") or not host or any(c.isspace() for c in raw):
+            scheme, host, _ = parts.scheme, parts.hostname, parts.port
+        except ValueError:  # a bracket left open, a port that is none
+            scheme, host = "", None
+        if scheme not in ("http", "https") or not host or any(c.isspace() for c in raw):
             raise ConfigError(
                 name,
                 "must be the collector's http:// or https:// URL, such as http://collector:4318",

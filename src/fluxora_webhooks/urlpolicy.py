@@ -62,6 +62,11 @@ def has_space_or_control(text: str) -> bool:
     return any(ch.isspace() or unicodedata.category(ch) == "Cc" for ch in text)
 
 
+# The bidirectional embeddings, overrides and isolates (U+202A-202E, U+2066-2069): one
+# reverses or reorders the text that follows it where it is shown.
+BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
 def refuse_invisible_format(url: str) -> None:
     """Refuse a URL given to be kept (registered, configured) that holds an invisible
     formatting character (Unicode category Cf: the bidirectional overrides and isolates,

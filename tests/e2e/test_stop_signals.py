@@ -126,3 +126,41 @@ async def test_a_sigterm_during_start_up_stops_it_cleanly(
     assert "serving on" not in log, log
     # A misspelt variable is warned about (its value never shown).
     assert "WEBHOOK_RETENTON is set but is no variable fluxora-webhooks reads (did you mean" in log
+
+
+async def test_api_stops_on_a_signal_while_its_database_does_not_answer(
+    database_url: str, redis_url: str, redis_prefix: str
+) -> None:
+    """`api` checks its database before it serves; one that accepts and never answers held
+    it up to the connect timeout, the stop signal kept and never acted on (exit 1 after
+    11 s). The signal ends the check: exit 0."""
+    hung: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)  # never answered
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    env = dispatcher_env(
+        f"postgresql://u@127.0.0.1:{port}/db", redis_url, "https://hooks.example.com/x",
+        redis_prefix, WEBHOOK_API_PORT="0",
+    )  # fmt: skip
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fluxora_webhooks", "api", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        await wait_until(lambda: _connected(hung), 30, "api connecting to the database")
+        proc.send_signal(signal.SIGINT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 8)
+    finally:
+        server.close()
+        for writer in hung:
+            writer.close()
+    log = out.decode(errors="replace")
+    assert proc.returncode == 0, log
+    assert "stopping on SIGINT" in log and tracebacks(log) == 0, log
+
+
+async def _connected(hung: list[asyncio.StreamWriter]) -> bool:
+    return bool(hung)

@@ -61,6 +61,7 @@ async def _session_names(database_url: str) -> set[str]:
         cur = await conn.execute(
             "SELECT application_name FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND backend_type = 'client backend'"  # not an autovacuum worker
         )
         return {str(name) for (name,) in await cur.fetchall()}
 

@@ -328,13 +328,46 @@ async def test_a_bidirectional_control_in_stored_text_is_shown_not_obeyed(
     accepted = await api.post("/api/v1/events", token="acme", json=body)
     assert accepted.status == 202, accepted.text
     await browser.sign_in("acme")
-    pages = ["/endpoints", "/endpoints/ep_rtl", "/endpoints/ep_rtl/edit"]
+    pages = ["/endpoints", "/endpoints/ep_rtl"]
     pages.append(f"/events/{accepted.body['id']}")
     for path in pages:
         status, html, _ = await browser.get(path)
         assert status == 200, path
         assert "\u202e" not in html, path
         assert "\\u202egpj.exe" in html, path
-    # The form shows the stored description's escape; saved as shown, it passes.
+    # The edit form holds the values as stored: saved with another field changed, the URL
+    # and the description stay as they were (their escapes were saved in their place, a
+    # URL of another path).
     status, html, _ = await browser.get("/endpoints/ep_rtl/edit")
-    assert "old \\u202edescription" in html
+    assert 'value="https://a.example.com/ok/\u202egpj.exe"' in html
+    form = {
+        "url": "https://a.example.com/ok/\u202egpj.exe", "event_types": "*",
+        "description": "old \u202edescription", "headers": "", "rate_limit": "5",
+    }  # fmt: skip
+    status, _, _ = await browser.post("/endpoints/ep_rtl/edit", form)
+    assert status == 303
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        cur = await conn.execute(
+            "SELECT url, description, rate_limit FROM webhook_endpoints WHERE id = 'ep_rtl'"
+        )
+        assert await cur.fetchone() == (
+            "https://a.example.com/ok/\u202egpj.exe",
+            "old \u202edescription",
+            5,
+        )
+
+
+async def test_an_event_too_deep_to_show_says_so(browser: Browser, database_url: str) -> None:
+    """Nested 2,000 levels by a SQL producer: the page was a 500, then 'null'."""
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "INSERT INTO webhook_outbox (stream_id, event_type, payload, tenant)"
+            " VALUES ('s', 'deep', (repeat('[', 2000) || '1' || repeat(']', 2000))::jsonb,"
+            " 'acme') RETURNING id"
+        )
+        row = await cur.fetchone()
+        assert row is not None
+    await browser.sign_in("acme")
+    status, html, _ = await browser.get(f"/events/{row[0]}")
+    assert status == 200
+    assert '<p class="muted" id="payload-omitted">Not shown: nested deeper than 250' in html

@@ -493,16 +493,18 @@ async def test_a_payload_stored_deeper_than_the_api_serializes_is_left_out_not_a
         cur = await conn.execute(
             "INSERT INTO webhook_outbox (stream_id, event_type, payload, tenant)"
             " SELECT 's-' || d, 'deep', (repeat('[', d) || '1' || repeat(']', d))::jsonb, 'acme'"
-            " FROM unnest(ARRAY[250, 300]) d RETURNING id"
+            " FROM unnest(ARRAY[250, 300, 2000]) d RETURNING id"
         )
-        shallow, deep = [r[0] for r in await cur.fetchall()]
+        shallow, deep, deeper = [r[0] for r in await cur.fetchall()]
     for token in ("admin", "acme"):
         listed = await api.get("/api/v1/events", token=token)
         assert listed.status == 200, listed.text
         by_id = {e["id"]: e for e in listed.body["data"]}
-        assert by_id[deep]["payload"] is None
-        assert by_id[deep]["payload_omitted"] == deliveries.PAYLOAD_OMITTED
+        for too_deep in (deep, deeper):  # 2,000: deeper than Python's JSON reader goes
+            assert by_id[too_deep]["payload"] is None
+            assert by_id[too_deep]["payload_omitted"] == deliveries.PAYLOAD_OMITTED
         assert by_id[shallow]["payload_omitted"] is None
         assert json.dumps(by_id[shallow]["payload"]).count("[") == 250
-    one = await api.get(f"/api/v1/events/{deep}")
-    assert one.status == 200 and one.body["payload_omitted"] == deliveries.PAYLOAD_OMITTED
+    for too_deep in (deep, deeper):
+        one = await api.get(f"/api/v1/events/{too_deep}")
+        assert one.status == 200 and one.body["payload_omitted"] == deliveries.PAYLOAD_OMITTED

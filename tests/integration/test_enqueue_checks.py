@@ -561,3 +561,18 @@ async def test_enqueue_on_a_raw_cursor_or_sql_ascii_connection_returns_a_usable_
             (ids,),
         ).fetchall()
     assert sorted(r[0] for r in found) == sorted(ids)
+
+
+def test_a_float_subclass_with_its_own_repr_is_counted_as_json_writes_it(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """numpy's float64 (repr 'np.float64(1e+300)') made the size check raise
+    decimal.InvalidOperation; json.dumps writes any float subclass with float's repr."""
+
+    class Tagged(float):
+        def __repr__(self) -> str:
+            return f"Tagged({float(self)!r})"
+
+    enqueue(conn, **{**EVENT, "payload": [Tagged(1e300), Tagged(1e-5), Tagged(2.5)]})
+    [(_, _, stored)] = rows(conn)
+    assert stored == [10**300, 1e-5, 2.5]  # jsonb wrote the first with no exponent

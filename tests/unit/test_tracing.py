@@ -209,7 +209,15 @@ def test_an_attempts_span_is_in_the_trace_the_api_names(stored: str | None) -> N
 
 
 @pytest.mark.parametrize(
-    "value", ["not a url", "ftp://collector:4318", "http://", "collector:4318", "http://c:99999"]
+    "value",
+    [
+        "not a url",
+        "ftp://collector:4318",
+        "http://",
+        "collector:4318",
+        "http://c:99999",
+        "http://[::1",
+    ],
 )
 def test_a_collector_url_that_is_none_is_refused_at_start_up(value: str) -> None:
     """It was taken, and every export failed later ('Failed to parse: Host ...')."""

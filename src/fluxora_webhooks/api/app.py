@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from .._version import __version__
 from ..logs import Notice
-from ..pgtypes import SESSION_SETTINGS_SQL, read_far_timestamps, session_name
+from ..pgtypes import SESSION_SETTINGS_SQL, read_deep_json, read_far_timestamps, session_name
 from ..settings import API_RATE_LIMIT, Settings
 from . import errors
 from .deps import FAILED_AUTH_PER_S, ApiState, FailureThrottle, known_query
@@ -111,6 +111,7 @@ async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     (pgtypes); the session's DateStyle, isolation and float digits are ours
     (pgtypes.SESSION_SETTINGS)."""
     read_far_timestamps(conn)
+    read_deep_json(conn)
     cur = await conn.execute(f"SELECT current_setting('statement_timeout'), {SESSION_SETTINGS_SQL}")
     row = await cur.fetchone()
     own = str(row[0]) if row else "0"

@@ -42,6 +42,7 @@ def require_api_extra(variable: str = "WEBHOOK_API_PORT") -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import asyncio
+    import contextlib
     import logging
     import signal
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     config = ApiConfig.from_settings(settings, database_url=database_url, redis_url=redis_url)
     port = settings.api_port if settings.api_port is not None else DEFAULT_PORT
 
-    async def main() -> int:
+    async def checks() -> None:
         # A missing or other schema: exit 3, saying what to run.
         await check_database(database_url, session=True, connect_timeout=10)
         if redis_url:  # one that can never work: exit 2 (one that is down: shown, as before)
@@ -72,6 +73,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
             reading = ("HGETALL", breaker_key(CHECK_URL, settings.redis_prefix))
             await check_usable(redis_url, [reading])
+
+    async def main() -> int:
         server = ApiServer(config, settings.api_host, port)
         stop = asyncio.Event()
         forced = asyncio.Event()  # a second signal: requests in flight are cut off
@@ -91,8 +94,19 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             loop.add_signal_handler(sig, on_signal, sig)
         if (early := early_stop()) is not None:
             on_signal(early)
+        # The checks (a database that does not answer: up to its connect timeout) run
+        # while a stop signal is heard: it ends them, as it ends `run`'s wait.
+        checking = asyncio.ensure_future(checks())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({checking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not checking.done():
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await checking
+        stopping.cancel()
         if stop.is_set():
             return 0  # stopped before it served: nothing in flight, no "serving on" line
+        checking.result()  # a check's refusal: its exit code and message
         web = await _serve_metrics(settings) if "WEBHOOK_METRICS_PORT" in env else None
         try:
             await server.start()

@@ -236,13 +236,16 @@ async def edit(request: Request, endpoint_id: str) -> Response:
             rate_limit = _rate_limit(form.get("rate_limit", ""))
             url = form.get("url", "").strip()
             headers = _headers(form.get("headers", ""))
+            description = form.get("description", "").strip()
             changes = endpoints.Changes(
                 # Unchanged, the URL and the headers are not checked again as new ones (a
                 # stored header or address that the rules now refuse keeps working).
                 url=None if url == current["url"] else url,
                 # Emptied, refused (as a PATCH with none is), not widened to every type.
                 event_types=_event_types(form.get("event_types", "")),
-                description=form.get("description", "").strip(),
+                # Unchanged, kept as stored (one stored before bidirectional controls
+                # were refused is not refused for another field's change).
+                description=None if description == current["description"] else description,
                 headers=None if headers == current["headers"] else headers,
                 rate_limit=rate_limit,
                 clear_rate_limit=rate_limit is None,

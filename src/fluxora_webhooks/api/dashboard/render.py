@@ -27,6 +27,7 @@ from markupsafe import Markup
 from ... import tokens
 from ..._version import __version__
 from ...tokens import Principal
+from ...urlpolicy import BIDI_CONTROLS
 from ..deps import api_state
 from ..ratelimit import proven
 
@@ -44,18 +45,27 @@ def new_form_key() -> str:
     return secrets.token_urlsafe(18)
 
 
-# The bidirectional embeddings, overrides and isolates: inside text a page shows (a
-# payload, a response body, an error, a description stored before they were refused),
-# one reverses or reorders what follows it, so that '/gpj.exe' shows as '/exe.jpg'.
-_BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+# Inside text a page shows (a payload, a response body, an error, a description stored
+# before they were refused), a bidirectional control reverses or reorders what follows
+# it, so that '/gpj.exe' shows as '/exe.jpg' (urlpolicy.BIDI_CONTROLS).
+
+
+class _AsTyped(str):
+    """A form field's value: posted back as it is, so printed as it is (escaped for HTML
+    all the same); its escape would be saved in its place, another URL."""
+
+
+def _as_typed(value: Any) -> _AsTyped:
+    return _AsTyped("" if value is None else value)
 
 
 def _shown(value: Any) -> Any:
     """Every value a template prints: a bidirectional control in text is shown as its
     escape (``\\u202e``, which a JSON string reads as the same character), not obeyed.
-    Markup built by the pages themselves is left as it is."""
-    if isinstance(value, str) and not isinstance(value, Markup):
-        return _BIDI_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+    Markup built by the pages themselves, and a form field's value (``as_typed``), are
+    left as they are."""
+    if isinstance(value, str) and not isinstance(value, Markup | _AsTyped):
+        return BIDI_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
     return value
 
 
@@ -93,7 +103,7 @@ def _json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
 
 
-env.filters.update(when=_when, past=_past, ms=_ms, pct=_pct, pretty_json=_json)
+env.filters.update(when=_when, past=_past, ms=_ms, pct=_pct, pretty_json=_json, as_typed=_as_typed)
 env.globals.update(version=__version__)
 
 
