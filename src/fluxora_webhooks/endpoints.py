@@ -826,6 +826,16 @@ async def rotate_secret(
         raise ConfigError("keep_previous", "must be from 0 to 30 days")
     chosen = check_secret(secret) if secret is not None else new_secret()
     keyring = keys or environ_keyring()
+    locked = unopenable(current.secret, endpoint_id, keyring) if keyring.configured else None
+    if locked is not None and keep_previous_ms > 0:
+        # This process cannot open the current secret: the key is lost, or this process
+        # (an operator's shell, one API replica) has another one than the dispatchers. The
+        # latter would drop a secret that still signs and seal the new one with a key the
+        # dispatchers lack; only a rotation that keeps nothing says it is the former.
+        raise ConflictError(
+            f"{locked}: rotate from a process with that key (the dispatchers'), or, when the"
+            " key is lost, keep no previous secret (keep_previous 0): it could not sign"
+        )
     row = await _one(
         conn,
         "endpoint_rotate",
@@ -836,8 +846,7 @@ async def rotate_secret(
             # A lost key's secret replaced at once (docs/security.md): not kept as the
             # previous one, where it would hold the endpoint (it cannot sign) and
             # `secrets encrypt|decrypt` would still find it unreadable.
-            "drop_previous": keyring.configured
-            and unopenable(current.secret, endpoint_id, keyring) is not None,
+            "drop_previous": locked is not None,
             **_scope(tenant),
         },
     )

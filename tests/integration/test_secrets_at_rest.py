@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from fluxora_webhooks import endpoints
+from fluxora_webhooks.errors import ConflictError
 from fluxora_webhooks.secretbox import NO_KEYS, new_key
 from fluxora_webhooks.signing import verify
 from tests.support.api import LOOPBACK
@@ -241,16 +242,16 @@ async def test_a_rotation_by_a_process_without_the_key_keeps_the_old_secret_and_
     assert sealed.startswith(f"fxenc:v1:{keys.current.id}:") and previous == column
 
 
-@pytest.mark.parametrize("keep_ms", [0, 3_600_000], ids=["no-time", "an-hour"])
 async def test_a_lost_keys_secret_rotated_is_gone_and_encrypt_succeeds(
-    database_url: str, receiver: Receiver, keep_ms: int
+    database_url: str, receiver: Receiver
 ) -> None:
-    """The documented way out of a lost key (`rotate-secret`) replaces the secret no key
-    opens: it is not kept as the previous one, whatever time it was asked to keep it (it
-    cannot sign: kept an hour, it held the endpoint that hour), so the endpoint is sent
-    to at once with the new secret alone and `secrets encrypt` finds nothing unreadable
-    (it named that previous secret and exited 1 for good). A secret the keys open is kept
-    as asked."""
+    """The documented way out of a lost key (`rotate-secret --keep-previous 0`) replaces
+    the secret no key opens, so the endpoint is sent to at once with the new secret alone
+    and `secrets encrypt` finds nothing unreadable. A rotation that would keep it is
+    refused, changing nothing: the process rotating more often has another key than the
+    dispatchers (it dropped a secret that still signed, and sealed the new one with a key
+    they lack). A secret the keys open is kept as asked."""
+    keep_ms = 0
     lost, here = keyring(new_key()), keyring(new_key())
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         endpoint, _ = await endpoints.create(
@@ -259,6 +260,10 @@ async def test_a_lost_keys_secret_rotated_is_gone_and_encrypt_succeeds(
         readable, _ = await endpoints.create(
             conn, url=receiver.url, tenant="other", allowed_networks=LOOPBACK, keys=here
         )
+        before = await stored(database_url, endpoint.id)
+        with pytest.raises(ConflictError, match="rotate from a process with that key"):
+            await endpoints.rotate_secret(conn, endpoint.id, keep_previous_ms=3_600_000, keys=here)
+        assert await stored(database_url, endpoint.id) == before
         freed, rotated = await endpoints.rotate_secret(
             conn, endpoint.id, keep_previous_ms=keep_ms, keys=here
         )
