@@ -299,18 +299,29 @@ def test_the_django_recipe_enqueues_in_the_atomic_block(
     assert statuses == [("s-1", "paused"), ("s-2", "active")]
 
 
+def _async_recipe(
+    conn: psycopg.Connection[Any], database_url: str, driver: str, streams: list[str]
+) -> tuple[Any, dict[str, Any]]:
+    """An async engine of SQLAlchemy's ``driver`` dialect and the names examples/README.md's
+    "SQLAlchemy async with <driver>" recipe defines, the streams table holding ``streams``."""
+    if not database_url.startswith("postgresql://"):
+        pytest.skip(f"a URL SQLAlchemy's {driver} dialect takes is needed")
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    conn.execute(STREAMS)
+    conn.execute("INSERT INTO streams (id) SELECT unnest(%s::text[])", (streams,))
+    recipe: dict[str, Any] = {}
+    exec(snippet(f"SQLAlchemy async with {driver}"), recipe)
+    url = database_url.replace("postgresql://", f"postgresql+{driver}://")
+    return create_async_engine(url), recipe
+
+
 async def test_the_sqlalchemy_asyncpg_recipe_enqueues_in_the_session(
     conn: psycopg.Connection[Any], database_url: str
 ) -> None:
-    if not database_url.startswith("postgresql://"):
-        pytest.skip("a URL SQLAlchemy's asyncpg dialect takes is needed")
-    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+    from sqlalchemy.ext.asyncio import AsyncSession
 
-    conn.execute(STREAMS)
-    conn.execute("INSERT INTO streams (id) VALUES ('s-1')")
-    recipe: dict[str, Any] = {}
-    exec(snippet("SQLAlchemy async with asyncpg"), recipe)
-    engine = create_async_engine(database_url.replace("postgresql://", "postgresql+asyncpg://"))
+    engine, recipe = _async_recipe(conn, database_url, "asyncpg", ["s-1"])
     try:
         async with AsyncSession(engine) as session:
             await recipe["pause_stream"](session, "s-1")
@@ -331,16 +342,10 @@ async def test_the_sqlalchemy_async_psycopg_recipe_enqueues_in_the_session(
 ) -> None:
     """The recipe the TypeError's hint points an AsyncSession user to: committed with the
     session's write, nothing when the session's transaction rolls back."""
-    if not database_url.startswith("postgresql://"):
-        pytest.skip("a URL SQLAlchemy's psycopg dialect takes is needed")
     from sqlalchemy import text
-    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+    from sqlalchemy.ext.asyncio import AsyncSession
 
-    conn.execute(STREAMS)
-    conn.execute("INSERT INTO streams (id) VALUES ('s-1'), ('s-2')")
-    recipe: dict[str, Any] = {}
-    exec(snippet("SQLAlchemy async with psycopg"), recipe)
-    engine = create_async_engine(database_url.replace("postgresql://", "postgresql+psycopg://"))
+    engine, recipe = _async_recipe(conn, database_url, "psycopg", ["s-1", "s-2"])
     try:
         async with AsyncSession(engine) as session:
             delivery_id = await recipe["pause_stream"](session, "s-1")

@@ -90,15 +90,21 @@ async def test_an_existing_outbox_is_converted_in_place_with_every_row_kept(
     assert await scalar(database_url, f"SELECT count(*) FROM {partitions.DEFAULT}") == 0
 
 
+async def _partitioned_from_five_days_ago(conn: psycopg.AsyncConnection[Any]) -> dt.datetime:
+    """The outbox converted to daily partitions from the day five days ago (returned)."""
+    cur = await conn.execute("SELECT date_trunc('day', now()) - interval '5 days'")
+    row = await cur.fetchone()
+    assert row is not None
+    day: dt.datetime = row[0]
+    await partitions.convert(conn, interval_ms=DAY, first_partition_at=day)
+    return day
+
+
 async def test_retention_drops_old_processed_partitions_and_keeps_one_with_a_pending_row(
     database_url: str, receiver: Receiver
 ) -> None:
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        cur = await conn.execute("SELECT date_trunc('day', now()) - interval '5 days'")
-        row = await cur.fetchone()
-        assert row is not None
-        five_days_ago: dt.datetime = row[0]
-        await partitions.convert(conn, interval_ms=DAY, first_partition_at=five_days_ago)
+        five_days_ago = await _partitioned_from_five_days_ago(conn)
         for day in range(5):  # the partitions of the last five days (as time would have)
             await partitions.create_partition(conn, five_days_ago + dt.timedelta(days=day), DAY)
         # Processed history on each past day; one row on day -4 is still pending (parked).
@@ -425,11 +431,7 @@ async def test_retention_waits_for_the_partitions_lock_and_drops_the_partition_w
     from fluxora_webhooks.service import Service
 
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        cur = await conn.execute("SELECT date_trunc('day', now()) - interval '5 days'")
-        row = await cur.fetchone()
-        assert row is not None
-        old_day: dt.datetime = row[0]
-        await partitions.convert(conn, interval_ms=DAY, first_partition_at=old_day)
+        old_day = await _partitioned_from_five_days_ago(conn)
         await partitions.create_partition(conn, old_day, DAY)
         await conn.execute(
             "INSERT INTO webhook_outbox (stream_id, event_type, payload, partition_at,"
