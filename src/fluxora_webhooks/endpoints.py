@@ -236,8 +236,7 @@ def locked_values(endpoint: Endpoint, keys: Keyring) -> list[tuple[str, SecretLo
         (endpoint.secret, "its secret"),
         (endpoint.client_key, "its client certificate's private key"),
     ]
-    until = endpoint.previous_until
-    if until is not None and until > datetime.now(UTC):
+    if endpoint.previous_signs_until() is not None:
         needed.append((endpoint.secret_previous, "its previous secret (still signing)"))
     needed += [
         (value, f"the value of its header {name}")
@@ -319,7 +318,16 @@ class Endpoint:
             "updated_at": _iso(self.updated_at),
             "builtin": self.builtin,
             "client_certificate": self.client_certificate(),
+            "previous_secret_until": _iso(self.previous_signs_until()),
         }
+
+    def previous_signs_until(self) -> datetime | None:
+        """Until when the secret before its last rotation still signs (a second
+        ``webhook-signature``), or None: a consumer's deadline to move to the new one."""
+        until = self.previous_until
+        if self.secret_previous and until is not None and until > datetime.now(UTC):
+            return until
+        return None
 
     def client_certificate(self) -> dict[str, Any] | None:
         """Its own client certificate as shown: subject, issuer, expiry, SHA-256

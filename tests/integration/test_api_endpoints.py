@@ -5,6 +5,7 @@ read-only one, the OpenAPI document validated, and one error shape everywhere.""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -54,11 +55,16 @@ async def test_endpoint_lifecycle_and_status_codes(api: Api, receiver: Receiver)
     enabled = await api.post(f"{path}/enable")
     assert enabled.status == 200 and enabled.body["state"] == "enabled"
 
+    assert shown.body["previous_secret_until"] is None
     rotated = await api.post(f"{path}/rotate-secret")
     assert rotated.status == 200 and set(rotated.body) == {"id", "secret"}
     assert rotated.body["secret"] != endpoint["secret"]
+    # Until when the old secret signs: the consumers' deadline (it was shown nowhere).
+    until = datetime.fromisoformat((await api.get(path)).body["previous_secret_until"])
+    assert timedelta(hours=23) < until - datetime.now(UTC) <= timedelta(hours=24)
     given = await api.post(f"{path}/rotate-secret", json={"secret": "x" * 32, "keep_previous": "0"})
     assert given.status == 200 and given.body["secret"] == "x" * 32
+    assert (await api.get(path)).body["previous_secret_until"] is None
 
     recovered = await api.post(f"{path}/recover", json={"since": "2h"})
     assert recovered.status == 200 and recovered.body == {"requeued": 0}

@@ -151,6 +151,11 @@ class Endpoint(BaseModel):
         description="its own TLS client certificate (never its key); null: the deployment's"
         " (WEBHOOK_TLS_CLIENT_CERT), or none"
     )
+    previous_secret_until: Timestamp | None = Field(
+        default=None,
+        description="until when the secret before its last rotation still signs (a second"
+        " webhook-signature): its consumers' deadline to move to the new one; null: none",
+    )
 
 
 class EndpointCreated(Endpoint):
