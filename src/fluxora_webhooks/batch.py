@@ -122,6 +122,12 @@ LEASE_GRACE_MS = 5_000
 # A delivery to an endpoint this process has no configuration for (a built-in endpoint
 # of another configuration) waits this long before it is looked at again.
 UNKNOWN_ENDPOINT_DEFER_MS = 10_000
+# What a delivery whose endpoint's secret no key of this dispatcher opens waits for (its
+# wait_reason; no key id: tenants read it, the dispatcher's log names the key).
+LOCKED_WAIT = (
+    "held: its endpoint's secret is encrypted with a key this dispatcher does not have"
+    " (WEBHOOK_ENCRYPTION_KEY); it is sent when a dispatcher with that key runs"
+)
 GONE = 410
 # A claim loop that keeps claiming full batches resumes each claim after its previous batch
 # (Resume); at least this often it claims from the start of the index again.
@@ -536,8 +542,16 @@ class Batch:
         # A built-in of another configuration, or an endpoint whose encrypted secret no
         # key of this process opens (Targets.locked): it waits for a dispatcher that can.
         if await exists.fetchone() is not None:
+            # Said where the delivery is read (its wait_reason): a dispatcher without the
+            # key showed only "pending" to everyone but its own log.
+            locked = self.d.targets.locked(row.endpoint_id) is not None
             self.completions.append(
-                Completion(row.id, Outcome.DEFERRED, delay_ms=UNKNOWN_ENDPOINT_DEFER_MS)
+                Completion(
+                    row.id,
+                    Outcome.DEFERRED,
+                    delay_ms=UNKNOWN_ENDPOINT_DEFER_MS,
+                    error=LOCKED_WAIT if locked else None,
+                )
             )
             return None
         self.completions.append(

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from fluxora_webhooks import endpoints
+from fluxora_webhooks.batch import LOCKED_WAIT
 from fluxora_webhooks.errors import ConflictError
 from fluxora_webhooks.secretbox import NO_KEYS, new_key
 from fluxora_webhooks.signing import verify
@@ -194,6 +195,16 @@ async def test_a_secret_no_key_opens_holds_its_deliveries_and_names_the_key(
     said = [r.getMessage() for r in caplog.records if locked.id in r.getMessage()]
     assert said and all(right.current.id in text for text in said), said
     assert not any(secret in r.getMessage() for r in caplog.records)
+    # Said where the delivery is read too (it showed 'pending' and nothing more), without
+    # the key id (tenants read it).
+    assert (
+        await scalar(
+            database_url,
+            "SELECT error FROM webhook_outbox WHERE endpoint_id = %s AND NOT processed",
+            (locked.id,),
+        )
+        == LOCKED_WAIT
+    )
     # With the key, the held delivery goes (made due now: it waits its deferral otherwise).
     await due_now(database_url, locked.id)
     async with running_dispatcher(
