@@ -19,6 +19,7 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import os
 import re
 import secrets
@@ -35,8 +36,8 @@ from . import clientcerts
 from .errors import ConfigError, ConflictError, EndpointError, EndpointLimitReached, NotFoundError
 from .outbox import EVENT_TYPE, MAX_EVENT_TYPE, TENANT
 from .queries import query
+from .secretbox import KEY_VARIABLE, Keyring, SecretLocked, is_sealed, sealed_length
 from .secretbox import PREFIX as SEALED_PREFIX
-from .secretbox import Keyring, SecretLocked, is_sealed, sealed_length
 from .settings import environ_keyring, looks_like_duration, parse_duration_ms, retry_rps
 from .urlpolicy import (
     BIDI_CONTROLS,
@@ -46,6 +47,7 @@ from .urlpolicy import (
     validate_url,
 )
 
+log = logging.getLogger(__name__)
 DEFAULT_ID = "default"
 OPERATOR_ID = "operator"
 BUILTIN_IDS = frozenset({DEFAULT_ID, OPERATOR_ID})
@@ -685,7 +687,28 @@ async def create(
                 )
             row = await _one(conn, "endpoint_insert", params)
     assert row is not None
+    if not keyring.configured:
+        await _warn_if_others_sealed(conn, endpoint_id)
     return Endpoint.from_row(row), chosen
+
+
+async def _warn_if_others_sealed(conn: psycopg.AsyncConnection[Any], endpoint_id: str) -> None:
+    """A process without the key adding an endpoint where secrets are stored encrypted
+    (one the key was not given to) stores its secret in plain text: said, as a rotation by
+    such a process says it (it was silent)."""
+    cur = await conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM webhook_endpoints WHERE starts_with(secret, %s))",
+        (SEALED_PREFIX,),
+    )
+    found = await cur.fetchone()
+    if found and found[0]:
+        log.warning(
+            "endpoint %s: other endpoints' secrets are stored encrypted, but %s is not set"
+            " here: its secret is stored in plain text (set the key on this process, then"
+            " run `fluxora-webhooks secrets encrypt`)",
+            endpoint_id,
+            KEY_VARIABLE,
+        )
 
 
 async def get(

@@ -297,3 +297,26 @@ async def test_a_lost_keys_secret_rotated_is_gone_and_encrypt_succeeds(
     verify(hit.body, hit.headers, rotated, scheme="fluxora")
     verify(hit.body, hit.headers, rotated, scheme="standard")
     assert hit.headers["webhook-signature"].count("v1,") == 1  # the new secret's alone
+
+
+async def test_an_endpoint_added_without_the_key_beside_encrypted_ones_is_said(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process the key was not given to stored a new endpoint's secret in plain text,
+    silently (a rotation by one said so); without encrypted secrets anywhere, nothing is
+    said (plain text is the deployment's choice)."""
+    caplog.set_level(logging.WARNING, logger="fluxora_webhooks")
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        plain, _ = await endpoints.create(
+            conn, url="https://a.example.com/1", tenant="t", keys=NO_KEYS
+        )
+        assert not [r for r in caplog.records if plain.id in r.getMessage()]
+        await endpoints.create(
+            conn, url="https://a.example.com/2", tenant="t", keys=keyring(new_key())
+        )
+        added, secret = await endpoints.create(
+            conn, url="https://a.example.com/3", tenant="t", keys=NO_KEYS
+        )
+    said = [r.getMessage() for r in caplog.records if added.id in r.getMessage()]
+    assert len(said) == 1 and "stored in plain text" in said[0], said
+    assert "WEBHOOK_ENCRYPTION_KEY is not set here" in said[0] and secret not in said[0]
