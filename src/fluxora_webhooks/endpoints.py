@@ -43,8 +43,7 @@ from .urlpolicy import (
     BIDI_CONTROLS,
     IPNetwork,
     check_url_address,
-    refuse_invisible_format,
-    validate_url,
+    validate_kept_url,
 )
 
 log = logging.getLogger(__name__)
@@ -440,8 +439,7 @@ def check_url(url: str, *, allowed_networks: Sequence[IPNetwork] = (), name: str
     if len(url) > MAX_URL_LENGTH:
         raise ConfigError(name, f"must be at most {MAX_URL_LENGTH} characters (is {len(url)})")
     try:
-        validate_url(url)
-        refuse_invisible_format(url)
+        validate_kept_url(url)
         check_url_address(url, allowed_networks=allowed_networks, registered=True)
     except EndpointError as exc:
         raise ConfigError(name, str(exc)) from None

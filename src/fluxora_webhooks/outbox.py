@@ -286,18 +286,28 @@ def enqueue(
         return _enqueue_async(target, params)
     # A cursor of its own: the caller's row factory (dict_row, a class) may not index by
     # position, and a failure after the INSERT ran would invite a retry that enqueues twice.
-    # Bound as psycopg binds by default whatever the connection's cursor factory (a raw
-    # cursor takes $1 placeholders, not the statement's named ones).
-    cursor = psycopg.Cursor if issubclass(target.cursor_factory, psycopg.RawCursor) else None
-    with (
-        cursor(target, row_factory=tuple_row) if cursor else target.cursor(row_factory=tuple_row)
-    ) as cur:
+    with _own_cursor(target) as cur:
         try:
             row = cur.execute(query("enqueue"), params).fetchone()
         except _SCHEMA_FAULTS as exc:
             raise _schema_error(exc) from exc
     assert row is not None
     return _id_text(row[0])
+
+
+def _own_cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+    """A cursor of tuples that binds as psycopg does by default, whatever the connection's
+    cursor factory (a raw cursor takes $1 placeholders, not the statement's named ones)."""
+    if issubclass(conn.cursor_factory, psycopg.RawCursor):
+        return psycopg.Cursor(conn, row_factory=tuple_row)
+    return conn.cursor(row_factory=tuple_row)
+
+
+def _own_async_cursor(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[Any]:
+    """:func:`_own_cursor` of an async connection."""
+    if issubclass(conn.cursor_factory, psycopg.AsyncRawCursor):
+        return psycopg.AsyncCursor(conn, row_factory=tuple_row)
+    return conn.cursor(row_factory=tuple_row)
 
 
 def _id_text(value: Any) -> str:
@@ -439,12 +449,7 @@ def _trace_context() -> dict[str, str | None]:
 
 
 async def _enqueue_async(conn: psycopg.AsyncConnection[Any], params: dict[str, Any]) -> str:
-    raw = issubclass(conn.cursor_factory, psycopg.AsyncRawCursor)  # as enqueue's
-    async with (
-        psycopg.AsyncCursor(conn, row_factory=tuple_row)
-        if raw
-        else conn.cursor(row_factory=tuple_row)
-    ) as cur:
+    async with _own_async_cursor(conn) as cur:
         try:
             await cur.execute(query("enqueue"), params)
         except _SCHEMA_FAULTS as exc:

@@ -373,7 +373,7 @@ def _consumer_url(
     required: bool,
 ) -> str:
     """A built-in endpoint's URL: the operator's own, so a loopback URL is allowed."""
-    from .urlpolicy import check_url_address, refuse_invisible_format, validate_url
+    from .urlpolicy import check_url_address, validate_kept_url
 
     raw = env.get(name)
     if raw is None and not required:
@@ -383,8 +383,7 @@ def _consumer_url(
         what = "the consumer's https URL" if name == "WEBHOOK_URL" else "an https URL"
         raise ConfigError(name, f"is required to be {what} when set (unset it to serve without it)")
     try:
-        validate_url(url)
-        refuse_invisible_format(url)
+        validate_kept_url(url)
         check_url_address(url, allowed_networks=allowed)
     except EndpointError as exc:
         raise ConfigError(name, str(exc)) from None

@@ -67,13 +67,15 @@ def has_space_or_control(text: str) -> bool:
 BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
 
 
-def refuse_invisible_format(url: str) -> None:
-    """Refuse a URL given to be kept (registered, configured) that holds an invisible
-    formatting character (Unicode category Cf: the bidirectional overrides and isolates,
-    zero-width spaces and joiners, the byte order mark, the soft hyphen). Shown, such a
-    character changes what the URL appears to be (a right-to-left override shows
-    ``/exe.jpg`` for ``/gpj.exe``), and a host name's IDNA mapping drops some silently. A
-    URL stored before this check is still sent to; only new ones are refused."""
+def validate_kept_url(url: str) -> None:
+    """:func:`validate_url` for a URL given to be kept (registered, configured), which also
+    refuses an invisible formatting character (Unicode category Cf: the bidirectional
+    overrides and isolates, zero-width spaces and joiners, the byte order mark, the soft
+    hyphen). Shown, such a character changes what the URL appears to be (a right-to-left
+    override shows ``/exe.jpg`` for ``/gpj.exe``), and a host name's IDNA mapping drops
+    some silently. A URL stored before this check is still sent to (the dispatcher checks
+    it with :func:`validate_url`); only new ones are refused."""
+    validate_url(url)
     for ch in url:
         if unicodedata.category(ch) == "Cf":
             raise EndpointError(

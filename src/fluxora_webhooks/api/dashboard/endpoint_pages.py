@@ -220,16 +220,16 @@ async def rotate(request: Request, endpoint_id: str) -> HTMLResponse:
     # that showed the new secret) rotates nothing more, or the secret shown then, which
     # consumers may have now, would be dropped and the first one with it.
     form_key = form.get("form_key", "")
+    key = "dashboard:rotate:" + form_key if FORM_KEY.fullmatch(form_key) else None
     try:
         async with api_state(request).connection() as conn, conn.transaction():
             tenant = (await endpoints.get(conn, endpoint_id, tenant=who.tenant)).tenant
-            key = "dashboard:rotate:" + form_key
-            if FORM_KEY.fullmatch(form_key) and await deliveries.answered_before(conn, tenant, key):
+            if key and await deliveries.answered_before(conn, tenant, key):
                 raise _RotatedBefore
             rotated, secret = await endpoints.rotate_secret(
                 conn, endpoint_id, keep_previous_ms=keep_ms, tenant=who.tenant
             )
-            if FORM_KEY.fullmatch(form_key) and not await deliveries.keep_answer(
+            if key and not await deliveries.keep_answer(
                 conn, tenant, key, {"endpoint_id": endpoint_id}
             ):
                 raise _RotatedBefore  # the same form, posted at the same moment, rotated it

@@ -45,11 +45,6 @@ def new_form_key() -> str:
     return secrets.token_urlsafe(18)
 
 
-# Inside text a page shows (a payload, a response body, an error, a description stored
-# before they were refused), a bidirectional control reverses or reorders what follows
-# it, so that '/gpj.exe' shows as '/exe.jpg' (urlpolicy.BIDI_CONTROLS).
-
-
 class _AsTyped(str):
     """A form field's value: posted back as it is, so printed as it is (escaped for HTML
     all the same); its escape would be saved in its place, another URL."""
@@ -60,8 +55,10 @@ def _as_typed(value: Any) -> _AsTyped:
 
 
 def _shown(value: Any) -> Any:
-    """Every value a template prints: a bidirectional control in text is shown as its
-    escape (``\\u202e``, which a JSON string reads as the same character), not obeyed.
+    """Every value a template prints: a bidirectional control in text (a payload, a
+    response body, an error, a description stored before they were refused), which would
+    reorder what follows it ('/gpj.exe' shown as '/exe.jpg'), is shown as its escape
+    (``\\u202e``, which a JSON string reads as the same character), not obeyed.
     Markup built by the pages themselves, and a form field's value (``as_typed``), are
     left as they are."""
     if isinstance(value, str) and not isinstance(value, Markup | _AsTyped):
